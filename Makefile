@@ -1,0 +1,20 @@
+# `make test` and `make demo` do all the set-up themselves on a fresh machine.
+VENV  := .venv
+STAMP := $(VENV)/.inferscale-installed
+
+.PHONY: test demo install clean
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/inferscale demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache

