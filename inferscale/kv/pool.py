@@ -1,0 +1,201 @@
+"""The KV pool: precomputed fact KV on the device (LRU, byte budget) and on disk.
+
+Layout of one entry (a :class:`FactKV`):
+    keys:   ``[num_layers, num_tokens, num_kv_heads, head_dim]`` pre-RoPE keys
+    values: ``[num_layers, num_tokens, num_kv_heads, head_dim]``
+in the served model's dtype. Per layer this is exactly the ``[num_tokens, num_kv_heads,
+head_size]`` that vLLM's ``do_kv_cache_update`` takes.
+
+Keys (:func:`kv_key`) are ``"<owner>/<variant>"``: ``owner`` is the fact id (or
+``_preamble``), ``variant`` a hash of everything the KV depends on (model fingerprint,
+dtype, context window w, template, the fact's text and its context tokens). The disk
+tier stores ``<root>/<owner>/<variant>.safetensors``, so invalidating a fact removes one
+folder. Writes go to a temporary file renamed into place: a crash leaves no partial
+entry. One pool object exists per root folder and process (:meth:`KVPool.shared`), so an
+in-process vLLM worker and the :class:`~inferscale.Memory` that wrote the KV share the
+device tier; another process reads the disk tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}/[0-9a-f]{32}$")
+
+
+@dataclass(frozen=True)
+class FactKV:
+    """Pre-RoPE keys and values of one token span, all layers.
+
+    Attributes:
+        keys: ``[num_layers, num_tokens, num_kv_heads, head_dim]``.
+        values: same shape as ``keys``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes of keys plus values."""
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def to(self, device: torch.device | str) -> "FactKV":
+        return FactKV(self.keys.to(device), self.values.to(device))
+
+
+def kv_key(owner: str, **parts: object) -> str:
+    """Build a pool key ``"<owner>/<variant>"`` from the owner id and what the KV depends on.
+
+    Args:
+        owner: fact id (letters, digits, ``-`` and ``_``) or ``"_preamble"``.
+        **parts: every input the KV depends on (fingerprint, dtype, w, tokens...).
+
+    Raises:
+        ValueError: ``owner`` has characters outside ``[A-Za-z0-9_-]``.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", owner):
+        raise ValueError(f"KV owner id {owner!r} must be 1-128 letters, digits, '-' or '_'")
+    h = hashlib.sha256()
+    for name in sorted(parts):
+        h.update(f"{name}={parts[name]!r};".encode())
+    return f"{owner}/{h.hexdigest()[:32]}"
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a well-formed pool key, else raise ``ValueError``."""
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise ValueError(f"malformed KV key {key!r}: expected '<owner>/<32 hex digits>'")
+    return key
+
+
+class KVPool:
+    """Two-tier store of :class:`FactKV`: device LRU over a disk tier.
+
+    Args:
+        root: disk-tier folder (created when missing).
+        device: where the device tier lives (``cuda`` when present, else ``cpu``).
+        device_budget_bytes: bytes kept in the device tier; least recently used entries
+            are dropped from it (they stay on disk).
+
+    Thread-safe.
+    """
+
+    _registry: dict[Path, "KVPool"] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, root: Path, device: torch.device | str, device_budget_bytes: int) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.device = torch.device(device)
+        self.device_budget_bytes = int(device_budget_bytes)
+        self._hot: OrderedDict[str, FactKV] = OrderedDict()
+        self._hot_bytes = 0
+        self._lock = threading.RLock()
+        self.stats = {"device_hits": 0, "disk_hits": 0, "misses": 0, "writes": 0}
+
+    @classmethod
+    def shared(cls, root: Path, device: torch.device | str, device_budget_bytes: int) -> "KVPool":
+        """The process-wide pool for ``root`` (created on first use)."""
+        key = Path(root).resolve()
+        with cls._registry_lock:
+            pool = cls._registry.get(key)
+            if pool is None:
+                pool = cls(key, device, device_budget_bytes)
+                cls._registry[key] = pool
+            return pool
+
+    def _path(self, key: str) -> Path:
+        owner, variant = validate_key(key).split("/")
+        return self.root / owner / f"{variant}.safetensors"
+
+    def _remember(self, key: str, kv: FactKV) -> None:
+        old = self._hot.pop(key, None)
+        if old is not None:
+            self._hot_bytes -= old.nbytes
+        if kv.nbytes > self.device_budget_bytes:
+            return
+        self._hot[key] = kv
+        self._hot_bytes += kv.nbytes
+        while self._hot_bytes > self.device_budget_bytes:
+            _, old = self._hot.popitem(last=False)
+            self._hot_bytes -= old.nbytes
+
+    def put(self, key: str, kv: FactKV) -> None:
+        """Store ``kv`` under ``key`` on disk (atomically) and in the device tier."""
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file(
+                {"keys": kv.keys.detach().contiguous().cpu(), "values": kv.values.detach().contiguous().cpu()},
+                tmp,
+                metadata={"format": "inferscale-kv-1", "layout": "layers,tokens,kv_heads,head_dim"},
+            )
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        with self._lock:
+            self._remember(key, kv.to(self.device))
+            self.stats["writes"] += 1
+
+    def get(self, key: str) -> FactKV | None:
+        """The entry for ``key`` on the pool's device, or ``None`` when absent or unreadable."""
+        with self._lock:
+            kv = self._hot.get(key)
+            if kv is not None:
+                self._hot.move_to_end(key)
+                self.stats["device_hits"] += 1
+                return kv
+        path = self._path(key)
+        try:
+            tensors = load_file(path, device="cpu")
+            kv = FactKV(tensors["keys"], tensors["values"]).to(self.device)
+        except (FileNotFoundError, SafetensorError, KeyError, OSError):
+            with self._lock:
+                self.stats["misses"] += 1
+            return None
+        with self._lock:
+            self._remember(key, kv)
+            self.stats["disk_hits"] += 1
+        return kv
+
+    def contains(self, key: str) -> bool:
+        """Whether ``key`` is in the device tier or on disk (no load)."""
+        with self._lock:
+            if key in self._hot:
+                return True
+        return self._path(key).exists()
+
+    def invalidate_owner(self, owner: str) -> None:
+        """Drop every entry of ``owner`` (a fact id) from the device tier and disk."""
+        prefix = f"{owner}/"
+        with self._lock:
+            for key in [k for k in self._hot if k.startswith(prefix)]:
+                self._hot_bytes -= self._hot.pop(key).nbytes
+        shutil.rmtree(self.root / owner, ignore_errors=True)
+
+    def footprint(self) -> dict[str, int]:
+        """Bytes held: ``{"device": ..., "disk": ...}``."""
+        with self._lock:
+            device = self._hot_bytes
+        disk = sum(p.stat().st_size for p in self.root.rglob("*.safetensors"))
+        return {"device": device, "disk": disk}

@@ -1,0 +1,128 @@
+"""The prompt scaffold: chat template, system prompt, memory block, question.
+
+The served prompt, in token ids::
+
+    [preamble][fact_1]...[fact_k][suffix]
+     chat template + system prompt + "Memories:" header
+               one "- <fact>\\n" line per fact, best-ranked last (next to the question)
+                                  end of system turn, conversation, question, assistant header
+
+``preamble`` and the fact lines form the *memory block*, which KV injection supplies
+from the pool; vLLM prefills only ``suffix``. Text mode (Mem0-style prompt injection)
+sends the very same token ids and prefills all of them, so the two modes differ only
+in where the memory block's KV comes from.
+
+Each piece is tokenized on its own and the ids are concatenated, so every fact has the
+same tokens in every prompt it appears in (its KV can be reused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+_SENTINEL = "\u27e6INFERSCALE_MEMORY\u27e7"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A span of the prompt supplied as precomputed KV.
+
+    Attributes:
+        owner: fact id, or ``"_preamble"``.
+        start: first token position in the prompt.
+        token_ids: the span's tokens.
+    """
+
+    owner: str
+    start: int
+    token_ids: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """A built prompt and where its memory block sits.
+
+    Attributes:
+        token_ids: the whole prompt.
+        segments: preamble then one segment per fact, contiguous from position 0.
+        memory_end: number of leading tokens covered by ``segments`` (tokens).
+    """
+
+    token_ids: tuple[int, ...]
+    segments: tuple[Segment, ...] = field(default_factory=tuple)
+
+    @property
+    def memory_end(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+
+class PromptBuilder:
+    """Builds :class:`PromptLayout` s for one tokenizer and system prompt.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        system_prompt: text before the memory block.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+
+    memory_header = "\n\nMemories:\n"
+
+    def __init__(self, tokenizer, system_prompt: str) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template; InferScale serves chat models only")
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        before, self._after_template = self._split_template()
+        self.preamble_ids = tuple(self._tok(before))
+
+    def _tok(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def _split_template(self) -> tuple[str, str]:
+        system = self.system_prompt + self.memory_header + _SENTINEL
+        question = "\u27e6Q\u27e7"
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception:  # templates that reject a system turn: put it in the user turn
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": system + "\n\n" + question}], tokenize=False, add_generation_prompt=True
+            )
+        if rendered.count(_SENTINEL) != 1 or rendered.count(question) != 1:
+            raise ValueError("the chat template does not render the memory block exactly once")
+        before, after = rendered.split(_SENTINEL)
+        return before, after
+
+    def fact_line_ids(self, text: str) -> tuple[int, ...]:
+        """Token ids of one memory line, ``"- <text>\\n"``."""
+        return tuple(self._tok(f"- {text}\n"))
+
+    def build(self, question: str, facts: Sequence[tuple[str, str]]) -> PromptLayout:
+        """Lay out a prompt.
+
+        Args:
+            question: the user's new message.
+            facts: ``(fact_id, text)`` pairs, best-ranked last.
+
+        Returns:
+            The :class:`PromptLayout`.
+        """
+        segments = [Segment("_preamble", 0, self.preamble_ids)]
+        ids = list(self.preamble_ids)
+        for fact_id, text in facts:
+            line = self.fact_line_ids(text)
+            segments.append(Segment(fact_id, len(ids), line))
+            ids.extend(line)
+        suffix = self._after_template.replace("\u27e6Q\u27e7", question)
+        ids.extend(self._tok(suffix))
+        return PromptLayout(tuple(ids), tuple(segments))
