@@ -1,0 +1,58 @@
+"""Shared fixtures: the real default model, one fp32 encoder and one in-process vLLM engine.
+
+vLLM's engine is started once per test session (in-process,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``); every test that serves requests shares it and the
+KV pool folder its connector reads.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path
+
+import pytest
+
+from inferscale.models import resolve_llm
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return resolve_llm()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+@pytest.fixture(scope="session")
+def encoder(model_path):
+    from inferscale.kv.encoder import KVEncoder
+
+    return KVEncoder(model_path, "float32")
+
+
+@pytest.fixture(scope="session")
+def serving_dir(tmp_path_factory) -> Path:
+    """The data dir whose ``kv/`` folder the session's engine reads."""
+    return tmp_path_factory.mktemp("serving")
+
+
+@pytest.fixture(scope="session")
+def engine(model_path, serving_dir):
+    from inferscale.serving.engine import Engine
+
+    return Engine(model_path, dtype="float32", kv_dir=serving_dir / "kv", max_model_len=4096, kv_cache_memory_bytes=1 << 30)
+
+
+@pytest.fixture(scope="session")
+def locomo_path() -> Path:
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo10.json"
+    assert path.is_file(), f"LoCoMo data expected at {path} (../shared beside the checkout)"
+    return path
