@@ -37,12 +37,25 @@ def demo(
     data_dir: Optional[Path] = typer.Option(None, help="Memory store (default: <user data dir>/inferscale/demo)."),
 ) -> None:
     """Ingest a LoCoMo conversation, then answer questions with KV injection vs prompt text."""
+    from inferscale.datasets.locomo import LocomoFormatError
     from inferscale.demo import run_demo
+    from inferscale.models import ModelNotFoundError
 
-    run_demo(
-        data=data, sample=sample, questions=questions, k=k, context_window=context_window, dtype=dtype,
-        data_dir=data_dir, console=console,
-    )
+    if dtype not in ("auto", "float32", "bfloat16"):
+        _fail(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    try:
+        run_demo(
+            data=data, sample=sample, questions=questions, k=k, context_window=context_window, dtype=dtype,
+            data_dir=data_dir, console=console,
+        )
+    except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    console.print("Next: benchmarks (TTFT vs k, throughput, quality) are described in README.md#benchmarks.")
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code=2)
 
 
 def summary_table(rows: list[dict], k: int) -> Table:

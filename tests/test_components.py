@@ -1,0 +1,175 @@
+"""Component behaviour: KV pool, vector index, prompt scaffold, LoCoMo loader, config, models."""
+
+import json
+
+import pytest
+import torch
+
+from inferscale.config import MemoryConfig, cache_dir
+from inferscale.datasets.locomo import LocomoFormatError, load_locomo, token_f1
+from inferscale.index import VectorIndex
+from inferscale.kv.pool import FactKV, KVPool, kv_key, validate_key
+from inferscale.models import ModelNotFoundError, model_fingerprint, resolve_llm
+from inferscale.serving.connector import InjectionPlan
+from inferscale.serving.prompt import PromptBuilder
+
+
+def kv(tokens: int, fill: float = 1.0) -> FactKV:
+    return FactKV(torch.full((2, tokens, 3, 4), fill), torch.full((2, tokens, 3, 4), -fill))
+
+
+# ---------------------------------------------------------------- KV pool
+
+def test_pool_round_trips_through_disk_and_device(tmp_path):
+    pool = KVPool(tmp_path, "cpu", device_budget_bytes=1 << 20)
+    key = kv_key("fact1", fp="abc", w=0)
+    pool.put(key, kv(5, 2.0))
+    fresh = KVPool(tmp_path, "cpu", device_budget_bytes=1 << 20)  # a restarted process
+    got = fresh.get(key)
+    assert torch.equal(got.keys, kv(5, 2.0).keys) and torch.equal(got.values, kv(5, 2.0).values)
+    assert fresh.stats["disk_hits"] == 1
+    fresh.get(key)
+    assert fresh.stats["device_hits"] == 1
+    assert not list(tmp_path.rglob(".tmp-*"))  # atomic writes leave no temporaries
+
+
+def test_pool_device_tier_respects_its_budget(tmp_path):
+    one = kv(10).nbytes
+    pool = KVPool(tmp_path, "cpu", device_budget_bytes=2 * one)
+    keys = [kv_key(f"f{i}", n=i) for i in range(4)]
+    for key in keys:
+        pool.put(key, kv(10))
+    assert pool.footprint()["device"] <= 2 * one
+    assert pool.footprint()["disk"] >= 4 * one
+    assert all(pool.contains(k) for k in keys)  # evicted from the device, still on disk
+
+
+def test_pool_invalidates_every_variant_of_a_fact(tmp_path):
+    pool = KVPool(tmp_path, "cpu", 1 << 20)
+    a, b, other = kv_key("f1", w=0), kv_key("f1", w=5), kv_key("f2", w=0)
+    for key in (a, b, other):
+        pool.put(key, kv(3))
+    pool.invalidate_owner("f1")
+    assert not pool.contains(a) and not pool.contains(b) and pool.get(a) is None
+    assert pool.contains(other)
+
+
+@pytest.mark.parametrize("bad", ["../etc/passwd", "f1/../../x", "f1/" + "g" * 32, "f1", "", "a b/" + "0" * 32])
+def test_malformed_kv_keys_are_rejected(bad):
+    with pytest.raises(ValueError, match="malformed"):
+        validate_key(bad)
+
+
+def test_injection_plan_rejects_gaps():
+    good = {"inferscale": {"memory_end": 7, "segments": [[kv_key("_preamble", a=1), 0, 3], [kv_key("f", a=1), 3, 4]]}}
+    assert InjectionPlan.from_params(good).memory_end == 7
+    gap = {"inferscale": {"memory_end": 8, "segments": [[kv_key("_preamble", a=1), 0, 3], [kv_key("f", a=1), 4, 4]]}}
+    with pytest.raises(ValueError, match="continue"):
+        InjectionPlan.from_params(gap)
+    assert InjectionPlan.from_params({"other": 1}) is None
+
+
+# ---------------------------------------------------------------- index
+
+def test_index_top_k_is_exact_and_partitioned():
+    torch.manual_seed(0)
+    index = VectorIndex("cpu")
+    a, b = torch.randn(300, 16), torch.randn(50, 16)
+    index.add("A", [f"a{i}" for i in range(150)], a[:150])
+    index.add("A", [f"a{i}" for i in range(150, 300)], a[150:])  # grows past its capacity
+    index.add("B", [f"b{i}" for i in range(50)], b)
+    q = torch.randn(16)
+    expected = torch.nn.functional.normalize(a, dim=-1) @ torch.nn.functional.normalize(q, dim=0)
+    top = torch.topk(expected, 10)
+    got = index.search("A", q, 10)
+    assert [g[0] for g in got] == [f"a{i}" for i in top.indices.tolist()]
+    assert all(g[0].startswith("b") for g in index.search("B", q, 100))
+    index.remove("A", {got[0][0]})
+    assert got[0][0] not in [g[0] for g in index.search("A", q, 10)]
+    with pytest.raises(ValueError, match="dimension"):
+        index.add("C", ["c"], torch.randn(1, 8))
+
+
+# ---------------------------------------------------------------- prompt
+
+def test_prompt_segments_tile_the_memory_block(tokenizer):
+    builder = PromptBuilder(tokenizer, "Be brief.")
+    layout = builder.build("What is my dog's name?", [("f1", "Alice has a dog named Rex."), ("f2", "Alice lives in Paris.")])
+    assert layout.segments[0].owner == "_preamble" and layout.segments[0].start == 0
+    for prev, nxt in zip(layout.segments, layout.segments[1:]):
+        assert nxt.start == prev.end
+    ids = layout.token_ids
+    for seg in layout.segments:
+        assert ids[seg.start : seg.end] == seg.token_ids
+    text = tokenizer.decode(ids)
+    assert text.index("Rex") < text.index("Paris") < text.index("What is my dog's name?")
+    assert text.rstrip().endswith("assistant")
+
+
+# ---------------------------------------------------------------- LoCoMo
+
+def test_locomo_loader_reads_the_real_file(locomo_path):
+    samples = load_locomo(locomo_path)
+    assert len(samples) == 10
+    assert sum(len(s.turns) for s in samples) == 5882
+    assert sum(len(s.qa) for s in samples) == 1986
+    assert sum(len(s.facts) for s in samples) == 2541
+    first = samples[0]
+    turn_ids = {t.dia_id for t in first.turns}
+    assert all(set(f.dia_ids) <= turn_ids for f in first.facts)
+    assert {q.category for q in first.qa} <= {1, 2, 3, 4, 5}
+
+
+def test_locomo_f1_follows_its_evaluation():
+    assert token_f1("The Paintings!", "painting") == 1.0
+    assert token_f1("7 May 2023", "7 May, 2023") == 1.0
+    assert token_f1("nothing in common", "Paris") == 0.0
+
+
+def test_not_locomo_data_is_rejected(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"sample_id": "x", "conversation": {}}]))
+    with pytest.raises(LocomoFormatError, match="not LoCoMo"):
+        load_locomo(bad)
+    bad.write_text("not json")
+    with pytest.raises(LocomoFormatError, match="not JSON"):
+        load_locomo(bad)
+    with pytest.raises(FileNotFoundError, match="--data"):
+        load_locomo(tmp_path / "missing.json")
+
+
+# ---------------------------------------------------------------- config and models
+
+def test_config_reads_environment_and_rejects_unknown_fields(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFERSCALE_CONTEXT_WINDOW", "7")
+    monkeypatch.setenv("INFERSCALE_DATA_DIR", str(tmp_path))
+    cfg = MemoryConfig()
+    assert cfg.context_window == 7 and cfg.data_dir == tmp_path
+    with pytest.raises(Exception, match="top_kk"):
+        MemoryConfig(top_kk=3)
+    with pytest.raises(Exception, match="context_window"):
+        MemoryConfig(context_window=-1)
+
+
+def test_default_data_dir_is_never_tmp(monkeypatch):
+    monkeypatch.delenv("INFERSCALE_DATA_DIR", raising=False)
+    assert not str(MemoryConfig().data_dir).startswith("/tmp")
+
+
+def test_cache_dir_is_overridable(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFERSCALE_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == tmp_path
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve_llm(str(tmp_path / "no-such-model"))
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        resolve_llm(str(tmp_path))
+
+
+def test_default_model_is_prepared_offline(model_path):
+    cfg = json.loads((model_path / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30
+    assert (model_path / "model.safetensors").exists()
+    assert len(model_fingerprint(model_path)) == 16
