@@ -15,12 +15,9 @@ import hashlib
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, Sequence
-
-import torch
 
 from inferscale.config import MemoryConfig
 from inferscale.embedding import Embedder
@@ -32,103 +29,11 @@ from inferscale.models import model_fingerprint, resolve_llm
 from inferscale.serving.prompt import PromptBuilder, PromptLayout
 from inferscale.store import FactRecord, FactStore, Scope
 from inferscale.turns import Turn, TurnLog
-
-
-class UnknownScopeError(KeyError):
-    """The scope has no memories and no turns."""
-
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
-        return str(self.args[0])
-
-
-@dataclass(frozen=True)
-class FactInput:
-    """A fact to store (see :meth:`Memory.add_facts`).
-
-    Attributes:
-        text: the fact, non-empty.
-        source_turn_ids: turns of the scope's log it was derived from (provenance);
-            Context-Window Encoding counts back from the earliest.
-        metadata: user metadata (JSON-serialisable).
-    """
-
-    text: str
-    source_turn_ids: tuple[str, ...] = ()
-    metadata: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Injection:
-    """What one vLLM request needs to be served with injected memory.
-
-    Attributes:
-        prompt_token_ids: the whole prompt (tokens).
-        kv_transfer_params: pass as ``SamplingParams(extra_args={"kv_transfer_params": ...})``.
-        cache_salt: pass in the prompt dict so the prefix cache keeps injected KV apart.
-        memories: the retrieved facts, best first (Mem0's search result items).
-        memory_tokens: tokens supplied as KV (preamble plus fact lines).
-        retrieval_s: time to embed the query and search (seconds).
-    """
-
-    prompt_token_ids: tuple[int, ...]
-    kv_transfer_params: dict
-    cache_salt: str
-    memories: list[dict]
-    memory_tokens: int
-    retrieval_s: float
-
-    def vllm_prompt(self) -> dict:
-        """The prompt dict for ``LLM.generate`` / ``LLMEngine.add_request``."""
-        return {"prompt_token_ids": list(self.prompt_token_ids), "cache_salt": self.cache_salt}
-
-
-@dataclass(frozen=True)
-class Generation:
-    """An answer with its timings.
-
-    Attributes:
-        text: the answer.
-        mode: ``"inject"`` (memory as KV) or ``"text"`` (memory prefilled as prompt text).
-        ttft_s: time to first token in the engine (seconds).
-        latency_s: engine time to the last token (seconds).
-        retrieval_s: query embedding plus search (seconds).
-        num_prompt_tokens: prompt length (tokens).
-        num_injected_tokens: prompt tokens supplied as KV by the connector.
-        num_prefilled_tokens: prompt tokens vLLM computed.
-        memories: the facts used, best first.
-    """
-
-    text: str
-    mode: str
-    ttft_s: float
-    latency_s: float
-    retrieval_s: float
-    num_prompt_tokens: int
-    num_injected_tokens: int
-    num_prefilled_tokens: int
-    memories: list[dict]
-    first_logprobs: dict[int, float] = field(default_factory=dict)
+from inferscale.types import FactInput, Generation, Injection, UnknownScopeError, require_text
 
 
 def _text_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _check_text(text: Any, what: str = "text") -> str:
-    if not isinstance(text, str):
-        raise TypeError(f"{what} must be a string, got {type(text).__name__}")
-    if not text.strip():
-        raise ValueError(f"{what} is empty: give a non-empty string")
-    return text
-
-
-def _scope(user_id: str | None, agent_id: str | None, run_id: str | None) -> Scope:
-    for name, value in (("user_id", user_id), ("agent_id", agent_id), ("run_id", run_id)):
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-    if not (user_id or agent_id or run_id):
-        raise ValueError("one of user_id, agent_id or run_id is required, e.g. memory.add(..., user_id='alice')")
-    return Scope(user_id, agent_id, run_id)
 
 
 class Memory:
@@ -204,7 +109,7 @@ class Memory:
         Raises:
             ValueError / TypeError: a message is malformed, or an id is reused (nothing is logged).
         """
-        scope = _scope(user_id, agent_id, run_id)
+        scope = Scope.of(user_id, agent_id, run_id)
         turns = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
@@ -213,7 +118,7 @@ class Memory:
                 Turn(
                     str(m["id"]) if m.get("id") is not None else "",
                     str(m.get("role", "user")),
-                    _check_text(m.get("content"), f"message {i} content"),
+                    require_text(m.get("content"), f"message {i} content"),
                     m.get("name"),
                     metadata=dict(m.get("metadata") or {}),
                 )
@@ -260,8 +165,8 @@ class Memory:
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
-            _check_text(m.get("content"), f"message {i} content")
-        _scope(user_id, agent_id, run_id)
+            require_text(m.get("content"), f"message {i} content")
+        Scope.of(user_id, agent_id, run_id)
         with self._write_lock:
             turns = self.log_turns(messages, user_id=user_id, agent_id=agent_id, run_id=run_id)
             facts = [FactInput(t.content, (t.turn_id,), dict(metadata or {})) for t in turns]
@@ -289,12 +194,12 @@ class Memory:
         Raises:
             ValueError / TypeError: empty text, or a source turn id not in the scope's log.
         """
-        scope = _scope(user_id, agent_id, run_id)
+        scope = Scope.of(user_id, agent_id, run_id)
         inputs = [FactInput(f) if isinstance(f, str) else f for f in facts]
         for i, f in enumerate(inputs):
             if not isinstance(f, FactInput):
                 raise TypeError(f"fact {i} must be a FactInput or a string, got {type(f).__name__}")
-            _check_text(f.text, f"fact {i} text")
+            require_text(f.text, f"fact {i} text")
         wanted = sorted({t for f in inputs for t in f.source_turn_ids})
         known = self.turns.get(scope.key, wanted)
         if len(known) != len(wanted):
@@ -339,7 +244,7 @@ class Memory:
         return item
 
     def _search(self, query: str, scope: Scope, limit: int) -> list[tuple[FactRecord, float]]:
-        _check_text(query, "query")
+        require_text(query, "query")
         if not isinstance(limit, int) or limit < 0:
             raise ValueError(f"limit must be a non-negative integer, got {limit!r}")
         if limit == 0 or self.index.size(scope.key) == 0:
@@ -358,14 +263,14 @@ class Memory:
             ``{"results": [{"id", "memory", "score", "metadata", ...}]}``, best first;
             empty for a scope with no facts.
         """
-        scope = _scope(user_id, agent_id, run_id)
+        scope = Scope.of(user_id, agent_id, run_id)
         return {"results": [self._item(r, s) for r, s in self._search(query, scope, limit)]}
 
     def get_all(
         self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None, limit: int = 100
     ) -> dict:
         """Every fact of the scope, oldest first, at most ``limit``: ``{"results": [...]}``."""
-        scope = _scope(user_id, agent_id, run_id)
+        scope = Scope.of(user_id, agent_id, run_id)
         return {"results": [self._item(r) for r in self.store.list(scope)[:limit]]}
 
     # ------------------------------------------------------------------ serving
@@ -397,7 +302,7 @@ class Memory:
             UnknownScopeError: the scope has no memories and no turns.
             ValueError: empty query, negative k or w.
         """
-        scope = _scope(user_id, agent_id, run_id)
+        scope = Scope.of(user_id, agent_id, run_id)
         w = self.config.context_window if context_window is None else context_window
         if not isinstance(w, int) or w < 0:
             raise ValueError(f"context_window must be a non-negative integer, got {w!r}")
@@ -455,7 +360,7 @@ class Memory:
             prompt, params, salt = inj.prompt_token_ids, inj.kv_transfer_params, inj.cache_salt
             memories, retrieval = inj.memories, inj.retrieval_s
         else:
-            layout, hits, retrieval = self._layout(query, _scope(user_id, agent_id, run_id), k)
+            layout, hits, retrieval = self._layout(query, Scope.of(user_id, agent_id, run_id), k)
             prompt, params, salt = layout.token_ids, None, None
             memories = [self._item(r, s) for r, s in hits]
         out = self.engine.generate(

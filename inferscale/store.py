@@ -34,6 +34,20 @@ class Scope:
         """A stable string for the scope, used as partition key everywhere."""
         return json.dumps([self.user_id, self.agent_id, self.run_id])
 
+    @classmethod
+    def of(cls, user_id: str | None, agent_id: str | None, run_id: str | None) -> "Scope":
+        """Validate and build a scope.
+
+        Raises:
+            ValueError: no field is given, or one is not a non-empty string.
+        """
+        for name, value in (("user_id", user_id), ("agent_id", agent_id), ("run_id", run_id)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if not (user_id or agent_id or run_id):
+            raise ValueError("one of user_id, agent_id or run_id is required, e.g. memory.add(..., user_id='alice')")
+        return cls(user_id, agent_id, run_id)
+
     def as_dict(self) -> dict[str, str]:
         return {k: v for k, v in (("user_id", self.user_id), ("agent_id", self.agent_id), ("run_id", self.run_id)) if v}
 
