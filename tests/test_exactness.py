@@ -129,3 +129,17 @@ def test_missing_kv_falls_back_to_prefill(engine, builder, facts, tokenizer):
     out = engine.generate(layout.token_ids, kv_transfer_params=params, cache_salt="absent", max_tokens=1, logprobs=20)
     assert out.num_injected_tokens == 0
     assert max_logprob_diff(full.first_logprobs, out.first_logprobs) < 1e-3
+
+
+def test_teacher_forced_answer_nll_is_the_same_with_injected_kv(encoder, builder, facts, tokenizer):
+    """The reference path gives answer likelihoods for injected prompts (vLLM skips connectors for prompt_logprobs)."""
+    layout = builder.build("When did Caroline go to the LGBTQ support group?", facts[:10])
+    items = [EncodeItem(tuple(layout.token_ids[: s.start]), s.token_ids, OFFSET) for s in layout.segments]
+    segments = [(s.start, kv) for s, kv in zip(layout.segments, encoder.encode(items))]
+    answer = tokenizer.encode("7 May 2023", add_special_tokens=False)
+    ref = ReferenceModel(encoder)
+    full = ref.answer_nll(layout.token_ids, answer)
+    injected = ref.answer_nll(layout.token_ids, answer, segments)
+    wrong = ref.answer_nll(layout.token_ids, tokenizer.encode("purple elephant", add_special_tokens=False), segments)
+    assert abs(full - injected) < 1e-3
+    assert wrong > injected  # the likelihood reads the memory: the right answer is likelier
