@@ -1,7 +1,11 @@
 """InferScale: memory for LLM agents, served to vLLM as precomputed KV cache."""
 
 from inferscale.config import MemoryConfig
-from inferscale.memory import FactInput, Generation, Injection, Memory, UnknownScopeError
+from inferscale.async_memory import AsyncMemory
+from inferscale.memory import Memory
+from inferscale.types import FactInput, Generation, Injection, MemoryNotFoundError, UnknownScopeError
 
-__all__ = ["FactInput", "Generation", "Injection", "Memory", "MemoryConfig", "UnknownScopeError"]
+__all__ = [
+    "AsyncMemory", "FactInput", "Generation", "Injection", "Memory", "MemoryConfig", "MemoryNotFoundError", "UnknownScopeError",
+]
 __version__ = "0.1.0"

@@ -82,8 +82,13 @@ class VectorIndex:
             part.rows = part.rows[keep].clone() if keep else None
             part.ids = [part.ids[i] for i in keep]
 
-    def search(self, scope: str, query: torch.Tensor, k: int) -> list[tuple[str, float]]:
-        """Top ``k`` of ``scope`` for ``query`` ``[dim]``: ``(id, cosine)`` pairs, best first."""
+    def search(
+        self, scope: str, query: torch.Tensor, k: int, allowed: set[str] | None = None
+    ) -> list[tuple[str, float]]:
+        """Top ``k`` of ``scope`` for ``query`` ``[dim]``: ``(id, cosine)`` pairs, best first.
+
+        ``allowed``: when given, only these ids can be returned.
+        """
         with self._lock:
             part = self._parts.get(scope)
             if part is None or part.rows is None or k <= 0:
@@ -91,8 +96,24 @@ class VectorIndex:
             n = len(part.ids)
             q = torch.nn.functional.normalize(query.to(self.device, torch.float32), dim=-1)
             scores = part.rows[:n] @ q
+            if allowed is not None:
+                mask = torch.tensor([i in allowed for i in part.ids], device=self.device)
+                scores = scores.masked_fill(~mask, float("-inf"))
+                n = int(mask.sum())
+            if n == 0:
+                return []
             top = torch.topk(scores, min(k, n))
             return [(part.ids[i], float(s)) for s, i in zip(top.values.tolist(), top.indices.tolist())]
+
+    def drop_scope(self, scope: str) -> None:
+        """Forget every row of ``scope``."""
+        with self._lock:
+            self._parts.pop(scope, None)
+
+    def clear(self) -> None:
+        """Forget every row."""
+        with self._lock:
+            self._parts.clear()
 
     def size(self, scope: str | None = None) -> int:
         """Rows in ``scope``, or in all scopes."""

@@ -1,39 +1,41 @@
-"""``Memory``: the Mem0-style facade (add / search / get_all / inject / generate).
+"""``Memory``: the Mem0-style facade.
 
 Write path (:meth:`Memory.add`, :meth:`Memory.add_facts`): raw turns go to the scope's
 turn log; facts are embedded, written to Chroma (the system of record) first, then to
 the device index, then their KV is encoded at the default context window and put in
-the KV pool. Serve path (:meth:`Memory.inject`, :meth:`Memory.generate`): embed the
-query, exact top-k in the scope's partition, build the prompt, make sure every
-retrieved fact's KV is in the pool, and hand vLLM the token ids plus the
-``kv_transfer_params`` its :class:`~inferscale.serving.connector.InferScaleConnector` reads.
+the KV pool (:class:`inferscale.facts.FactService`). Serve path (:meth:`Memory.inject`,
+:meth:`Memory.generate`): embed the query, exact top-k in the scope's partition, build
+the prompt, make sure every retrieved fact's KV is in the pool, and hand vLLM the token
+ids plus the ``kv_transfer_params`` its connector reads
+(:class:`inferscale.serving.path.ServePath`).
+
+Every call is scoped by ``user_id`` / ``agent_id`` / ``run_id`` (at least one), by-id
+calls included: another scope's memory id is "not found".
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
 import threading
-import time
-import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from inferscale.config import MemoryConfig
 from inferscale.embedding import Embedder
+from inferscale.facts import FactService
+from inferscale.history import HistoryLog
 from inferscale.index import VectorIndex
 from inferscale.kv.encoder import best_device
 from inferscale.kv.manager import KVManager
 from inferscale.kv.pool import KVPool
 from inferscale.models import model_fingerprint, resolve_llm
-from inferscale.serving.prompt import PromptBuilder, PromptLayout
-from inferscale.store import FactRecord, FactStore, Scope
+from inferscale.serving.path import ServePath
+from inferscale.serving.prompt import PromptBuilder
+from inferscale.store import SCHEMA_VERSION, FactRecord, FactStore, Scope, StoreError
 from inferscale.turns import Turn, TurnLog
-from inferscale.types import FactInput, Generation, Injection, UnknownScopeError, require_text
+from inferscale.types import FactInput, Generation, Injection, MemoryNotFoundError, require_text
 
-
-def _text_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+_MANIFEST = "inferscale.json"
 
 
 class Memory:
@@ -48,7 +50,9 @@ class Memory:
 
     Raises:
         inferscale.models.ModelNotFoundError: the LLM or embedder cannot be found.
-        inferscale.store.StoreError: the data dir cannot be used.
+        inferscale.store.StoreError: the data dir cannot be used (unwritable, written by a
+            newer version, or with another embedder).
+        pydantic.ValidationError: an unknown or invalid config field.
 
     Example:
         >>> m = Memory(data_dir="./mem")
@@ -60,10 +64,12 @@ class Memory:
         base = config or MemoryConfig()
         self.config = MemoryConfig(**{**base.model_dump(exclude_unset=True), **overrides}) if overrides else base
         data = self.config.data_dir
-        self.device = best_device()
         self.model_path = resolve_llm(self.config.llm)
+        self._open_data_dir(data)
+        self.device = best_device()
         self.store = FactStore(data / "chroma")
         self.turns = TurnLog(data / "turns.sqlite")
+        self.history_log = HistoryLog(data / "history.sqlite")
         self.embedder = Embedder(self.config.embedder, self.device)
         ids, scopes, emb = self.store.load_all()
         self.index = VectorIndex.from_rows(self.device, ids, scopes, emb)
@@ -74,18 +80,42 @@ class Memory:
         self.kv_dir = data / "kv"
         self.pool = KVPool.shared(self.kv_dir, self.device, self.config.device_kv_budget_bytes)
         self.kv = KVManager(
-            self.model_path,
-            model_fingerprint(self.model_path),
-            self.config.resolved_dtype,
-            self.prompts,
-            self.pool,
-            self.turns,
-            self.config.encode_batch_tokens,
+            self.model_path, model_fingerprint(self.model_path), self.config.resolved_dtype, self.prompts, self.pool,
+            self.turns, self.config.encode_batch_tokens,
         )
+        self.facts = FactService(self.store, self.index, self.embedder, self.kv, self.history_log,
+                                 self.config.context_window, self.config.precompute_kv)
         if engine is not None and Path(engine.kv_dir).resolve() != self.kv_dir.resolve():
             raise ValueError(f"the given engine serves KV from {engine.kv_dir}, not this memory's {self.kv_dir}")
         self._engine = engine
-        self._write_lock = threading.RLock()
+        self._engine_lock = threading.Lock()
+        self.serve = ServePath(self.facts, self.prompts, self.kv, self.turns, lambda: self.engine, self._item)
+
+    def _open_data_dir(self, data: Path) -> None:
+        """Create the data dir and check its manifest (schema version, embedder)."""
+        try:
+            data.mkdir(parents=True, exist_ok=True)
+            probe = data / ".write-test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as exc:
+            raise StoreError(f"cannot use data_dir {data}: {exc}. Choose a writable folder.") from exc
+        path = data / _MANIFEST
+        manifest = {"schema_version": SCHEMA_VERSION, "embedder": self.config.embedder}
+        if path.exists():
+            try:
+                found = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise StoreError(f"{path} is not valid JSON ({exc}); it is InferScale's store manifest") from exc
+            if found.get("schema_version", 0) > SCHEMA_VERSION:
+                raise StoreError(f"the store at {data} has schema version {found['schema_version']}, newer than this "
+                                 f"InferScale's {SCHEMA_VERSION}: upgrade inferscale to open it")
+            if found.get("embedder") != self.config.embedder:
+                raise StoreError(f"the store at {data} was built with embedder {found.get('embedder')!r}, not "
+                                 f"{self.config.embedder!r}: open it with embedder={found.get('embedder')!r} or use "
+                                 "another data_dir")
+        else:
+            path.write_text(json.dumps(manifest, indent=2))
 
     @classmethod
     def from_config(cls, config: dict) -> "Memory":
@@ -94,47 +124,22 @@ class Memory:
 
     # ------------------------------------------------------------------ writes
 
-    def log_turns(
-        self, messages: Sequence[dict], *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None
-    ) -> list[Turn]:
+    def log_turns(self, messages: Sequence[dict], *, user_id: str | None = None, agent_id: str | None = None,
+                  run_id: str | None = None) -> list[Turn]:
         """Append raw turns to the scope's log without storing facts.
 
         Args:
             messages: dicts with ``content`` and optional ``role`` (default ``"user"``),
                 ``name``, ``id`` (turn id, unique in the scope) and ``metadata``.
 
-        Returns:
-            The logged :class:`~inferscale.turns.Turn` s.
-
         Raises:
             ValueError / TypeError: a message is malformed, or an id is reused (nothing is logged).
         """
         scope = Scope.of(user_id, agent_id, run_id)
-        turns = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
-            turns.append(
-                Turn(
-                    str(m["id"]) if m.get("id") is not None else "",
-                    str(m.get("role", "user")),
-                    require_text(m.get("content"), f"message {i} content"),
-                    m.get("name"),
-                    metadata=dict(m.get("metadata") or {}),
-                )
-            )
-        return self.turns.append(scope.key, turns)
+        return self.turns.append(scope.key, [_turn(i, m) for i, m in enumerate(messages)])
 
-    def add(
-        self,
-        messages: str | dict | Sequence[dict],
-        *,
-        user_id: str | None = None,
-        agent_id: str | None = None,
-        run_id: str | None = None,
-        metadata: dict | None = None,
-        infer: bool = False,
-    ) -> dict:
+    def add(self, messages: str | dict | Sequence[dict], *, user_id: str | None = None, agent_id: str | None = None,
+            run_id: str | None = None, metadata: dict | None = None, infer: bool = False) -> dict:
         """Remember ``messages`` (Mem0's ``add``).
 
         The messages are appended to the scope's turn log; with ``infer=False`` each
@@ -142,13 +147,12 @@ class Memory:
 
         Args:
             messages: a string, a message dict (``{"role", "content"}``) or a list of them.
-            user_id / agent_id / run_id: the scope; at least one is required.
-            metadata: attached to every stored fact.
+            metadata: attached to every stored fact (JSON-serialisable).
             infer: LLM fact extraction; not available yet (``infer=False`` stores as given).
 
         Returns:
-            ``{"results": [{"id", "memory", "event"}]}`` with ``event`` ``"ADD"``, or
-            ``"NOOP"`` for a fact already stored in the scope.
+            ``{"results": [{"id", "memory", "event"}]}``, ``event`` ``"ADD"`` or ``"NOOP"``
+            (the same text is already stored in the scope).
 
         Raises:
             ValueError / TypeError: empty or non-string text, no scope (nothing is written).
@@ -160,33 +164,23 @@ class Memory:
             messages = [{"role": "user", "content": messages}]
         elif isinstance(messages, dict):
             messages = [messages]
-        if not isinstance(messages, Sequence) or not messages:
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages is empty: give a string, a message dict or a list of message dicts")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
-            require_text(m.get("content"), f"message {i} content")
-        Scope.of(user_id, agent_id, run_id)
-        with self._write_lock:
-            turns = self.log_turns(messages, user_id=user_id, agent_id=agent_id, run_id=run_id)
-            facts = [FactInput(t.content, (t.turn_id,), dict(metadata or {})) for t in turns]
-            return self.add_facts(facts, user_id=user_id, agent_id=agent_id, run_id=run_id)
+        turns = [_turn(i, m) for i, m in enumerate(messages)]  # validates everything before writing
+        meta = _check_metadata(metadata)
+        scope = Scope.of(user_id, agent_id, run_id)
+        with self.facts.lock:
+            logged = self.turns.append(scope.key, turns)
+            facts = [FactInput(t.content, (t.turn_id,), meta) for t in logged]
+            return {"results": self.facts.add(scope, facts)}
 
-    def add_facts(
-        self,
-        facts: Sequence[FactInput | str],
-        *,
-        user_id: str | None = None,
-        agent_id: str | None = None,
-        run_id: str | None = None,
-        encode_kv: bool = True,
-    ) -> dict:
+    def add_facts(self, facts: Sequence[FactInput | str], *, user_id: str | None = None, agent_id: str | None = None,
+                  run_id: str | None = None, encode_kv: bool = True) -> dict:
         """Store facts with provenance (LoCoMo observations, extracted facts).
 
         Args:
             facts: :class:`FactInput` s (or plain strings, without provenance).
-            encode_kv: encode each fact's KV at the default context window now
-                (otherwise on first use).
+            encode_kv: encode each fact's KV at the default context window now (else on first use).
 
         Returns:
             ``{"results": [{"id", "memory", "event"}]}`` as :meth:`add`.
@@ -200,96 +194,136 @@ class Memory:
             if not isinstance(f, FactInput):
                 raise TypeError(f"fact {i} must be a FactInput or a string, got {type(f).__name__}")
             require_text(f.text, f"fact {i} text")
+            _check_metadata(f.metadata)
         wanted = sorted({t for f in inputs for t in f.source_turn_ids})
         known = self.turns.get(scope.key, wanted)
         if len(known) != len(wanted):
             missing = [t for t in wanted if t not in known]
             raise ValueError(f"source turn ids {missing[:5]} are not in this scope's log: log them with log_turns first")
-        with self._write_lock:
-            existing = self.store.find_hashes(scope, [_text_hash(f.text) for f in inputs])
-            results, records, seen = [], [], dict(existing)
-            now = datetime.now(timezone.utc).isoformat()
-            for f in inputs:
-                h = _text_hash(f.text)
-                if h in seen:
-                    results.append({"id": seen[h], "memory": f.text, "event": "NOOP"})
-                    continue
-                rec = FactRecord(uuid.uuid4().hex, f.text, h, scope, tuple(f.source_turn_ids), dict(f.metadata), now)
-                seen[h] = rec.id
-                records.append(rec)
-                results.append({"id": rec.id, "memory": f.text, "event": "ADD"})
-            if records:
-                emb = self.embedder.encode([r.text for r in records])
-                self.store.add(records, emb.numpy())  # the system of record first
-                self.index.add(scope.key, [r.id for r in records], emb)
-        if records and encode_kv:
-            self.kv.ensure([self.kv.preamble_span(), *self.kv.fact_spans(scope.key, records, self.config.context_window)])
-        return {"results": results}
+        return {"results": self.facts.add(scope, inputs, encode_kv=encode_kv)}
+
+    def update(self, memory_id: str, data: str, *, user_id: str | None = None, agent_id: str | None = None,
+               run_id: str | None = None, metadata: dict | None = None) -> dict:
+        """Replace a memory's text (and metadata, when given); its KV is invalidated everywhere.
+
+        Returns:
+            ``{"message": "Memory updated successfully!", "id", "memory"}``.
+
+        Raises:
+            inferscale.types.MemoryNotFoundError: no such memory in this scope.
+            ValueError: empty text, or the text duplicates another memory of the scope.
+        """
+        rec = self.facts.update(Scope.of(user_id, agent_id, run_id), memory_id, data,
+                                None if metadata is None else _check_metadata(metadata))
+        return {"message": "Memory updated successfully!", "id": rec.id, "memory": rec.text}
+
+    def delete(self, memory_id: str, *, user_id: str | None = None, agent_id: str | None = None,
+               run_id: str | None = None) -> dict:
+        """Delete one memory of the scope (and its KV).
+
+        Raises:
+            inferscale.types.MemoryNotFoundError: no such memory in this scope.
+        """
+        self.facts.delete(Scope.of(user_id, agent_id, run_id), [memory_id])
+        return {"message": "Memory deleted successfully!"}
+
+    def delete_all(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> dict:
+        """Delete every memory of the scope (its turn log stays)."""
+        scope = Scope.of(user_id, agent_id, run_id)
+        with self.facts.lock:
+            deleted = self.facts.delete(scope, [r.id for r in self.store.list(scope)])
+        return {"message": f"{len(deleted)} memories deleted successfully!"}
+
+    def reset(self) -> None:
+        """Delete everything in the data dir's store: every scope's memories, turns, history and KV."""
+        with self.facts.lock:
+            self.store.delete_everything()
+            self.index.clear()
+            self.turns.clear()
+            self.history_log.clear()
+            self.pool.clear()
 
     # ------------------------------------------------------------------ reads
 
     @staticmethod
     def _item(rec: FactRecord, score: float | None = None) -> dict:
         item = {
-            "id": rec.id,
-            "memory": rec.text,
-            "hash": rec.hash,
-            "metadata": rec.metadata,
-            "source_turn_ids": list(rec.source_turn_ids),
-            "created_at": rec.created_at,
-            **rec.scope.as_dict(),
+            "id": rec.id, "memory": rec.text, "hash": rec.hash, "metadata": rec.metadata,
+            "source_turn_ids": list(rec.source_turn_ids), "created_at": rec.created_at,
+            "updated_at": rec.updated_at, **rec.scope.as_dict(),
         }
         if score is not None:
             item["score"] = score
         return item
 
-    def _search(self, query: str, scope: Scope, limit: int) -> list[tuple[FactRecord, float]]:
-        require_text(query, "query")
-        if not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit must be a non-negative integer, got {limit!r}")
-        if limit == 0 or self.index.size(scope.key) == 0:
-            return []
-        hits = self.index.search(scope.key, self.embedder.encode([query])[0], limit)
-        records = {r.id: r for r in self.store.get(scope, [i for i, _ in hits])}
-        return [(records[i], s) for i, s in hits if i in records]
+    def get(self, memory_id: str, *, user_id: str | None = None, agent_id: str | None = None,
+            run_id: str | None = None) -> dict:
+        """One memory of the scope.
 
-    def search(
-        self, query: str, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
-        limit: int = 100,
-    ) -> dict:
-        """Facts of the scope most similar to ``query`` (exact cosine top-k).
+        Raises:
+            inferscale.types.MemoryNotFoundError: no such memory in this scope.
+        """
+        return self._item(self.facts.get(Scope.of(user_id, agent_id, run_id), memory_id))
+
+    def search(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
+               run_id: str | None = None, limit: int = 100, threshold: float | None = None,
+               filters: dict | None = None) -> dict:
+        """Facts of the scope most similar to ``query`` (exact cosine top-``limit``).
+
+        Args:
+            threshold: minimum cosine similarity of a result.
+            filters: metadata filters (:mod:`inferscale.filters`).
 
         Returns:
-            ``{"results": [{"id", "memory", "score", "metadata", ...}]}``, best first;
-            empty for a scope with no facts.
+            ``{"results": [{"id", "memory", "score", "metadata", ...}]}``, best first; empty
+            for a scope with no facts.
+
+        Raises:
+            ValueError: empty query, bad ``limit`` / ``threshold``, unknown filter field.
         """
         scope = Scope.of(user_id, agent_id, run_id)
-        return {"results": [self._item(r, s) for r, s in self._search(query, scope, limit)]}
+        hits = self.facts.search(scope, query, limit, threshold, filters)
+        return {"results": [self._item(r, s) for r, s in hits]}
 
-    def get_all(
-        self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None, limit: int = 100
-    ) -> dict:
-        """Every fact of the scope, oldest first, at most ``limit``: ``{"results": [...]}``."""
+    def get_all(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
+                limit: int = 100, filters: dict | None = None) -> dict:
+        """Every fact of the scope matching ``filters``, oldest first, at most ``limit``."""
         scope = Scope.of(user_id, agent_id, run_id)
-        return {"results": [self._item(r) for r in self.store.list(scope)[:limit]]}
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be a non-negative integer, got {limit!r}")
+        return {"results": [self._item(r) for r in self.facts.list(scope, filters)[:limit]]}
+
+    def history(self, memory_id: str, *, user_id: str | None = None, agent_id: str | None = None,
+                run_id: str | None = None) -> list[dict]:
+        """The ADD / UPDATE / DELETE events of a memory of the scope, oldest first.
+
+        Raises:
+            inferscale.types.MemoryNotFoundError: the scope never held this memory.
+        """
+        scope = Scope.of(user_id, agent_id, run_id)
+        events = self.history_log.events(scope.key, memory_id)
+        if not events:
+            raise MemoryNotFoundError(f"memory {memory_id!r} not found for {scope.as_dict()}")
+        return [e.to_dict() for e in events]
 
     # ------------------------------------------------------------------ serving
 
-    def _layout(self, query: str, scope: Scope, k: int | None) -> tuple[PromptLayout, list[tuple[FactRecord, float]], float]:
-        if self.index.size(scope.key) == 0 and self.turns.count(scope.key) == 0:
-            raise UnknownScopeError(
-                f"no memories for {scope.as_dict()}: add some with Memory.add(..., {next(iter(scope.as_dict()))}=...) first"
-            )
-        t0 = time.perf_counter()
-        hits = self._search(query, scope, self.config.top_k if k is None else k)
-        retrieval = time.perf_counter() - t0
-        ranked = hits[::-1]  # best-ranked last, next to the question
-        return self.prompts.build(query, [(r.id, r.text) for r, _ in ranked]), hits, retrieval
+    @property
+    def engine(self):
+        """The in-process vLLM engine with InferScale's connector (started on first use)."""
+        with self._engine_lock:
+            if self._engine is None:
+                from inferscale.serving.engine import Engine
 
-    def inject(
-        self, query: str, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
-        k: int | None = None, context_window: int | None = None,
-    ) -> Injection:
+                self._engine = Engine(
+                    self.model_path, dtype=self.config.resolved_dtype, kv_dir=self.kv_dir,
+                    max_model_len=self.config.max_model_len, kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
+                    device_budget_bytes=self.config.device_kv_budget_bytes,
+                )
+            return self._engine
+
+    def inject(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
+               run_id: str | None = None, k: int | None = None, context_window: int | None = None) -> Injection:
         """Retrieve the scope's top-``k`` facts and prepare one vLLM request that injects their KV.
 
         Encodes (and stores) any missing KV first, so the request never falls back.
@@ -303,45 +337,13 @@ class Memory:
             ValueError: empty query, negative k or w.
         """
         scope = Scope.of(user_id, agent_id, run_id)
-        w = self.config.context_window if context_window is None else context_window
-        if not isinstance(w, int) or w < 0:
-            raise ValueError(f"context_window must be a non-negative integer, got {w!r}")
-        layout, hits, retrieval = self._layout(query, scope, k)
-        ranked = [r for r, _ in hits[::-1]]
-        spans = [self.kv.preamble_span(), *self.kv.fact_spans(scope.key, ranked, w)]
-        self.kv.ensure(spans)
-        segments = [[s.key, seg.start, len(seg.token_ids)] for s, seg in zip(spans, layout.segments)]
-        salt = hashlib.sha256("|".join(s.key for s in spans).encode()).hexdigest()[:32]
-        return Injection(
-            prompt_token_ids=layout.token_ids,
-            kv_transfer_params={"inferscale": {"memory_end": layout.memory_end, "segments": segments}},
-            cache_salt=salt,
-            memories=[self._item(r, s) for r, s in hits],
-            memory_tokens=layout.memory_end,
-            retrieval_s=retrieval,
-        )
+        return self.serve.inject(scope, query, self.config.top_k if k is None else k,
+                                 self.config.context_window if context_window is None else context_window)
 
-    @property
-    def engine(self):
-        """The in-process vLLM engine with InferScale's connector (started on first use)."""
-        if self._engine is None:
-            from inferscale.serving.engine import Engine
-
-            self._engine = Engine(
-                self.model_path,
-                dtype=self.config.resolved_dtype,
-                kv_dir=self.kv_dir,
-                max_model_len=self.config.max_model_len,
-                kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
-                device_budget_bytes=self.config.device_kv_budget_bytes,
-            )
-        return self._engine
-
-    def generate(
-        self, query: str, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
-        k: int | None = None, context_window: int | None = None, mode: Literal["inject", "text"] = "inject",
-        max_tokens: int = 64, temperature: float = 0.0, logprobs: int | None = None,
-    ) -> Generation:
+    def generate(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
+                 run_id: str | None = None, k: int | None = None, context_window: int | None = None,
+                 mode: Literal["inject", "text"] = "inject", max_tokens: int = 64, temperature: float = 0.0,
+                 logprobs: int | None = None) -> Generation:
         """Answer ``query`` with the scope's memory.
 
         Args:
@@ -353,33 +355,30 @@ class Memory:
         Raises:
             UnknownScopeError, ValueError: as :meth:`inject`; ``ValueError`` for an unknown mode.
         """
-        if mode not in ("inject", "text"):
-            raise ValueError(f"mode must be 'inject' or 'text', got {mode!r}")
-        if mode == "inject":
-            inj = self.inject(query, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k, context_window=context_window)
-            prompt, params, salt = inj.prompt_token_ids, inj.kv_transfer_params, inj.cache_salt
-            memories, retrieval = inj.memories, inj.retrieval_s
-        else:
-            layout, hits, retrieval = self._layout(query, Scope.of(user_id, agent_id, run_id), k)
-            prompt, params, salt = layout.token_ids, None, None
-            memories = [self._item(r, s) for r, s in hits]
-        out = self.engine.generate(
-            prompt,
-            kv_transfer_params=params,
-            cache_salt=salt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            logprobs=logprobs,
+        scope = Scope.of(user_id, agent_id, run_id)
+        return self.serve.generate(
+            scope, query, k=self.config.top_k if k is None else k,
+            w=self.config.context_window if context_window is None else context_window, mode=mode,
+            max_tokens=max_tokens, temperature=temperature, logprobs=logprobs,
         )
-        return Generation(
-            text=out.text.strip(),
-            mode=mode,
-            ttft_s=out.ttft_s,
-            latency_s=out.latency_s,
-            retrieval_s=retrieval,
-            num_prompt_tokens=out.num_prompt_tokens,
-            num_injected_tokens=out.num_injected_tokens,
-            num_prefilled_tokens=out.num_prompt_tokens - out.num_cached_tokens,
-            memories=memories,
-            first_logprobs=out.first_logprobs,
-        )
+
+
+def _turn(i: int, m: Any) -> Turn:
+    if not isinstance(m, dict):
+        raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
+    content = require_text(m.get("content"), f"message {i} content")
+    turn_id = m.get("id")
+    return Turn(str(turn_id) if turn_id is not None else "", str(m.get("role", "user")), content, m.get("name"),
+                metadata=_check_metadata(m.get("metadata")))
+
+
+def _check_metadata(metadata: Any) -> dict:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+    try:
+        json.dumps(metadata)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metadata must be JSON-serialisable: {exc}") from exc
+    return dict(metadata)

@@ -63,7 +63,8 @@ class FactRecord:
         scope: owner scope.
         source_turn_ids: ids of the turns the fact came from.
         metadata: user metadata.
-        created_at: ISO 8601 UTC timestamp.
+        created_at: ISO 8601 UTC timestamp of the ADD.
+        updated_at: ISO 8601 UTC timestamp of the last change.
     """
 
     id: str
@@ -73,6 +74,11 @@ class FactRecord:
     source_turn_ids: tuple[str, ...] = ()
     metadata: dict = field(default_factory=dict)
     created_at: str = ""
+    updated_at: str = ""
+
+    def filter_fields(self) -> dict:
+        """What metadata filters see: the user metadata plus ``created_at`` / ``updated_at``."""
+        return {**self.metadata, "created_at": self.created_at, "updated_at": self.updated_at}
 
     def to_chroma_metadata(self) -> dict:
         meta = {
@@ -81,6 +87,7 @@ class FactRecord:
             "source_turn_ids": json.dumps(list(self.source_turn_ids)),
             "metadata": json.dumps(self.metadata),
             "created_at": self.created_at,
+            "updated_at": self.updated_at,
         }
         meta.update(self.scope.as_dict())
         return meta
@@ -95,6 +102,7 @@ class FactRecord:
             source_turn_ids=tuple(json.loads(meta.get("source_turn_ids", "[]"))),
             metadata=json.loads(meta.get("metadata", "{}")),
             created_at=meta.get("created_at", ""),
+            updated_at=meta.get("updated_at", meta.get("created_at", "")),
         )
 
 
@@ -144,6 +152,29 @@ class FactStore:
                 documents=[r.text for r in records],
                 metadatas=[r.to_chroma_metadata() for r in records],
             )
+
+    def update(self, record: FactRecord, embedding: np.ndarray) -> None:
+        """Replace a stored record's text, metadata and embedding (``[1, dim]``)."""
+        with self._lock:
+            self._col.update(
+                ids=[record.id],
+                embeddings=embedding.astype(np.float32),
+                documents=[record.text],
+                metadatas=[record.to_chroma_metadata()],
+            )
+
+    def delete(self, ids: list[str]) -> None:
+        """Delete records by id."""
+        if ids:
+            with self._lock:
+                self._col.delete(ids=ids)
+
+    def delete_everything(self) -> None:
+        """Delete every record (``Memory.reset``)."""
+        with self._lock:
+            ids = self._col.get(include=[])["ids"]
+            for start in range(0, len(ids), 5000):
+                self._col.delete(ids=ids[start : start + 5000])
 
     def find_hashes(self, scope: Scope, hashes: Iterable[str]) -> dict[str, str]:
         """Map each of ``hashes`` already stored in ``scope`` to its fact id."""

@@ -124,6 +124,11 @@ class TurnLog:
         )
         return rows[::-1]
 
+    def clear(self) -> None:
+        """Delete every turn of every scope."""
+        with self._write_lock:
+            self._conn().execute("DELETE FROM turns")
+
     def count(self, scope: str) -> int:
         (n,) = self._conn().execute("SELECT COUNT(*) FROM turns WHERE scope = ?", (scope,)).fetchone()
         return int(n)

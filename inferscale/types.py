@@ -13,6 +13,13 @@ class UnknownScopeError(KeyError):
         return str(self.args[0])
 
 
+class MemoryNotFoundError(KeyError):
+    """No memory with this id in this scope (a memory of another scope is "not found" too)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 @dataclass(frozen=True)
 class FactInput:
     """A fact to store (see :meth:`Memory.add_facts`).

@@ -10,9 +10,9 @@ import textwrap
 import pytest
 from vllm import SamplingParams
 
+from inferscale import FactInput, Memory, UnknownScopeError
 from inferscale.datasets.locomo import load_locomo
 from inferscale.demo import ingest
-from inferscale.memory import FactInput, Memory, UnknownScopeError
 
 USER = "locomo-conv-26-s12"
 

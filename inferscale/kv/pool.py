@@ -193,6 +193,15 @@ class KVPool:
                 self._hot_bytes -= self._hot.pop(key).nbytes
         shutil.rmtree(self.root / owner, ignore_errors=True)
 
+    def clear(self) -> None:
+        """Drop every entry from the device tier and disk."""
+        with self._lock:
+            self._hot.clear()
+            self._hot_bytes = 0
+        for child in self.root.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+
     def footprint(self) -> dict[str, int]:
         """Bytes held: ``{"device": ..., "disk": ...}``."""
         with self._lock:

@@ -1,0 +1,182 @@
+"""The fact lifecycle: add, update, delete, keeping Chroma, the index, the KV pool and
+the history consistent.
+
+Order of every write: Chroma (the system of record) first, then the device index, then
+the KV pool, then the history. KV keys hash the fact's tokens, so a fact whose text
+changed can never be served its old KV even if a crash skipped the invalidation.
+Writes are serialised by one lock per process; reads run concurrently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import uuid
+from dataclasses import replace
+from datetime import datetime, timezone
+from typing import Sequence
+
+from inferscale.embedding import Embedder
+from inferscale.filters import matches, validate_filters
+from inferscale.history import HistoryLog
+from inferscale.index import VectorIndex
+from inferscale.kv.manager import KVManager
+from inferscale.store import FactRecord, FactStore, Scope
+from inferscale.types import FactInput, MemoryNotFoundError, require_text
+
+
+def text_hash(text: str) -> str:
+    """sha256 of the fact text (hex); the same text in one scope is stored once."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+class FactService:
+    """Owns every change to stored facts.
+
+    Args:
+        store, index, embedder, kv, history: the components kept consistent.
+        default_w: context window (turns) KV is encoded at on write.
+        precompute_kv: encode KV on write (else on first injection).
+    """
+
+    def __init__(
+        self, store: FactStore, index: VectorIndex, embedder: Embedder, kv: KVManager, history: HistoryLog,
+        default_w: int, precompute_kv: bool = True,
+    ) -> None:
+        self.store, self.index, self.embedder, self.kv, self.history = store, index, embedder, kv, history
+        self.default_w = default_w
+        self.precompute_kv = precompute_kv
+        self.lock = threading.RLock()
+
+    # ------------------------------------------------------------------ writes
+
+    def add(self, scope: Scope, inputs: Sequence[FactInput], *, encode_kv: bool = True) -> list[dict]:
+        """Store new facts; duplicates of stored or earlier texts are ``NOOP`` events.
+
+        Returns:
+            ``[{"id", "memory", "event"}]`` in input order.
+        """
+        with self.lock:
+            existing = self.store.find_hashes(scope, [text_hash(f.text) for f in inputs])
+            results, records, seen = [], [], dict(existing)
+            now = _now()
+            for f in inputs:
+                h = text_hash(f.text)
+                if h in seen:
+                    results.append({"id": seen[h], "memory": f.text, "event": "NOOP"})
+                    continue
+                rec = FactRecord(uuid.uuid4().hex, f.text, h, scope, tuple(f.source_turn_ids), dict(f.metadata), now, now)
+                seen[h] = rec.id
+                records.append(rec)
+                results.append({"id": rec.id, "memory": f.text, "event": "ADD"})
+            if records:
+                emb = self.embedder.encode([r.text for r in records])
+                self.store.add(records, emb.numpy())
+                self.index.add(scope.key, [r.id for r in records], emb)
+                self.history.record(scope.key, [(r.id, "ADD", None, r.text) for r in records])
+        if records and encode_kv and self.precompute_kv:
+            self.encode(scope, records)
+        return results
+
+    def encode(self, scope: Scope, records: Sequence[FactRecord]) -> None:
+        """Encode the records' KV at the default context window (skips what the pool has)."""
+        self.kv.ensure([self.kv.preamble_span(), *self.kv.fact_spans(scope.key, records, self.default_w)])
+
+    def update(self, scope: Scope, memory_id: str, text: str, metadata: dict | None = None) -> FactRecord:
+        """Replace a memory's text (and metadata when given); invalidates its KV everywhere.
+
+        Raises:
+            MemoryNotFoundError: no such memory in ``scope``.
+            ValueError: empty text, or another memory of the scope already holds this text.
+        """
+        require_text(text, "data")
+        with self.lock:
+            old = self.get(scope, memory_id)
+            h = text_hash(text)
+            other = self.store.find_hashes(scope, [h]).get(h)
+            if other is not None and other != memory_id:
+                raise ValueError(f"memory {other} of this scope already holds this text: update or delete that one")
+            new = replace(old, text=text, hash=h, metadata=dict(old.metadata if metadata is None else metadata),
+                          updated_at=_now())
+            emb = self.embedder.encode([text])
+            self.store.update(new, emb.numpy())
+            self.index.remove(scope.key, {memory_id})
+            self.index.add(scope.key, [memory_id], emb)
+            self.kv.pool.invalidate_owner(memory_id)
+            self.history.record(scope.key, [(memory_id, "UPDATE", old.text, text)])
+        if self.precompute_kv:
+            self.encode(scope, [new])
+        return new
+
+    def delete(self, scope: Scope, memory_ids: Sequence[str]) -> list[FactRecord]:
+        """Delete memories of ``scope``; returns the deleted records.
+
+        Raises:
+            MemoryNotFoundError: one of the ids is not a memory of ``scope`` (nothing is deleted).
+        """
+        with self.lock:
+            records = [self.get(scope, i) for i in memory_ids]
+            if not records:
+                return []
+            self.store.delete([r.id for r in records])
+            self.index.remove(scope.key, {r.id for r in records})
+            for r in records:
+                self.kv.pool.invalidate_owner(r.id)
+            self.history.record(scope.key, [(r.id, "DELETE", r.text, None) for r in records])
+        return records
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, scope: Scope, memory_id: str) -> FactRecord:
+        """The memory ``memory_id`` of ``scope``.
+
+        Raises:
+            MemoryNotFoundError: absent, or owned by another scope (the two are not told apart).
+        """
+        if not isinstance(memory_id, str) or not memory_id:
+            raise MemoryNotFoundError(f"memory id must be a non-empty string, got {memory_id!r}")
+        found = self.store.get(scope, [memory_id])
+        if not found:
+            raise MemoryNotFoundError(f"memory {memory_id!r} not found for {scope.as_dict()}")
+        return found[0]
+
+    def list(self, scope: Scope, filters: dict | None = None) -> list[FactRecord]:
+        """The scope's memories matching ``filters``, oldest first."""
+        records = self.store.list(scope)
+        if filters:
+            validate_filters(filters, {k for r in records for k in r.metadata})
+            records = [r for r in records if matches(filters, r.filter_fields())]
+        return records
+
+    def search(
+        self, scope: Scope, query: str, limit: int, threshold: float | None = None, filters: dict | None = None
+    ) -> list[tuple[FactRecord, float]]:
+        """Exact cosine top-``limit`` of ``scope`` for ``query``, best first.
+
+        Args:
+            threshold: drop results scoring below it (cosine, -1..1).
+            filters: metadata filters (:mod:`inferscale.filters`); the search runs over the
+                matching memories only, so ``limit`` results come back when that many match.
+
+        Raises:
+            ValueError: empty query, bad limit / threshold / filters.
+        """
+        require_text(query, "query")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be a non-negative integer, got {limit!r}")
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+            raise ValueError(f"threshold must be a number (cosine similarity), got {threshold!r}")
+        allowed = None
+        if filters:
+            allowed = {r.id for r in self.list(scope, filters)}
+        if limit == 0 or self.index.size(scope.key) == 0 or allowed == set():
+            return []
+        hits = self.index.search(scope.key, self.embedder.encode([query])[0], limit, allowed=allowed)
+        if threshold is not None:
+            hits = [(i, s) for i, s in hits if s >= threshold]
+        records = {r.id: r for r in self.store.get(scope, [i for i, _ in hits])}
+        return [(records[i], s) for i, s in hits if i in records]

@@ -1,0 +1,98 @@
+"""The serve path: retrieval, prompt layout, KV readiness, and the vLLM request.
+
+Used by :class:`inferscale.Memory` (``inject`` / ``generate``); kept apart so the
+facade stays small and the engine is only imported when something is served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Callable
+
+from inferscale.facts import FactService
+from inferscale.kv.manager import KVManager
+from inferscale.serving.prompt import PromptBuilder, PromptLayout
+from inferscale.store import FactRecord, Scope
+from inferscale.turns import TurnLog
+from inferscale.types import Generation, Injection, UnknownScopeError
+
+ItemFn = Callable[[FactRecord, float | None], dict]
+
+
+def _check_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+class ServePath:
+    """Builds and runs requests for one Memory.
+
+    Args:
+        facts: retrieval.
+        prompts: the prompt scaffold.
+        kv: KV naming and encoding.
+        turns: the conversation log (a scope with turns but no facts is known).
+        engine: returns the vLLM engine (started lazily by the caller).
+        item: turns a record and score into a Mem0 result item.
+    """
+
+    def __init__(self, facts: FactService, prompts: PromptBuilder, kv: KVManager, turns: TurnLog,
+                 engine: Callable[[], object], item: ItemFn) -> None:
+        self.facts, self.prompts, self.kv, self.turns, self._engine, self._item = facts, prompts, kv, turns, engine, item
+
+    def layout(self, scope: Scope, query: str, k: int) -> tuple[PromptLayout, list[tuple[FactRecord, float]], float]:
+        """Retrieve the top ``k`` facts and lay out the prompt (best-ranked last)."""
+        _check_count("k", k)
+        if self.facts.index.size(scope.key) == 0 and self.turns.count(scope.key) == 0:
+            field = next(iter(scope.as_dict()))
+            raise UnknownScopeError(
+                f"no memories for {scope.as_dict()}: add some with Memory.add(..., {field}=...) first"
+            )
+        t0 = time.perf_counter()
+        hits = self.facts.search(scope, query, k)
+        retrieval = time.perf_counter() - t0
+        return self.prompts.build(query, [(r.id, r.text) for r, _ in hits[::-1]]), hits, retrieval
+
+    def inject(self, scope: Scope, query: str, k: int, w: int) -> Injection:
+        """See :meth:`inferscale.Memory.inject`."""
+        _check_count("context_window", w)
+        layout, hits, retrieval = self.layout(scope, query, k)
+        spans = [self.kv.preamble_span(), *self.kv.fact_spans(scope.key, [r for r, _ in hits[::-1]], w)]
+        self.kv.ensure(spans)
+        segments = [[s.key, seg.start, len(seg.token_ids)] for s, seg in zip(spans, layout.segments)]
+        return Injection(
+            prompt_token_ids=layout.token_ids,
+            kv_transfer_params={"inferscale": {"memory_end": layout.memory_end, "segments": segments}},
+            cache_salt=hashlib.sha256("|".join(s.key for s in spans).encode()).hexdigest()[:32],
+            memories=[self._item(r, s) for r, s in hits],
+            memory_tokens=layout.memory_end,
+            retrieval_s=retrieval,
+        )
+
+    def generate(self, scope: Scope, query: str, *, k: int, w: int, mode: str, max_tokens: int,
+                 temperature: float, logprobs: int | None) -> Generation:
+        """See :meth:`inferscale.Memory.generate`."""
+        if mode not in ("inject", "text"):
+            raise ValueError(f"mode must be 'inject' or 'text', got {mode!r}")
+        _check_count("max_tokens", max_tokens)
+        if mode == "inject":
+            inj = self.inject(scope, query, k, w)
+            prompt, params, salt, memories, retrieval = (
+                inj.prompt_token_ids, inj.kv_transfer_params, inj.cache_salt, inj.memories, inj.retrieval_s
+            )
+        else:
+            layout, hits, retrieval = self.layout(scope, query, k)
+            prompt, params, salt = layout.token_ids, None, None
+            memories = [self._item(r, s) for r, s in hits]
+        out = self._engine().generate(
+            prompt, kv_transfer_params=params, cache_salt=salt, max_tokens=max_tokens, temperature=temperature,
+            logprobs=logprobs,
+        )
+        return Generation(
+            text=out.text.strip(), mode=mode, ttft_s=out.ttft_s, latency_s=out.latency_s, retrieval_s=retrieval,
+            num_prompt_tokens=out.num_prompt_tokens, num_injected_tokens=out.num_injected_tokens,
+            num_prefilled_tokens=out.num_prompt_tokens - out.num_cached_tokens, memories=memories,
+            first_logprobs=out.first_logprobs,
+        )
