@@ -1,7 +1,7 @@
 """InferScale: memory for LLM agents, served to vLLM as precomputed KV cache."""
 
-from inferscale.config import MemoryConfig
 from inferscale.async_memory import AsyncMemory
+from inferscale.config import MemoryConfig
 from inferscale.memory import Memory
 from inferscale.types import FactInput, Generation, Injection, MemoryNotFoundError, UnknownScopeError
 

@@ -13,6 +13,8 @@ from rich.table import Table
 app = typer.Typer(add_completion=False, help="InferScale: LLM memory served as precomputed KV in vLLM.")
 models_app = typer.Typer(help="Default model preparation.")
 app.add_typer(models_app, name="models")
+bench_app = typer.Typer(help="Benchmarks; each writes JSON and Markdown to a results folder.")
+app.add_typer(bench_app, name="bench")
 console = Console()
 
 
@@ -40,6 +42,7 @@ def demo(
     from inferscale.datasets.locomo import LocomoFormatError
     from inferscale.demo import run_demo
     from inferscale.models import ModelNotFoundError
+    from inferscale.store import StoreError
 
     if dtype not in ("auto", "float32", "bfloat16"):
         _fail(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
@@ -48,7 +51,7 @@ def demo(
             data=data, sample=sample, questions=questions, k=k, context_window=context_window, dtype=dtype,
             data_dir=data_dir, console=console,
         )
-    except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, StoreError, ValueError) as exc:
         _fail(str(exc))
     console.print("Next: benchmarks (TTFT vs k, throughput, quality) are described in README.md#benchmarks.")
 
@@ -56,6 +59,22 @@ def demo(
 def _fail(message: str) -> None:
     console.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(code=2)
+
+
+@bench_app.command("memory-ops")
+def bench_memory_ops(
+    data: Optional[Path] = typer.Option(None, help="locomo10.json (default: ../shared/data/locomo)."),
+    out: Path = typer.Option(Path("results/memory-ops"), help="Results folder."),
+    stored: int = typer.Option(2500, min=1, help="Facts stored before timing."),
+    timed_adds: int = typer.Option(20, min=1, help="Timed single-fact adds per w."),
+    searches: int = typer.Option(100, min=1, help="Timed searches."),
+) -> None:
+    """Per-call time of add (KV encoding at w=0 and w=20) and search at ~2,500 LoCoMo facts."""
+    from inferscale.bench.memory_ops import run
+    from inferscale.datasets.locomo import default_locomo_path
+
+    run(data or default_locomo_path(), out, stored=stored, timed_adds=timed_adds, searches=searches)
+    console.print((out / "memory_ops.md").read_text())
 
 
 def summary_table(rows: list[dict], k: int) -> Table:

@@ -64,6 +64,8 @@ class MemoryConfig(BaseSettings):
         device_kv_budget_bytes: bytes of fact KV kept on the device tier of the KV pool;
             older entries fall back to the disk tier (least recently used first).
         encode_batch_tokens: token budget of one KV-encoding batch (padding included).
+        max_fact_tokens: longest fact accepted, in tokens of its memory line; longer text
+            is refused (split it into shorter facts) so every fact fits the model's context.
         precompute_kv: encode a fact's KV when it is added (default); when False, KV is
             encoded the first time the fact is injected (faster writes, slower first read).
     """
@@ -84,6 +86,7 @@ class MemoryConfig(BaseSettings):
     kv_cache_memory_bytes: int = Field(default=1 << 30, ge=1 << 24)
     device_kv_budget_bytes: int = Field(default=2 << 30, ge=0)
     encode_batch_tokens: int = Field(default=8192, ge=256)
+    max_fact_tokens: int = Field(default=512, ge=8)
     precompute_kv: bool = True
 
     @property

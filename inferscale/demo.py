@@ -49,6 +49,9 @@ def run_demo(
     if not 0 <= sample < len(samples):
         raise ValueError(f"--sample must be in 0..{len(samples) - 1}, got {sample}")
     conv = samples[sample]
+    picked = [q for q in conv.qa if q.category in (1, 2, 3, 4)][:questions]
+    if not picked:
+        raise ValueError(f"sample {sample} has no questions of categories 1-4 to answer")
     user_id = f"locomo-{conv.sample_id}"
     memory = Memory(data_dir=data_dir or default_data_dir() / "demo", dtype=dtype, context_window=context_window)
     console.print(f"[bold]LoCoMo {conv.sample_id}[/]: {len(conv.turns)} turns, {len(conv.facts)} facts, from {path}")
@@ -60,7 +63,6 @@ def run_demo(
         memory.generate("What do you remember?", user_id=user_id, k=k, mode=mode, max_tokens=2)
 
     rows = []
-    picked = [q for q in conv.qa if q.category in (1, 2, 3, 4)][:questions]
     for i, qa in enumerate(picked, 1):
         inj = memory.generate(qa.question, user_id=user_id, k=k, mode="inject", max_tokens=32)
         txt = memory.generate(qa.question, user_id=user_id, k=k, mode="text", max_tokens=32)

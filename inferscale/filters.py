@@ -25,8 +25,8 @@ _OPS: dict[str, Callable[[Any, Any], bool]] = {
 }
 
 
-def validate_filters(filters: dict | None, known_fields: Iterable[str]) -> None:
-    """Check ``filters`` against the fields the scope's memories have.
+def validate_filters(filters: dict | None, known_fields: Iterable[str] | None) -> None:
+    """Check ``filters`` against the fields the scope's memories have (``None``: shape only).
 
     Raises:
         ValueError: not a dict, an unknown field or operator, or a malformed AND/OR.
@@ -35,7 +35,7 @@ def validate_filters(filters: dict | None, known_fields: Iterable[str]) -> None:
         return
     if not isinstance(filters, dict):
         raise ValueError(f"filters must be a dict such as {{'category': 'food'}}, got {type(filters).__name__}")
-    known = set(known_fields) | set(BUILTIN_FIELDS)
+    known = None if known_fields is None else set(known_fields) | set(BUILTIN_FIELDS)
     for key, cond in filters.items():
         if key in ("AND", "OR"):
             if not isinstance(cond, list) or not cond:
@@ -43,7 +43,7 @@ def validate_filters(filters: dict | None, known_fields: Iterable[str]) -> None:
             for sub in cond:
                 validate_filters(sub, known)
             continue
-        if key not in known:
+        if known is not None and key not in known:
             raise ValueError(f"unknown filter field {key!r}: this scope's memories have {sorted(known)}")
         if isinstance(cond, dict):
             bad = set(cond) - set(_OPS)

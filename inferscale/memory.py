@@ -22,13 +22,20 @@ from typing import Any, Literal, Sequence
 
 from inferscale.config import MemoryConfig
 from inferscale.embedding import Embedder
+from inferscale.extraction import (
+    FactExtractor,
+    LLMFactExtractor,
+    Reconciler,
+    SimilarityReconciler,
+    extract_and_reconcile,
+)
 from inferscale.facts import FactService
 from inferscale.history import HistoryLog
 from inferscale.index import VectorIndex
 from inferscale.kv.encoder import best_device
 from inferscale.kv.manager import KVManager
 from inferscale.kv.pool import KVPool
-from inferscale.models import model_fingerprint, resolve_llm
+from inferscale.models import model_fingerprint, resolve_embedder, resolve_llm
 from inferscale.serving.path import ServePath
 from inferscale.serving.prompt import PromptBuilder
 from inferscale.store import SCHEMA_VERSION, FactRecord, FactStore, Scope, StoreError
@@ -46,6 +53,8 @@ class Memory:
             ``INFERSCALE_*`` environment variables).
         engine: an existing :class:`~inferscale.serving.engine.Engine` whose connector reads
             this data dir's KV pool (default: one is started on first use).
+        extractor: fact extraction for ``add(infer=True)`` (default :class:`LLMFactExtractor`).
+        reconciler: ADD/UPDATE/DELETE/NOOP decisions (default :class:`SimilarityReconciler`).
         **overrides: fields of the config, e.g. ``Memory(data_dir="./mem", dtype="float32")``.
 
     Raises:
@@ -60,39 +69,54 @@ class Memory:
         >>> m.generate("What should I avoid eating?", user_id="alice").text
     """
 
-    def __init__(self, config: MemoryConfig | None = None, *, engine=None, **overrides: Any) -> None:
+    def __init__(self, config: MemoryConfig | None = None, *, engine=None, extractor: FactExtractor | None = None,
+                 reconciler: Reconciler | None = None, **overrides: Any) -> None:
         base = config or MemoryConfig()
         self.config = MemoryConfig(**{**base.model_dump(exclude_unset=True), **overrides}) if overrides else base
         data = self.config.data_dir
+        # everything that can fail without touching the data dir comes first
         self.model_path = resolve_llm(self.config.llm)
-        self._open_data_dir(data)
-        self.device = best_device()
-        self.store = FactStore(data / "chroma")
-        self.turns = TurnLog(data / "turns.sqlite")
-        self.history_log = HistoryLog(data / "history.sqlite")
-        self.embedder = Embedder(self.config.embedder, self.device)
-        ids, scopes, emb = self.store.load_all()
-        self.index = VectorIndex.from_rows(self.device, ids, scopes, emb)
+        embedder_source = resolve_embedder(self.config.embedder)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self.prompts = PromptBuilder(self.tokenizer, self.config.system_prompt)
         self.kv_dir = data / "kv"
-        self.pool = KVPool.shared(self.kv_dir, self.device, self.config.device_kv_budget_bytes)
-        self.kv = KVManager(
-            self.model_path, model_fingerprint(self.model_path), self.config.resolved_dtype, self.prompts, self.pool,
-            self.turns, self.config.encode_batch_tokens,
-        )
-        self.facts = FactService(self.store, self.index, self.embedder, self.kv, self.history_log,
-                                 self.config.context_window, self.config.precompute_kv)
         if engine is not None and Path(engine.kv_dir).resolve() != self.kv_dir.resolve():
             raise ValueError(f"the given engine serves KV from {engine.kv_dir}, not this memory's {self.kv_dir}")
+        manifest = self._check_data_dir(data)
+        self.device = best_device()
+        try:
+            self.store = FactStore(data / "chroma")
+            self.turns = TurnLog(data / "turns.sqlite")
+            self.history_log = HistoryLog(data / "history.sqlite")
+            self.pool = KVPool.shared(self.kv_dir, self.device, self.config.device_kv_budget_bytes)
+            ids, scopes, emb = self.store.load_all()
+        except StoreError:
+            raise
+        except Exception as exc:  # sqlite, chromadb and OS errors on a damaged store
+            raise StoreError(f"cannot open the store at {data} ({type(exc).__name__}: {exc}): move the damaged "
+                             "file aside or choose another data_dir") from exc
+        if manifest is not None:
+            (data / _MANIFEST).write_text(json.dumps(manifest, indent=2))
+        self.embedder = Embedder(self.config.embedder, self.device, source=embedder_source)
+        self.index = VectorIndex.from_rows(self.device, ids, scopes, emb)
+        self.kv = KVManager(
+            self.model_path, model_fingerprint(self.model_path), self.config.resolved_dtype, self.prompts, self.pool,
+            self.turns, self.config.encode_batch_tokens, self.config.max_model_len,
+        )
+        self.facts = FactService(self.store, self.index, self.embedder, self.kv, self.history_log,
+                                 self.config.context_window, self.config.precompute_kv, self.config.max_fact_tokens)
         self._engine = engine
+        self.extractor = extractor or LLMFactExtractor()
+        self.reconciler = reconciler or SimilarityReconciler()
         self._engine_lock = threading.Lock()
-        self.serve = ServePath(self.facts, self.prompts, self.kv, self.turns, lambda: self.engine, self._item)
+        self.serve = ServePath(self.facts, self.prompts, self.kv, self.turns, lambda: self.engine, self._item,
+                               self.config.max_model_len)
 
-    def _open_data_dir(self, data: Path) -> None:
-        """Create the data dir and check its manifest (schema version, embedder)."""
+    def _check_data_dir(self, data: Path) -> dict | None:
+        """Create the data dir, check it is writable and check its manifest (schema version,
+        embedder). Returns the manifest to write once the store opened, or ``None`` if one exists."""
         try:
             data.mkdir(parents=True, exist_ok=True)
             probe = data / ".write-test"
@@ -114,8 +138,8 @@ class Memory:
                 raise StoreError(f"the store at {data} was built with embedder {found.get('embedder')!r}, not "
                                  f"{self.config.embedder!r}: open it with embedder={found.get('embedder')!r} or use "
                                  "another data_dir")
-        else:
-            path.write_text(json.dumps(manifest, indent=2))
+            return None
+        return manifest
 
     @classmethod
     def from_config(cls, config: dict) -> "Memory":
@@ -136,6 +160,8 @@ class Memory:
             ValueError / TypeError: a message is malformed, or an id is reused (nothing is logged).
         """
         scope = Scope.of(user_id, agent_id, run_id)
+        if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+            raise TypeError(f"messages must be a list of message dicts, got {type(messages).__name__}")
         return self.turns.append(scope.key, [_turn(i, m) for i, m in enumerate(messages)])
 
     def add(self, messages: str | dict | Sequence[dict], *, user_id: str | None = None, agent_id: str | None = None,
@@ -148,31 +174,46 @@ class Memory:
         Args:
             messages: a string, a message dict (``{"role", "content"}``) or a list of them.
             metadata: attached to every stored fact (JSON-serialisable).
-            infer: LLM fact extraction; not available yet (``infer=False`` stores as given).
+            infer: ``False`` stores each message as given; ``True`` has the served LLM
+                extract facts from the messages and reconciles each with the scope's
+                stored facts (:mod:`inferscale.extraction`).
 
         Returns:
-            ``{"results": [{"id", "memory", "event"}]}``, ``event`` ``"ADD"`` or ``"NOOP"``
-            (the same text is already stored in the scope).
+            ``{"results": [{"id", "memory", "event"}]}``, ``event`` one of ``"ADD"``,
+            ``"UPDATE"`` (with ``previous_memory``), ``"DELETE"`` or ``"NOOP"`` (the same
+            text is already stored in the scope).
 
         Raises:
             ValueError / TypeError: empty or non-string text, no scope (nothing is written).
-            NotImplementedError: ``infer=True``.
         """
-        if infer:
-            raise NotImplementedError("infer=True (LLM fact extraction) is not available yet; pass infer=False")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         elif isinstance(messages, dict):
             messages = [messages]
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        if isinstance(messages, bytes) or not isinstance(messages, Sequence):
+            raise TypeError("messages must be a string, a message dict or a list of message dicts, "
+                            f"got {type(messages).__name__}")
+        if not messages:
             raise ValueError("messages is empty: give a string, a message dict or a list of message dicts")
         turns = [_turn(i, m) for i, m in enumerate(messages)]  # validates everything before writing
         meta = _check_metadata(metadata)
         scope = Scope.of(user_id, agent_id, run_id)
+        if not infer:
+            for i, t in enumerate(turns):
+                self.facts.check_length(t.content, f"message {i}")
+        if infer:
+            logged = self.turns.append(scope.key, turns)
+            return {"results": extract_and_reconcile(self.facts, scope, logged, meta, self.extractor,
+                                                     self.reconciler, self._chat)}
         with self.facts.lock:
             logged = self.turns.append(scope.key, turns)
             facts = [FactInput(t.content, (t.turn_id,), meta) for t in logged]
             return {"results": self.facts.add(scope, facts)}
+
+    def _chat(self, messages: list[dict]) -> str:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.engine.generate(ids, max_tokens=256, temperature=0.0).text
 
     def add_facts(self, facts: Sequence[FactInput | str], *, user_id: str | None = None, agent_id: str | None = None,
                   run_id: str | None = None, encode_kv: bool = True) -> dict:
@@ -189,12 +230,18 @@ class Memory:
             ValueError / TypeError: empty text, or a source turn id not in the scope's log.
         """
         scope = Scope.of(user_id, agent_id, run_id)
+        if isinstance(facts, (str, bytes, FactInput)) or not isinstance(facts, Sequence):
+            raise TypeError(f"facts must be a list of FactInput or strings, got {type(facts).__name__}")
         inputs = [FactInput(f) if isinstance(f, str) else f for f in facts]
         for i, f in enumerate(inputs):
             if not isinstance(f, FactInput):
                 raise TypeError(f"fact {i} must be a FactInput or a string, got {type(f).__name__}")
             require_text(f.text, f"fact {i} text")
             _check_metadata(f.metadata)
+            ids = f.source_turn_ids
+            if isinstance(ids, str) or not isinstance(ids, (tuple, list)) or not all(
+                    isinstance(t, str) and t for t in ids):
+                raise TypeError(f"fact {i} source_turn_ids must be a tuple of turn id strings, got {ids!r}")
         wanted = sorted({t for f in inputs for t in f.source_turn_ids})
         known = self.turns.get(scope.key, wanted)
         if len(known) != len(wanted):
@@ -367,6 +414,9 @@ def _turn(i: int, m: Any) -> Turn:
     if not isinstance(m, dict):
         raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
     content = require_text(m.get("content"), f"message {i} content")
+    for key in ("role", "name"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise TypeError(f"message {i} {key} must be a string, got {type(m[key]).__name__}")
     turn_id = m.get("id")
     return Turn(str(turn_id) if turn_id is not None else "", str(m.get("role", "user")), content, m.get("name"),
                 metadata=_check_metadata(m.get("metadata")))

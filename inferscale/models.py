@@ -84,10 +84,13 @@ def _resolve_hf(name: str, *, kind: str) -> Path:
         raise ModelNotFoundError(f"the {kind} name is empty: give a local folder or a Hugging Face id")
     if _looks_like_path(name):
         folder = Path(name).expanduser()
+        if folder.is_file():
+            raise ModelNotFoundError(f"{kind} path {str(folder)!r} is a file: give a Hugging Face model folder "
+                                     "(with config.json)")
         if not folder.is_dir():
             raise ModelNotFoundError(
                 f"{kind} path {str(folder)!r} does not exist: give an existing Hugging Face "
-                "model folder (with config.json) or a hub id such as 'Qwen/Qwen3-0.6B'"
+                "model folder (with config.json) or a hub id"
             )
         if not (folder / "config.json").exists():
             raise ModelNotFoundError(
@@ -99,9 +102,10 @@ def _resolve_hf(name: str, *, kind: str) -> Path:
 
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
     except Exception as exc:  # hub errors come in many types; all mean "cannot use this id"
+        default = DEFAULT_LLM if kind == "LLM" else DEFAULT_EMBEDDER
         raise ModelNotFoundError(
             f"{kind} {name!r} is neither a local folder nor a reachable Hugging Face hub id "
-            f"({type(exc).__name__}: {exc}). Offline, use the default {DEFAULT_LLM!r} or a local folder."
+            f"({type(exc).__name__}: {exc}). Offline, use the default {default!r} or a local folder."
         ) from exc
 
 

@@ -90,8 +90,18 @@ class Generation:
 
 
 def require_text(text: Any, what: str = "text") -> str:
+    """Return ``text`` if it is a non-empty, encodable string.
+
+    Raises:
+        TypeError: not a string.
+        ValueError: empty or whitespace only, or not valid Unicode (lone surrogates).
+    """
     if not isinstance(text, str):
         raise TypeError(f"{what} must be a string, got {type(text).__name__}")
     if not text.strip():
         raise ValueError(f"{what} is empty: give a non-empty string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode ({exc.reason} at {exc.start}): fix its encoding") from exc
     return text

@@ -80,16 +80,31 @@ def _parse_sample(i: int, raw: dict) -> LocomoSample:
     for key in ("sample_id", "conversation", "observation", "qa"):
         if key not in raw:
             raise LocomoFormatError(f"sample {i} has no {key!r}: this is not LoCoMo data (locomo10.json)")
+    try:
+        return _parse_fields(raw)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        what = f"missing field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise LocomoFormatError(f"sample {i} ({raw.get('sample_id')!r}) is malformed ({what}): expected LoCoMo's "
+                                "locomo10.json layout") from exc
+
+
+def _str(value) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _parse_fields(raw: dict) -> LocomoSample:
     conv = raw["conversation"]
     sessions = sorted(int(m.group(1)) for k in conv if (m := re.fullmatch(r"session_(\d+)", k)))
     turns = []
     for s in sessions:
         date = conv.get(f"session_{s}_date_time", "")
         for t in conv[f"session_{s}"]:
-            text = t.get("text", "")
+            text = _str(t.get("text", ""))
             if t.get("blip_caption"):
                 text = f"{text} [shares a photo of {t['blip_caption']}]".strip()
-            turns.append(LocomoTurn(t["dia_id"], t["speaker"], text, s, date))
+            turns.append(LocomoTurn(_str(t["dia_id"]), _str(t["speaker"]), text, s, date))
     known = {t.dia_id for t in turns}
     facts = []
     for key, by_speaker in raw["observation"].items():
@@ -99,11 +114,12 @@ def _parse_sample(i: int, raw: dict) -> LocomoSample:
         s = int(m.group(1))
         for speaker, items in by_speaker.items():
             for item in items:
-                text, ids = item[0], [d for d in _split_ids(item[1]) if d in known]
+                text, ids = _str(item[0]), [d for d in _split_ids(item[1]) if d in known]
                 if text.strip():
                     facts.append(LocomoFact(text.strip(), speaker, tuple(ids), s, conv.get(f"session_{s}_date_time", "")))
     qa = [
-        LocomoQA(q["question"], str(q.get("answer", q.get("adversarial_answer", ""))), tuple(_split_ids(q.get("evidence", []))), int(q["category"]))
+        LocomoQA(_str(q["question"]), str(q.get("answer", q.get("adversarial_answer", ""))),
+                 tuple(_split_ids(q.get("evidence", []))), int(q["category"]))
         for q in raw["qa"]
     ]
     return LocomoSample(str(raw["sample_id"]), (conv.get("speaker_a", ""), conv.get("speaker_b", "")), tuple(turns), tuple(facts), tuple(qa))

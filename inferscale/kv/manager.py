@@ -42,6 +42,8 @@ class KVManager:
         pool: the KV pool.
         turns: the conversation log.
         batch_tokens: encoder batch budget (tokens).
+        max_tokens: longest encoding (context plus fact, tokens); the oldest window turns
+            are dropped to fit.
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class KVManager:
         pool: KVPool,
         turns: TurnLog,
         batch_tokens: int,
+        max_tokens: int = 8192,
     ) -> None:
         self.model_path = model_path
         self.fingerprint = fingerprint
@@ -61,6 +64,7 @@ class KVManager:
         self.pool = pool
         self.turns = turns
         self.batch_tokens = batch_tokens
+        self.max_tokens = max_tokens
         self._encoder: KVEncoder | None = None
 
     @property
@@ -82,10 +86,14 @@ class KVManager:
         for fact in facts:
             seqs = [sources[t].seq for t in fact.source_turn_ids if t in sources]
             window = self.turns.window(scope_key, min(seqs), w) if seqs and w > 0 else []
-            context = list(self.prompts.preamble_ids)
-            for turn in window:
-                context.extend(self.prompts.fact_line_ids(turn.render()))
             span = self.prompts.fact_line_ids(fact.text)
+            lines = [self.prompts.fact_line_ids(turn.render()) for turn in window]
+            budget = self.max_tokens - len(self.prompts.preamble_ids) - len(span)
+            while lines and sum(map(len, lines)) > budget:
+                lines.pop(0)  # drop the oldest turns until the encoding fits the context
+            context = list(self.prompts.preamble_ids)
+            for line in lines:
+                context.extend(line)
             key = kv_key(
                 fact.id, fp=self.fingerprint, dtype=self.dtype, w=w, ctx=_digest(context), span=_digest(span)
             )

@@ -80,7 +80,7 @@ def kv_key(owner: str, **parts: object) -> str:
 
 def validate_key(key: str) -> str:
     """Return ``key`` if it is a well-formed pool key, else raise ``ValueError``."""
-    if not isinstance(key, str) or not _KEY_RE.match(key):
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise ValueError(f"malformed KV key {key!r}: expected '<owner>/<32 hex digits>'")
     return key
 
@@ -114,6 +114,7 @@ class KVPool:
     def shared(cls, root: Path, device: torch.device | str, device_budget_bytes: int) -> "KVPool":
         """The process-wide pool for ``root`` (created on first use)."""
         key = Path(root).resolve()
+        key.mkdir(parents=True, exist_ok=True)  # also fails loudly if the folder became a file
         with cls._registry_lock:
             pool = cls._registry.get(key)
             if pool is None:

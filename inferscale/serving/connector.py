@@ -81,13 +81,15 @@ class InjectionPlan:
         Raises:
             ValueError: the entry is malformed (bad key, gaps or overlaps between segments).
         """
-        if not params or PARAMS_KEY not in params:
+        if not isinstance(params, dict) or PARAMS_KEY not in params:
             return None
         entry = params[PARAMS_KEY]
         try:
-            segments = tuple((validate_key(k), int(s), int(n)) for k, s, n in entry["segments"])
-            memory_end = int(entry["memory_end"])
-        except (KeyError, TypeError, ValueError) as exc:
+            if not isinstance(entry, dict):
+                raise TypeError(f"expected a dict, got {type(entry).__name__}")
+            segments = tuple((validate_key(k), _count(s), _count(n)) for k, s, n in entry["segments"])
+            memory_end = _count(entry["memory_end"])
+        except Exception as exc:  # anything malformed must be rejected, never crash the engine
             raise ValueError(f"malformed kv_transfer_params[{PARAMS_KEY!r}]: {exc}") from exc
         pos = 0
         for key, start, num in segments:
@@ -97,6 +99,12 @@ class InjectionPlan:
         if pos != memory_end:
             raise ValueError(f"segments cover {pos} tokens but memory_end is {memory_end}")
         return cls(memory_end, segments)
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
 
 
 @dataclass
@@ -140,7 +148,7 @@ class InferScaleConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         try:
             plan = InjectionPlan.from_params(request.kv_transfer_params)
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001 - a bad request must never take the engine down
             logger.warning("request %s: %s; prefilling instead", request.request_id, exc)
             return 0, False
         if plan is None:

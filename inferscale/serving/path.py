@@ -36,14 +36,21 @@ class ServePath:
         turns: the conversation log (a scope with turns but no facts is known).
         engine: returns the vLLM engine (started lazily by the caller).
         item: turns a record and score into a Mem0 result item.
+        max_model_len: the engine's context (tokens); longer prompts are refused.
     """
 
     def __init__(self, facts: FactService, prompts: PromptBuilder, kv: KVManager, turns: TurnLog,
-                 engine: Callable[[], object], item: ItemFn) -> None:
+                 engine: Callable[[], object], item: ItemFn, max_model_len: int) -> None:
         self.facts, self.prompts, self.kv, self.turns, self._engine, self._item = facts, prompts, kv, turns, engine, item
+        self.max_model_len = max_model_len
 
-    def layout(self, scope: Scope, query: str, k: int) -> tuple[PromptLayout, list[tuple[FactRecord, float]], float]:
-        """Retrieve the top ``k`` facts and lay out the prompt (best-ranked last)."""
+    def layout(self, scope: Scope, query: str, k: int, reserve: int = 1
+               ) -> tuple[PromptLayout, list[tuple[FactRecord, float]], float]:
+        """Retrieve the top ``k`` facts and lay out the prompt (best-ranked last).
+
+        Raises:
+            ValueError: the prompt plus ``reserve`` answer tokens exceeds ``max_model_len``.
+        """
         _check_count("k", k)
         if self.facts.index.size(scope.key) == 0 and self.turns.count(scope.key) == 0:
             field = next(iter(scope.as_dict()))
@@ -53,12 +60,18 @@ class ServePath:
         t0 = time.perf_counter()
         hits = self.facts.search(scope, query, k)
         retrieval = time.perf_counter() - t0
-        return self.prompts.build(query, [(r.id, r.text) for r, _ in hits[::-1]]), hits, retrieval
+        layout = self.prompts.build(query, [(r.id, r.text) for r, _ in hits[::-1]])
+        if len(layout.token_ids) + reserve > self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(layout.token_ids)} tokens with k={k} memories; with {reserve} answer tokens it "
+                f"exceeds max_model_len={self.max_model_len}: lower k or shorten the question"
+            )
+        return layout, hits, retrieval
 
-    def inject(self, scope: Scope, query: str, k: int, w: int) -> Injection:
+    def inject(self, scope: Scope, query: str, k: int, w: int, reserve: int = 1) -> Injection:
         """See :meth:`inferscale.Memory.inject`."""
         _check_count("context_window", w)
-        layout, hits, retrieval = self.layout(scope, query, k)
+        layout, hits, retrieval = self.layout(scope, query, k, reserve)
         spans = [self.kv.preamble_span(), *self.kv.fact_spans(scope.key, [r for r, _ in hits[::-1]], w)]
         self.kv.ensure(spans)
         segments = [[s.key, seg.start, len(seg.token_ids)] for s, seg in zip(spans, layout.segments)]
@@ -77,13 +90,18 @@ class ServePath:
         if mode not in ("inject", "text"):
             raise ValueError(f"mode must be 'inject' or 'text', got {mode!r}")
         _check_count("max_tokens", max_tokens)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= 20):
+            raise ValueError(f"logprobs must be None or an integer in 0..20, got {logprobs!r}")
         if mode == "inject":
-            inj = self.inject(scope, query, k, w)
+            inj = self.inject(scope, query, k, w, reserve=max(1, max_tokens))
             prompt, params, salt, memories, retrieval = (
                 inj.prompt_token_ids, inj.kv_transfer_params, inj.cache_salt, inj.memories, inj.retrieval_s
             )
         else:
-            layout, hits, retrieval = self.layout(scope, query, k)
+            layout, hits, retrieval = self.layout(scope, query, k, reserve=max(1, max_tokens))
             prompt, params, salt = layout.token_ids, None, None
             memories = [self._item(r, s) for r, s in hits]
         out = self._engine().generate(

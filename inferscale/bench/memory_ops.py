@@ -1,0 +1,96 @@
+"""Per-call cost of ``add`` (with KV encoding at w=0 and w=20) and ``search`` at ~2,500 facts.
+
+All 10 LoCoMo conversations are loaded (5,882 turns, one scope per conversation); the
+first 2,500 observations are stored without KV; then single-fact adds of held-out
+observations are timed with KV encoding at w=0 and at w=20, and ``search`` (limit 10) is
+timed over LoCoMo questions. Reproduce with ``inferscale bench memory-ops``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from inferscale.datasets.locomo import load_locomo
+from inferscale.memory import Memory
+from inferscale.types import FactInput
+
+
+@dataclass(frozen=True)
+class OpTiming:
+    """Per-call wall time of one operation (milliseconds)."""
+
+    op: str
+    calls: int
+    median_ms: float
+    p90_ms: float
+    mean_ms: float
+
+
+def _summary(op: str, seconds: list[float]) -> OpTiming:
+    ms = sorted(s * 1000 for s in seconds)
+    return OpTiming(op, len(ms), statistics.median(ms), ms[min(len(ms) - 1, int(0.9 * len(ms)))], statistics.mean(ms))
+
+
+def run(data: Path, out_dir: Path, *, stored: int = 2500, timed_adds: int = 20, searches: int = 100,
+        dtype: str = "auto") -> list[OpTiming]:
+    """Run the benchmark; writes ``memory_ops.json`` and ``memory_ops.md`` to ``out_dir``."""
+    samples = load_locomo(data)
+    facts = [(f"locomo-{s.sample_id}", f) for s in samples for f in s.facts]
+    if len(facts) < stored + 2 * timed_adds:
+        raise ValueError(f"only {len(facts)} facts; need {stored + 2 * timed_adds}")
+    rng = random.Random(0)
+    rng.shuffle(facts)
+    store_dir = out_dir / "store"
+    shutil.rmtree(store_dir, ignore_errors=True)
+    mem = Memory(data_dir=store_dir, dtype=dtype, context_window=0)
+    for s in tqdm(samples, desc="log turns"):
+        mem.log_turns([{"id": t.dia_id, "name": t.speaker, "content": t.text} for t in s.turns],
+                      user_id=f"locomo-{s.sample_id}")
+    t0 = time.perf_counter()
+    by_user: dict[str, list[FactInput]] = {}
+    for user, f in facts[:stored]:
+        by_user.setdefault(user, []).append(FactInput(f.dated_text(), f.dia_ids))
+    for user, batch in tqdm(by_user.items(), desc=f"store {stored} facts (embed + Chroma, no KV)"):
+        mem.add_facts(batch, user_id=user, encode_kv=False)
+    bulk_s = time.perf_counter() - t0
+
+    results = []
+    held_out = facts[stored:]
+    mem.kv.ensure([mem.kv.preamble_span()])
+    for w, chunk in ((0, held_out[:timed_adds]), (20, held_out[timed_adds : 2 * timed_adds])):
+        mem.facts.default_w = w
+        times = []
+        for user, f in tqdm(chunk, desc=f"add with KV encoding, w={w}"):
+            t = time.perf_counter()
+            mem.add_facts([FactInput(f.dated_text(), f.dia_ids)], user_id=user)
+            times.append(time.perf_counter() - t)
+        results.append(_summary(f"add (KV encoding, w={w})", times))
+    questions = [(f"locomo-{s.sample_id}", q.question) for s in samples for q in s.qa]
+    mem.search("warm-up", user_id=questions[0][0], limit=10)
+    times = []
+    for user, q in rng.sample(questions, searches):
+        t = time.perf_counter()
+        mem.search(q, user_id=user, limit=10)
+        times.append(time.perf_counter() - t)
+    results.append(_summary("search (limit 10)", times))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"stored_facts": mem.store.count(), "bulk_store_s": bulk_s, "dtype": mem.config.resolved_dtype,
+            "device": str(mem.device)}
+    (out_dir / "memory_ops.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]},
+                                                        indent=2))
+    lines = [f"Stored facts: {meta['stored_facts']} (bulk store without KV: {bulk_s:.1f} s), dtype {meta['dtype']}, "
+             f"device {meta['device']}.", "", "| operation | calls | median (ms) | p90 (ms) | mean (ms) |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r.op} | {r.calls} | {r.median_ms:.1f} | {r.p90_ms:.1f} | {r.mean_ms:.1f} |" for r in results]
+    (out_dir / "memory_ops.md").write_text("\n".join(lines) + "\n")
+    shutil.rmtree(store_dir, ignore_errors=True)
+    return results

@@ -1,0 +1,150 @@
+"""Bad input gets a clear error and changes nothing (found by trying to break the API)."""
+
+import json
+
+import pytest
+
+from inferscale import FactInput, Memory
+from inferscale.datasets.locomo import LocomoFormatError, load_locomo
+from inferscale.kv.pool import kv_key, validate_key
+from inferscale.models import ModelNotFoundError
+from inferscale.serving.connector import InjectionPlan
+from inferscale.store import Scope, StoreError
+
+
+def new_memory(path, **kw) -> Memory:
+    return Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False, **kw)
+
+
+def state(mem: Memory, user: str) -> tuple:
+    return (sorted(r["memory"] for r in mem.get_all(user_id=user)["results"]), mem.turns.count(Scope(user).key),
+            mem.store.count(), mem.index.size())
+
+
+@pytest.fixture
+def mem(tmp_path):
+    m = new_memory(tmp_path / "store")
+    m.add("My dog is called Rex.", user_id="u")
+    return m
+
+
+def test_oversized_facts_are_refused_before_anything_is_written(mem):
+    before = state(mem, "u")
+    with pytest.raises(ValueError, match="max_fact_tokens"):
+        mem.add("peanut butter is great. " * 400, user_id="u")
+    with pytest.raises(ValueError, match="max_fact_tokens"):
+        mem.add_facts(["fine", "too long " * 600], user_id="u")
+    mid = mem.get_all(user_id="u")["results"][0]["id"]
+    with pytest.raises(ValueError, match="max_fact_tokens"):
+        mem.update(mid, "My dog is huge. " * 300, user_id="u")
+    assert state(mem, "u") == before
+    assert mem.get(mid, user_id="u")["memory"] == "My dog is called Rex."
+    assert [e["event"] for e in mem.history(mid, user_id="u")] == ["ADD"]
+
+
+def test_prompts_longer_than_the_context_are_refused(tmp_path):
+    small = new_memory(tmp_path / "small", max_model_len=256)
+    small.add_facts([f"Fact number {i} says something moderately long about the user." for i in range(20)],
+                    user_id="u")
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        small.inject("What do you know?", user_id="u", k=20)
+
+
+@pytest.mark.parametrize("facts", ["hello", FactInput("x"), None, 5])
+def test_add_facts_wants_a_list(mem, facts):
+    before = state(mem, "u")
+    with pytest.raises(TypeError, match="list"):
+        mem.add_facts(facts, user_id="u")
+    assert state(mem, "u") == before
+
+
+def test_malformed_provenance_and_messages(mem):
+    before = state(mem, "u")
+    with pytest.raises(TypeError, match="source_turn_ids"):
+        mem.add_facts([FactInput("x", "d1")], user_id="u")
+    with pytest.raises(TypeError, match="source_turn_ids"):
+        mem.add_facts([FactInput("x", (5,))], user_id="u")
+    with pytest.raises(TypeError, match="name must be a string"):
+        mem.add({"content": "x", "name": [1]}, user_id="u")
+    with pytest.raises(TypeError, match="got int"):
+        mem.add(5, user_id="u")
+    with pytest.raises(TypeError, match="list of message dicts"):
+        mem.log_turns(None, user_id="u")
+    with pytest.raises(ValueError, match="Unicode"):
+        mem.add("bad \ud800 text", user_id="u")
+    assert state(mem, "u") == before
+
+
+def test_bad_search_and_generation_arguments(mem):
+    for bad in (float("nan"), 5, "0.5"):
+        with pytest.raises(ValueError, match="threshold"):
+            mem.search("dog", user_id="u", threshold=bad)
+    with pytest.raises(ValueError, match="filters must be a dict"):
+        mem.search("dog", user_id="u", filters=[])
+    assert mem.get_all(user_id="newcomer", filters={"topic": "x"})["results"] == []
+    with pytest.raises(ValueError, match="temperature"):
+        mem.generate("dog?", user_id="u", temperature="hot")
+    with pytest.raises(ValueError, match="logprobs"):
+        mem.generate("dog?", user_id="u", logprobs=-1)
+
+
+def test_bad_models_fail_before_the_data_dir_is_touched(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        new_memory(tmp_path / "a", embedder=str(tmp_path / "no-such-embedder"))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ModelNotFoundError, match="is a file"):
+        new_memory(tmp_path / "b", llm=str(afile))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("damage", ["turns.sqlite", "kv"])
+def test_damaged_stores_raise_store_error(tmp_path, damage):
+    store = tmp_path / "store"
+    new_memory(store).add("hello", user_id="u")
+    target = store / damage
+    if target.is_dir():
+        import shutil
+
+        shutil.rmtree(target)
+        target.write_text("not a folder")
+    else:
+        target.unlink()
+        target.mkdir()
+    with pytest.raises(StoreError, match="damaged"):
+        new_memory(store)
+
+
+def test_malformed_kv_transfer_params_never_raise_anything_but_value_error():
+    key = kv_key("_preamble", a=1)
+    for params in (
+        {"inferscale": {"memory_end": float("inf"), "segments": [[key, 0, 3]]}},
+        {"inferscale": {"memory_end": 3, "segments": [[key, 0, 3.0]]}},
+        {"inferscale": {"memory_end": True, "segments": [[key, 0, 1]]}},
+        {"inferscale": "segments"},
+        {"inferscale": {"memory_end": 3, "segments": [[key + "\n", 0, 3]]}},
+    ):
+        with pytest.raises(ValueError, match="malformed"):
+            InjectionPlan.from_params(params)
+    assert InjectionPlan.from_params("inferscale") is None
+    with pytest.raises(ValueError):
+        validate_key(key + "\n")
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda s: s["conversation"]["session_1"][0].pop("dia_id"),
+        lambda s: s["qa"][0].pop("category"),
+        lambda s: s.__setitem__("conversation", "text"),
+        lambda s: s["conversation"]["session_1"][0].__setitem__("text", None),
+        lambda s: s["qa"][0].__setitem__("category", "x"),
+    ],
+)
+def test_malformed_locomo_samples_are_named(tmp_path, locomo_path, mutate):
+    sample = json.loads(locomo_path.read_text())[0]
+    mutate(sample)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([sample]))
+    with pytest.raises(LocomoFormatError, match="sample 0"):
+        load_locomo(bad)
