@@ -63,11 +63,14 @@ def parse_facts(reply: str, max_facts: int = 20) -> list[str]:
     """
     items: list = []
     start, end = reply.find("["), reply.rfind("]")
-    if start != -1 and end > start:
+    if start != -1:
+        body = reply[start : end + 1] if end > start else reply[start:]  # a list cut off by the token budget
         try:
-            items = json.loads(reply[start : end + 1])
+            items = json.loads(body)
         except json.JSONDecodeError:
-            items = re.findall(r'"((?:[^"\\]|\\.)*)"', reply[start : end + 1])
+            items = re.findall(r'"((?:[^"\\]|\\.)*)"', body)
+        if not isinstance(items, list):
+            items = []
     if not items:
         try:
             obj = json.loads(reply[reply.find("{") : reply.rfind("}") + 1])

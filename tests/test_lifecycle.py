@@ -6,7 +6,9 @@ import json
 import pytest
 
 from inferscale import AsyncMemory, Memory, MemoryNotFoundError
+from inferscale.config import DEFAULT_EMBEDDER
 from inferscale.kv.manager import KVManager
+from inferscale.models import resolve_embedder
 from inferscale.store import Scope, StoreError
 
 
@@ -138,8 +140,9 @@ def test_bad_stores_are_refused_clearly(tmp_path):
         new_memory(blocker / "store")
     store = tmp_path / "store"
     new_memory(store).add("hello", user_id="u")
+    another_embedder = resolve_embedder(DEFAULT_EMBEDDER)  # the same model under another name
     with pytest.raises(StoreError, match="embedder"):
-        new_memory(store, embedder="sentence-transformers/all-mpnet-base-v2")
+        new_memory(store, embedder=another_embedder)
     manifest = json.loads((store / "inferscale.json").read_text())
     (store / "inferscale.json").write_text(json.dumps({**manifest, "schema_version": 99}))
     with pytest.raises(StoreError, match="newer"):
@@ -161,3 +164,33 @@ def test_async_memory_and_sync_inside_a_running_loop(tmp_path):
     assert len(inside["results"]) == 4
     with pytest.raises(AttributeError):
         amem.no_such_method
+
+
+def test_fifty_scopes_with_overlapping_facts_never_cross(tmp_path):
+    mem = new_memory(tmp_path / "store")
+    shared = ["I like jazz.", "My car is red.", "I was born in March.", "I speak French.", "I have a sister."]
+    users = [f"user{i:02d}" for i in range(50)]
+    ids: dict[str, set[str]] = {}
+    for i, u in enumerate(users):
+        res = mem.add_facts([*shared, f"My locker number is {i}."], user_id=u)["results"]
+        ids[u] = {r["id"] for r in res}
+        assert len(ids[u]) == 6
+    all_ids = set().union(*ids.values())
+    assert len(all_ids) == 300  # the same text in 50 scopes is 50 memories
+    for i, u in enumerate(users):
+        found = mem.search("What is my locker number?", user_id=u, limit=100)["results"]
+        assert {r["id"] for r in found} == ids[u]
+        assert found[0]["memory"] == f"My locker number is {i}."
+        other = users[(i + 1) % 50]
+        foreign = next(iter(ids[other]))
+        with pytest.raises(MemoryNotFoundError):
+            mem.get(foreign, user_id=u)
+        with pytest.raises(MemoryNotFoundError):
+            mem.delete(foreign, user_id=u)
+        req = mem.inject("What is my locker number?", user_id=u, k=6)
+        owners = {seg[0].split("/")[0] for seg in req.kv_transfer_params["inferscale"]["segments"]}
+        assert owners == {"_preamble"} | ids[u]
+    mem.delete_all(user_id=users[0])
+    assert mem.get_all(user_id=users[0])["results"] == []
+    for u in users[1:]:
+        assert {r["id"] for r in mem.get_all(user_id=u)["results"]} == ids[u]

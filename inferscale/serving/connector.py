@@ -31,6 +31,7 @@ The connector never saves KV (``save_kv_layer`` is a no-op): fact KV is produced
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,9 +58,10 @@ logger = logging.getLogger(__name__)
 
 PARAMS_KEY = "inferscale"
 
-#: Process-wide counters of what the connectors did, by request id (read by tests and
-#: the engine's timings; in-process engines only).
-INJECTION_LOG: dict[str, dict[str, int]] = {}
+#: Process-wide record of what the connectors injected, by request id (read by the
+#: engine's timings; in-process engines only). Bounded: the oldest entries are dropped.
+INJECTION_LOG: "OrderedDict[str, dict[str, int]]" = OrderedDict()
+_INJECTION_LOG_MAX = 10_000
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,8 @@ class InferScaleConnector(KVConnectorBase_V1):
             plan, start = pending
             self._to_load[request.request_id] = (plan, start, [])
             INJECTION_LOG[request.request_id] = {"injected_tokens": num_external_tokens, "start": start}
+            while len(INJECTION_LOG) > _INJECTION_LOG_MAX:
+                INJECTION_LOG.popitem(last=False)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = InferScaleConnectorMetadata()
