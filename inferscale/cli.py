@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +17,23 @@ models_app = typer.Typer(help="Default model preparation.")
 app.add_typer(models_app, name="models")
 bench_app = typer.Typer(help="Benchmarks; each writes JSON and Markdown to a results folder.")
 app.add_typer(bench_app, name="bench")
-console = Console()
+console = Console(soft_wrap=True)
+
+
+@app.callback()
+def _quiet() -> None:
+    """Keep the terminal for InferScale's own output: vLLM at WARNING, no known deprecation noise."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # transformers is a dependency; this only guards odd installs
+        pass
 
 
 @models_app.command("prepare")
@@ -53,7 +71,7 @@ def demo(
         )
     except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, StoreError, ValueError) as exc:
         _fail(str(exc))
-    console.print("Next: benchmarks (TTFT vs k, throughput, quality) are described in README.md#benchmarks.")
+    console.print("Next: `inferscale bench memory-ops` and the benchmarks listed in README.md (section Benchmarks).")
 
 
 def _fail(message: str) -> None:
