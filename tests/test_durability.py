@@ -140,7 +140,8 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_random_operation_sequences_match_a_plain_model(tmp_path_factory, ops):
     if "mem" not in _MEM:
