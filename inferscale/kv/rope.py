@@ -19,7 +19,6 @@ sign of sin flipped, divided by the squared scale (1 for most models).
 from __future__ import annotations
 
 import importlib
-from functools import lru_cache
 
 import torch
 from torch import nn
@@ -127,16 +126,3 @@ class RopeRotator:
     def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Recover pre-RoPE keys from keys rotated at ``positions`` (inverse of :meth:`rotate`)."""
         return self._apply(keys, positions, inverse=True)
-
-
-@lru_cache(maxsize=8)
-def _cached_rotator(config_json: str, model_type: str) -> RopeRotator:
-    from transformers import AutoConfig
-
-    cfg_cls = type(AutoConfig.for_model(model_type))
-    return RopeRotator(cfg_cls.from_dict(__import__("json").loads(config_json)))
-
-
-def rotator_for(config) -> RopeRotator:
-    """A cached :class:`RopeRotator` for ``config`` (one per distinct config)."""
-    return _cached_rotator(config.to_json_string(use_diff=False), config.model_type)
