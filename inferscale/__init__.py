@@ -3,9 +3,9 @@
 from inferscale.async_memory import AsyncMemory
 from inferscale.config import MemoryConfig
 from inferscale.memory import Memory
-from inferscale.types import FactInput, Generation, Injection, MemoryNotFoundError, UnknownScopeError
+from inferscale.types import FactInput, Generation, GenerationChunk, Injection, MemoryNotFoundError, UnknownScopeError
 
 __all__ = [
-    "AsyncMemory", "FactInput", "Generation", "Injection", "Memory", "MemoryConfig", "MemoryNotFoundError", "UnknownScopeError",
+    "AsyncMemory", "FactInput", "Generation", "GenerationChunk", "Injection", "Memory", "MemoryConfig", "MemoryNotFoundError", "UnknownScopeError",
 ]
 __version__ = "0.1.0"

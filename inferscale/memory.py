@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 from inferscale.config import MemoryConfig
 from inferscale.embedding import Embedder
@@ -40,7 +40,7 @@ from inferscale.serving.path import ServePath
 from inferscale.serving.prompt import PromptBuilder
 from inferscale.store import SCHEMA_VERSION, FactRecord, FactStore, Scope, StoreError
 from inferscale.turns import Turn, TurnLog
-from inferscale.types import FactInput, Generation, Injection, MemoryNotFoundError, require_text
+from inferscale.types import FactInput, Generation, GenerationChunk, Injection, MemoryNotFoundError, require_text
 
 _MANIFEST = "inferscale.json"
 
@@ -390,7 +390,9 @@ class Memory:
     def generate(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                  run_id: str | None = None, k: int | None = None, context_window: int | None = None,
                  mode: Literal["inject", "text"] = "inject", max_tokens: int = 64, temperature: float = 0.0,
-                 logprobs: int | None = None) -> Generation:
+                 logprobs: int | None = None, stop: Sequence[str] | None = None,
+                 history: Sequence[dict] | None = None, instructions: str | None = None,
+                 allow_unknown_scope: bool = False) -> Generation:
         """Answer ``query`` with the scope's memory.
 
         Args:
@@ -398,16 +400,76 @@ class Memory:
                 prefills the same tokens (Mem0-style prompt injection).
             max_tokens: answer budget (tokens). temperature: 0 is greedy.
             logprobs: also return the top-N logprobs of the first answer token.
+            stop: strings that end the answer (not included in it).
+            history: earlier turns of the current conversation, ``{"role": "user" |
+                "assistant", "content"}`` dicts, oldest first; they are prefilled after the
+                memory block, before ``query``.
+            instructions: extra system text, placed after the memory block.
+            allow_unknown_scope: answer a scope with no memories and no turns (a new user)
+                without memories instead of raising ``UnknownScopeError``.
 
         Raises:
-            UnknownScopeError, ValueError: as :meth:`inject`; ``ValueError`` for an unknown mode.
+            UnknownScopeError, ValueError: as :meth:`inject`; ``ValueError`` for an unknown
+                mode, a bad history or bad stop strings.
+        """
+        return self.serve.generate(Scope.of(user_id, agent_id, run_id), query, **self._serve_args(
+            k, context_window, mode, max_tokens, temperature, logprobs, stop, history, instructions,
+            allow_unknown_scope))
+
+    def stream(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
+               run_id: str | None = None, k: int | None = None, context_window: int | None = None,
+               mode: Literal["inject", "text"] = "inject", max_tokens: int = 64, temperature: float = 0.0,
+               logprobs: int | None = None, stop: Sequence[str] | None = None,
+               history: Sequence[dict] | None = None, instructions: str | None = None,
+               allow_unknown_scope: bool = False) -> Iterator[GenerationChunk]:
+        """:meth:`generate`, streamed: the same request, its text yielded as the engine produces it.
+
+        Retrieval, input checks and KV encoding happen in this call (errors are raised
+        here); the iterator runs the request. Exhaust or close it: the engine serves one
+        request at a time.
+
+        Returns:
+            An iterator of :class:`GenerationChunk`; their texts joined are the answer, and
+            the last one carries the :class:`Generation` with its timings and counters.
+
+        Example:
+            >>> for chunk in m.stream("Suggest a snack for me.", user_id="alice"):
+            ...     print(chunk.text, end="")
+        """
+        return self.serve.stream(Scope.of(user_id, agent_id, run_id), query, **self._serve_args(
+            k, context_window, mode, max_tokens, temperature, logprobs, stop, history, instructions,
+            allow_unknown_scope))
+
+    def _serve_args(self, k, context_window, mode, max_tokens, temperature, logprobs, stop, history, instructions,
+                    allow_unknown_scope) -> dict:
+        return dict(k=self.config.top_k if k is None else k,
+                    w=self.config.context_window if context_window is None else context_window, mode=mode,
+                    max_tokens=max_tokens, temperature=temperature, logprobs=logprobs, stop=stop,
+                    history=history or (), instructions=instructions, allow_unknown_scope=allow_unknown_scope)
+
+    # ------------------------------------------------------------------ turns
+
+    def get_turns(self, *, user_id: str | None = None, agent_id: str | None = None,
+                  run_id: str | None = None) -> list[Turn]:
+        """Every turn of the scope's conversation log, oldest first."""
+        return self.turns.scope_turns(Scope.of(user_id, agent_id, run_id).key)
+
+    def delete_turns(self, turn_ids: Sequence[str], *, user_id: str | None = None, agent_id: str | None = None,
+                     run_id: str | None = None) -> int:
+        """Delete turns of the scope's log by id; returns how many existed.
+
+        Memories derived from them stay (delete those with :meth:`delete`); their KV is
+        re-encoded without the deleted turns' context when next served.
+
+        Raises:
+            TypeError: ``turn_ids`` is not a list of strings.
         """
         scope = Scope.of(user_id, agent_id, run_id)
-        return self.serve.generate(
-            scope, query, k=self.config.top_k if k is None else k,
-            w=self.config.context_window if context_window is None else context_window, mode=mode,
-            max_tokens=max_tokens, temperature=temperature, logprobs=logprobs,
-        )
+        if isinstance(turn_ids, (str, bytes)) or not isinstance(turn_ids, Sequence) or not all(
+                isinstance(t, str) for t in turn_ids):
+            raise TypeError(f"turn_ids must be a list of turn id strings, got {turn_ids!r}")
+        with self.facts.lock:
+            return self.turns.delete(scope.key, list(turn_ids))
 
 
 def _turn(i: int, m: Any) -> Turn:

@@ -132,3 +132,24 @@ class TurnLog:
     def count(self, scope: str) -> int:
         (n,) = self._conn().execute("SELECT COUNT(*) FROM turns WHERE scope = ?", (scope,)).fetchone()
         return int(n)
+
+    def scope_turns(self, scope: str) -> list[Turn]:
+        """Every turn of ``scope``, oldest first."""
+        return self._rows(
+            "SELECT turn_id, role, content, name, seq, metadata FROM turns WHERE scope = ? ORDER BY seq", (scope,)
+        )
+
+    def delete(self, scope: str, turn_ids: list[str]) -> int:
+        """Delete the turns of ``turn_ids`` from ``scope``; returns how many existed.
+
+        Facts derived from a deleted turn keep their text; their KV is re-encoded without
+        that turn's context window the next time they are served (KV keys hash the context).
+        Automatic ids (``t<seq>``) can be reused once the newest turns are deleted: give
+        your own unique ids to turns you may delete.
+        """
+        if not turn_ids:
+            return 0
+        marks = ",".join("?" * len(turn_ids))
+        with self._write_lock:
+            cur = self._conn().execute(f"DELETE FROM turns WHERE scope = ? AND turn_id IN ({marks})", (scope, *turn_ids))
+        return int(cur.rowcount)

@@ -75,6 +75,8 @@ class Generation:
         num_injected_tokens: prompt tokens supplied as KV by the connector.
         num_prefilled_tokens: prompt tokens vLLM computed.
         memories: the facts used, best first.
+        first_logprobs: ``{token_id: logprob}`` of the first answer position (when asked).
+        num_generated_tokens: answer length (tokens).
     """
 
     text: str
@@ -87,6 +89,21 @@ class Generation:
     num_prefilled_tokens: int
     memories: list[dict]
     first_logprobs: dict[int, float] = field(default_factory=dict)
+    num_generated_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One piece of a streamed answer (:meth:`Memory.stream`).
+
+    Attributes:
+        text: the new text since the previous chunk; the chunks' texts joined are the
+            answer, exactly as :meth:`Memory.generate` returns it.
+        generation: the finished :class:`Generation` (timings, counters), on the last chunk only.
+    """
+
+    text: str
+    generation: Generation | None = None
 
 
 def require_text(text: Any, what: str = "text") -> str:

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from inferscale.serving.connector import INJECTION_LOG
 
@@ -46,6 +46,19 @@ class EngineOutput:
     num_injected_tokens: int
     num_cached_tokens: int
     first_logprobs: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineChunk:
+    """One step of a streamed generation.
+
+    Attributes:
+        text: the whole text generated so far (vLLM's cumulative output; it only grows).
+        output: the finished :class:`EngineOutput`, on the last chunk only.
+    """
+
+    text: str
+    output: EngineOutput | None = None
 
 
 class Engine:
@@ -107,7 +120,7 @@ class Engine:
         stop: Sequence[str] | None = None,
         logprobs: int | None = None,
     ) -> EngineOutput:
-        """Run one request to completion.
+        """Run one request to completion (consumes :meth:`stream`).
 
         Args:
             prompt_token_ids: the prompt (tokens).
@@ -120,6 +133,31 @@ class Engine:
 
         Returns:
             An :class:`EngineOutput`.
+        """
+        for chunk in self.stream(prompt_token_ids, kv_transfer_params=kv_transfer_params, cache_salt=cache_salt,
+                                 max_tokens=max_tokens, temperature=temperature, stop=stop, logprobs=logprobs):
+            if chunk.output is not None:
+                return chunk.output
+        raise RuntimeError("the engine's stream ended without an output")
+
+    def stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        kv_transfer_params: dict | None = None,
+        cache_salt: str | None = None,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        stop: Sequence[str] | None = None,
+        logprobs: int | None = None,
+    ) -> Iterator[EngineChunk]:
+        """Run one request, yielding its text after each engine step that produced tokens.
+
+        Arguments as :meth:`generate`. The engine serves one request at a time: it is held
+        until the iterator is exhausted or closed; closing it early aborts the request.
+
+        Yields:
+            :class:`EngineChunk` s; the last one carries the :class:`EngineOutput`.
         """
         from vllm import SamplingParams
 
@@ -136,14 +174,21 @@ class Engine:
             internal_id = self._engine.add_request(req_id, prompt, params)
             ttft = None
             final = None
-            while self._engine.has_unfinished_requests():
-                for out in self._engine.step():
-                    if out.request_id not in (req_id, internal_id):
-                        continue
-                    if ttft is None and out.outputs and out.outputs[0].token_ids:
-                        ttft = time.perf_counter() - t0
-                    if out.finished:
-                        final = out
+            try:
+                while final is None and self._engine.has_unfinished_requests():
+                    for out in self._engine.step():
+                        if out.request_id not in (req_id, internal_id):
+                            continue
+                        if ttft is None and out.outputs and out.outputs[0].token_ids:
+                            ttft = time.perf_counter() - t0
+                        if out.finished:
+                            final = out
+                        elif out.outputs and out.outputs[0].text:
+                            yield EngineChunk(out.outputs[0].text)
+            finally:
+                if final is None:  # closed early or failed: free the request's blocks
+                    self._engine.abort_request([req_id])
+                    INJECTION_LOG.pop(internal_id, None)
             latency = time.perf_counter() - t0
         if final is None:
             raise RuntimeError(f"vLLM finished without output for request {req_id}")
@@ -152,7 +197,7 @@ class Engine:
         if logprobs and completion.logprobs:
             first = {tok: lp.logprob for tok, lp in completion.logprobs[0].items()}
         injected = INJECTION_LOG.pop(internal_id, {}).get("injected_tokens", 0)
-        return EngineOutput(
+        yield EngineChunk(completion.text, EngineOutput(
             text=completion.text,
             token_ids=tuple(completion.token_ids),
             ttft_s=ttft if ttft is not None else latency,
@@ -161,4 +206,4 @@ class Engine:
             num_injected_tokens=injected,
             num_cached_tokens=int(final.num_cached_tokens or 0),
             first_logprobs=first,
-        )
+        ))

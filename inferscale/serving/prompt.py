@@ -85,16 +85,16 @@ class PromptBuilder:
     def _tok(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
-    def _split_template(self) -> tuple[str, str]:
-        system = self.system_prompt + self.memory_header + _SENTINEL
+    def _split_template(self, history: Sequence[dict] = (), instructions: str | None = None) -> tuple[str, str]:
+        system = self.system_prompt + self.memory_header + _SENTINEL + (f"\n{instructions}" if instructions else "")
         question = "\u27e6Q\u27e7"
+        messages = [{"role": "system", "content": system}, *history, {"role": "user", "content": question}]
         try:
-            rendered = self.tokenizer.apply_chat_template(
-                [{"role": "system", "content": system}, {"role": "user", "content": question}],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception:  # templates that reject a system turn: put it in the user turn
+            if history:
+                raise ValueError("this model's chat template has no system turn, so a conversation history cannot "
+                                 "follow the memory block: send the question alone") from None
             rendered = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": system + "\n\n" + question}], tokenize=False, add_generation_prompt=True
             )
@@ -107,15 +107,24 @@ class PromptBuilder:
         """Token ids of one memory line, ``"- <text>\\n"``."""
         return tuple(self._tok(f"- {text}\n"))
 
-    def build(self, question: str, facts: Sequence[tuple[str, str]]) -> PromptLayout:
+    def build(self, question: str, facts: Sequence[tuple[str, str]], history: Sequence[dict] = (),
+              instructions: str | None = None) -> PromptLayout:
         """Lay out a prompt.
 
         Args:
             question: the user's new message.
             facts: ``(fact_id, text)`` pairs, best-ranked last.
+            history: earlier turns of the conversation, ``{"role": "user" | "assistant",
+                "content"}`` dicts, oldest first; they follow the memory block, before the question.
+            instructions: extra system text, placed after the memory block in the system turn
+                (the memory block, and so its KV, stays the same).
 
         Returns:
             The :class:`PromptLayout`.
+
+        Raises:
+            ValueError: the chat template renders the system turn differently with this
+                history, or cannot take a history at all.
         """
         segments = [Segment("_preamble", 0, self.preamble_ids)]
         ids = list(self.preamble_ids)
@@ -123,6 +132,11 @@ class PromptBuilder:
             line = self.fact_line_ids(text)
             segments.append(Segment(fact_id, len(ids), line))
             ids.extend(line)
-        suffix = self._after_template.replace("\u27e6Q\u27e7", question)
-        ids.extend(self._tok(suffix))
+        after = self._after_template
+        if history or instructions:
+            before, after = self._split_template(history, instructions)
+            if tuple(self._tok(before)) != self.preamble_ids:
+                raise ValueError("the chat template changes the system turn when a history is given; "
+                                 "send the question alone")
+        ids.extend(self._tok(after.replace("\u27e6Q\u27e7", question)))
         return PromptLayout(tuple(ids), tuple(segments))

@@ -1,0 +1,152 @@
+"""Chat sessions over a scope's memory: what the framework adapters' chat histories store.
+
+A session is the part of a scope's turn log whose turns carry ``{"session_id": ...}`` in
+their metadata. Writing a message to a session logs it as a turn of the scope (so it is
+Context-Window Encoding context for the scope's facts) and stores memories from it:
+as given (``infer=False``, the messages of ``fact_roles``) or extracted by the served
+LLM (``infer=True``). The facts belong to the scope, not to the session, so a fact told
+in one session is retrieved in every later one.
+
+LangChain's ``InferScaleChatMessageHistory`` and LlamaIndex's ``InferScaleChatStore`` are
+thin shims over :class:`ChatSessions`; this module knows no framework.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+from inferscale.memory import Memory
+from inferscale.store import Scope
+from inferscale.types import FactInput, require_text
+
+#: Roles a session message may have.
+ROLES = ("user", "assistant", "system", "tool")
+
+
+@dataclass(frozen=True)
+class SessionMessage:
+    """One message of a session.
+
+    Attributes:
+        role: one of :data:`ROLES`.
+        content: the text.
+        turn_id: its turn id in the scope's log (``None`` before it is written).
+    """
+
+    role: str
+    content: str
+    turn_id: str | None = None
+
+
+class ChatSessions:
+    """The sessions of one scope of a :class:`~inferscale.Memory`.
+
+    Args:
+        memory: the memory to write to.
+        user_id / agent_id: the scope whose facts every session shares (at least one).
+        infer: ``False`` stores each message of ``fact_roles`` as a memory as given;
+            ``True`` has the served LLM extract memories from every message written.
+        fact_roles: roles whose messages become memories when ``infer`` is ``False``
+            (default: the user's only; assistant replies are logged as context).
+
+    Raises:
+        ValueError: no scope, or an unknown role in ``fact_roles``.
+    """
+
+    def __init__(self, memory: Memory, *, user_id: str | None = None, agent_id: str | None = None,
+                 infer: bool = False, fact_roles: Sequence[str] = ("user",)) -> None:
+        if not isinstance(memory, Memory):
+            raise TypeError(f"memory must be an inferscale.Memory, got {type(memory).__name__}")
+        self.memory = memory
+        self.scope = Scope.of(user_id, agent_id, None)
+        bad = [r for r in fact_roles if r not in ROLES]
+        if bad or isinstance(fact_roles, str):
+            raise ValueError(f"fact_roles must be a list of roles among {ROLES}, got {fact_roles!r}")
+        self.infer = bool(infer)
+        self.fact_roles = tuple(fact_roles)
+
+    def _ids(self) -> dict:
+        return self.scope.as_dict()
+
+    def messages(self, session_id: str) -> list[SessionMessage]:
+        """The session's messages, oldest first."""
+        session_id = _check_session(session_id)
+        return [SessionMessage(t.role, t.content, t.turn_id) for t in self.memory.get_turns(**self._ids())
+                if t.metadata.get("session_id") == session_id]
+
+    def session_ids(self) -> list[str]:
+        """Every session of the scope with at least one message, in order of first message."""
+        seen: dict[str, None] = {}
+        for t in self.memory.get_turns(**self._ids()):
+            if isinstance(t.metadata.get("session_id"), str):
+                seen.setdefault(t.metadata["session_id"], None)
+        return list(seen)
+
+    def add(self, session_id: str, messages: Sequence[SessionMessage]) -> dict:
+        """Append messages to the session: log them as turns and store memories from them.
+
+        Returns:
+            ``{"results": [...]}`` of the memories stored, as :meth:`Memory.add`.
+
+        Raises:
+            ValueError / TypeError: an unknown role or empty content (nothing is written).
+        """
+        rows = self._rows(session_id, messages)
+        if not rows:
+            return {"results": []}
+        meta = {"session_id": session_id}
+        if self.infer:
+            return self.memory.add(rows, **self._ids(), metadata=meta, infer=True)
+        facts = [r for r in rows if r["role"] in self.fact_roles]
+        self.memory.log_turns(rows, **self._ids())
+        if not facts:
+            return {"results": []}
+        return self.memory.add_facts([FactInput(r["content"], (r["id"],), meta) for r in facts], **self._ids())
+
+    def _rows(self, session_id: str, messages: Sequence[SessionMessage]) -> list[dict]:
+        """Validate messages into :meth:`Memory.add` rows with fresh turn ids (writes nothing)."""
+        session_id = _check_session(session_id)
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise TypeError(f"messages must be a list of SessionMessage, got {type(messages).__name__}")
+        rows = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, SessionMessage):
+                raise TypeError(f"message {i} must be a SessionMessage, got {type(m).__name__}")
+            if m.role not in ROLES:
+                raise ValueError(f"message {i} has role {m.role!r}; use one of {ROLES}")
+            require_text(m.content, f"message {i} content")
+            if not self.infer and m.role in self.fact_roles:
+                self.memory.facts.check_length(m.content, f"message {i}")
+            rows.append({"role": m.role, "content": m.content, "id": f"{session_id}:{uuid.uuid4().hex}",
+                         "metadata": {"session_id": session_id}})
+        return rows
+
+    def delete(self, session_id: str, turn_ids: Sequence[str] | None = None) -> int:
+        """Delete the session's messages (all, or those of ``turn_ids``); returns how many.
+
+        The memories stored from them stay: they are the scope's, not the session's
+        (forget them with :meth:`Memory.delete` / :meth:`Memory.delete_all`).
+        """
+        own = [m.turn_id for m in self.messages(session_id)]
+        wanted = own if turn_ids is None else [t for t in turn_ids if t in set(own)]
+        return self.memory.delete_turns(wanted, **self._ids())
+
+    def replace(self, session_id: str, messages: Sequence[SessionMessage]) -> None:
+        """Make the session hold exactly ``messages``: messages it already holds in the
+        same order are kept (their memories are not stored twice), the rest replaced."""
+        current = self.messages(session_id)
+        same = 0
+        while (same < min(len(current), len(messages)) and current[same].role == messages[same].role
+               and current[same].content == messages[same].content):
+            same += 1
+        self._rows(session_id, messages[same:])  # validate before deleting anything
+        self.delete(session_id, [m.turn_id for m in current[same:]])
+        self.add(session_id, messages[same:])
+
+
+def _check_session(session_id: object) -> str:
+    if not isinstance(session_id, str) or not session_id.strip():
+        raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+    return session_id
