@@ -177,6 +177,30 @@ def bench_quality(
                                            modes=mode_list, max_tokens=max_tokens, dtype=dtype, fresh=fresh))
 
 
+@bench_app.command("throughput")
+def bench_throughput(
+    data: Optional[Path] = _DATA,
+    out: Path = typer.Option(Path("results/throughput"), help="Results folder (resumes what it holds)."),
+    store: Optional[Path] = _STORE,
+    users: str = typer.Option("1,2,4,8,16,32", help="Concurrent users per level, comma-separated."),
+    facts_per_user: int = typer.Option(40, min=1, help="Facts in each user's own memory."),
+    requests_per_user: int = typer.Option(2, min=1, help="Questions each user asks in a row, per level."),
+    k: int = typer.Option(20, min=0, help="Facts per request."),
+    context_window: int = typer.Option(0, min=0, help="w the KV is encoded with (serving cost does not depend on it)."),
+    max_tokens: int = typer.Option(32, min=1, help="Answer budget (tokens)."),
+    dtype: str = _DTYPE,
+    fresh: bool = _FRESH,
+) -> None:
+    """Requests/s and TTFT p50/p99 for 1-32 concurrent users on vLLM's async engine: inject vs text."""
+    from inferscale.bench.throughput import run
+
+    data, store = _bench_paths(data, store)
+    levels = _ints(users, "users")
+    _run_bench("throughput", out, lambda: run(
+        data, out, store, levels=levels, facts_per_user=facts_per_user, requests_per_user=requests_per_user, k=k,
+        context_window=context_window, max_tokens=max_tokens, dtype=dtype, fresh=fresh))
+
+
 def summary_table(rows: list[dict], k: int) -> Table:
     """The demo's summary: median TTFT per mode, ratio, mean token F1."""
     table = Table(title=f"Summary over {len(rows)} questions (k={k})")
