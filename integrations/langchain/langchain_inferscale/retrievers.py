@@ -1,0 +1,54 @@
+"""``InferScaleRetriever``: a scope's memories as LangChain ``Document`` s."""
+
+from __future__ import annotations
+
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from pydantic import ConfigDict, Field
+
+from inferscale import Memory
+
+
+class InferScaleRetriever(BaseRetriever):
+    """Retrieves the scope's memories most similar to the query (exact cosine top-``k``).
+
+    Each ``Document`` has the memory's text as ``page_content``, its memory id as ``id``,
+    and as ``metadata`` the memory's own metadata plus ``id``, ``score`` (cosine
+    similarity), ``created_at``, ``updated_at``, ``source_turn_ids`` and the scope fields
+    (these win over user metadata of the same name). Async calls run the same search in
+    a worker thread.
+
+    Attributes:
+        memory: the InferScale memory.
+        user_id / agent_id / run_id: whose memories (at least one).
+        k: number of documents.
+        threshold: minimum cosine similarity of a result.
+        filters: metadata filters, as :meth:`inferscale.Memory.search` takes them.
+
+    Example:
+        >>> retriever = InferScaleRetriever(memory=memory, user_id="alice", k=3)
+        >>> retriever.invoke("pets")[0].page_content
+        "My dog's name is Biscuit."
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    memory: Memory = Field(exclude=True)
+    user_id: str | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
+    k: int = Field(default=4, ge=1)
+    threshold: float | None = None
+    filters: dict | None = None
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        found = self.memory.search(query, user_id=self.user_id, agent_id=self.agent_id, run_id=self.run_id,
+                                   limit=self.k, threshold=self.threshold, filters=self.filters)["results"]
+        return [_document(item) for item in found]
+
+
+def _document(item: dict) -> Document:
+    fields = {key: item[key] for key in ("id", "score", "created_at", "updated_at", "source_turn_ids", "user_id",
+                                         "agent_id", "run_id") if key in item}
+    return Document(page_content=item["memory"], id=item["id"], metadata={**item["metadata"], **fields})
