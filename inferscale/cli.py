@@ -129,7 +129,8 @@ def _run_bench(name: str, out: Path, call) -> None:
     except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, StoreError, ValueError) as exc:
         _fail(str(exc))
     console.print((out / f"{name}.md").read_text())
-    console.print(f"results: {out}/{name}.{{json,md,png,jsonl}}")
+    written = sorted(p.name for p in out.glob(f"{name}.*"))
+    console.print(f"results in {out}: {', '.join(written)}")
 
 
 @bench_app.command("latency")
@@ -199,6 +200,24 @@ def bench_throughput(
     _run_bench("throughput", out, lambda: run(
         data, out, store, levels=levels, facts_per_user=facts_per_user, requests_per_user=requests_per_user, k=k,
         context_window=context_window, max_tokens=max_tokens, dtype=dtype, fresh=fresh))
+
+
+@bench_app.command("footprint")
+def bench_footprint(
+    data: Optional[Path] = _DATA,
+    out: Path = typer.Option(Path("results/footprint"), help="Results folder."),
+    store: Optional[Path] = _STORE,
+    split_sample: int = typer.Option(0, help="Conversation whose stored KV shows the device / CPU / disk split."),
+    budgets_mib: str = typer.Option("2048,64", help="Device-tier budgets (MiB) for the split, comma-separated."),
+    dtype: str = _DTYPE,
+) -> None:
+    """KV bytes per fact and per conversation, and the device / CPU / disk split of the pool."""
+    from inferscale.bench.footprint import run
+
+    data, store = _bench_paths(data, store)
+    budgets = [b * 2**20 for b in _ints(budgets_mib, "budgets-mib")]
+    _run_bench("footprint", out, lambda: run(data, out, store, split_sample=split_sample, budgets=budgets,
+                                             dtype=dtype))
 
 
 def summary_table(rows: list[dict], k: int) -> Table:

@@ -74,16 +74,15 @@ def plot_quality(summary: dict, path: Path) -> None:
 
 
 def plot_footprint(summary: dict, path: Path) -> None:
-    """KV bytes per conversation for each context window."""
+    """Fact KV per LoCoMo conversation (MiB), with its fact count on each bar."""
     convs = summary["conversations"]
     fig, ax = plt.subplots(figsize=(9, 4.2))
-    names = [c["sample"] for c in convs]
-    width = 0.8 / max(1, len(summary["windows"]))
-    for i, w in enumerate(summary["windows"]):
-        xs = [j + i * width for j in range(len(names))]
-        ax.bar(xs, [c["kv_mib"] for c in convs], width=width, label=f"w={w} (KV does not depend on w)")
-    ax.set_xticks([j + width * (len(summary["windows"]) - 1) / 2 for j in range(len(names))], names, rotation=30)
-    ax.set(ylabel="fact KV (MiB)", title=f"KV per conversation ({summary['dtype']})")
+    bars = ax.bar([c["sample"] for c in convs], [c["kv_mib"] for c in convs], color="tab:blue")
+    for bar, c in zip(bars, convs):
+        ax.annotate(f"{c['facts']} facts", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set(ylabel="fact KV (MiB), any w", title=f"KV per conversation ({summary['dtype']}, "
+           f"{summary['bytes_per_token']:,} bytes/token)")
+    ax.tick_params(axis="x", rotation=30)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
     _save(fig, path)

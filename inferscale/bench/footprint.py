@@ -1,0 +1,150 @@
+"""KV footprint: bytes per fact and per conversation, and where the bytes live.
+
+A fact's KV is its memory line's tokens times the bytes per token of the model's KV,
+
+    bytes/token = num_hidden_layers x 2 (K and V) x num_key_value_heads x head_dim x dtype bytes
+
+(the layout of :class:`inferscale.kv.pool.FactKV`); it does not depend on the context
+window w, which changes what the KV holds, not its size. The benchmark
+
+1. checks the formula against every KV file already in the store's pool (the sizes of
+   their tensors, and of the safetensors files with their headers);
+2. sizes all 10 LoCoMo conversations from their facts' token counts;
+3. shows the device / CPU / disk split of the pool for the stored KV of one conversation
+   at two device-tier budgets: the tier keeps the most recently used KV up to its budget,
+   and every fact stays on disk. On a machine without a GPU the device tier is host
+   memory, so device and CPU are one place; on a GPU the device tier is GPU memory and
+   there is no separate CPU tier (the OS page cache holds recently read files).
+
+Reproduce: ``inferscale bench footprint`` (after ``inferscale bench latency`` has stored
+KV in the same store).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from safetensors import safe_open
+from tqdm import tqdm
+
+from inferscale.bench.common import ensure_conversation, markdown_table, scope_of, write_outputs
+from inferscale.bench.plots import plot_footprint
+from inferscale.datasets.locomo import load_locomo
+from inferscale.kv.encoder import torch_dtype
+from inferscale.kv.pool import KVPool
+from inferscale.memory import Memory
+
+NAME = "footprint"
+MIB = 2**20
+
+
+def bytes_per_token(hf_config, dtype: str) -> int:
+    """KV bytes per token, all layers, K and V (see the module docstring for the formula)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return hf_config.num_hidden_layers * 2 * hf_config.num_key_value_heads * head_dim * torch_dtype(
+        dtype).itemsize
+
+
+def stored_files(kv_dir: Path) -> list[dict]:
+    """Each KV file in the pool: its tokens, tensor bytes and file bytes."""
+    rows = []
+    for path in sorted(Path(kv_dir).rglob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            shapes = {name: fh.get_slice(name).get_shape() for name in fh.keys()}
+            dtypes = {name: fh.get_slice(name).get_dtype() for name in fh.keys()}
+        if set(shapes) != {"keys", "values"}:
+            continue
+        itemsize = {"F32": 4, "BF16": 2, "F16": 2}[dtypes["keys"]]
+        n = 1
+        for d in shapes["keys"]:
+            n *= d
+        rows.append({"owner": path.parent.name, "key": path.stem, "tokens": shapes["keys"][1], "tensor_bytes": 2 * n * itemsize,
+                     "file_bytes": path.stat().st_size})
+    return rows
+
+
+def run(data: Path, out_dir: Path, store_dir: Path, *, split_sample: int = 0,
+        budgets: Sequence[int] = (2 << 30, 64 * MIB), dtype: str = "auto") -> dict:
+    """Write ``footprint.{json,md,png}`` (no long work, so nothing to resume).
+
+    Args:
+        split_sample: the conversation whose stored KV is loaded for the split.
+        budgets: device-tier budgets (bytes) to show the split at.
+
+    Raises:
+        ValueError: bad settings.
+    """
+    settings = {"split_sample": split_sample, "budgets": list(budgets), "dtype": dtype, "data": str(data)}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    from transformers import AutoConfig
+
+    memory = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False)
+    dt = memory.config.resolved_dtype
+    per_token = bytes_per_token(AutoConfig.from_pretrained(str(memory.model_path)), dt)
+    files = stored_files(memory.kv_dir)
+    mismatched = [f for f in files if f["tensor_bytes"] != f["tokens"] * per_token]
+    convs = load_locomo(data)
+    if not 0 <= split_sample < len(convs):
+        raise ValueError(f"--split-sample must be in 0..{len(convs) - 1}, got {split_sample}")
+    rows = []
+    fact_ids: dict[str, set[str]] = {}
+    for conv in tqdm(convs, desc="size conversations", unit="conversation"):
+        ensure_conversation(memory, conv)
+        stored = memory.get_all(user_id=scope_of(conv), limit=100_000)["results"]
+        fact_ids[conv.sample_id] = {f["id"] for f in stored}
+        tokens = [len(memory.prompts.fact_line_ids(f["memory"])) for f in stored]
+        rows.append({"sample": conv.sample_id, "facts": len(tokens), "fact_tokens": sum(tokens),
+                     "tokens_per_fact": sum(tokens) / len(tokens), "kv_bytes": sum(tokens) * per_token,
+                     "kv_mib": sum(tokens) * per_token / MIB})
+    owners = fact_ids[convs[split_sample].sample_id]  # a fact's KV files live under its id
+    owner_files = [f for f in files if f["owner"] in owners]
+    split = []
+    for budget in budgets:
+        pool = KVPool(memory.kv_dir, memory.device, budget)  # a fresh pool, as a new server process has
+        for f in owner_files:
+            pool.get(f"{f['owner']}/{f['key']}")
+        fp = pool.footprint()
+        on_gpu = memory.device.type == "cuda"
+        split.append({"budget_mib": budget / MIB, "device_mib": fp["device"] / MIB,
+                      "cpu_mib": 0.0 if on_gpu else fp["device"] / MIB,
+                      "disk_mib": sum(f["file_bytes"] for f in owner_files) / MIB,
+                      "device_is_host_memory": not on_gpu})
+    total_facts = sum(r["facts"] for r in rows)
+    summary = {
+        "settings": settings, "dtype": dt, "bytes_per_token": per_token,
+        "bytes_per_fact_mean": sum(r["kv_bytes"] for r in rows) / total_facts,
+        "stored_files": len(files), "stored_files_matching_formula": len(files) - len(mismatched),
+        "file_overhead_bytes_mean": (sum(f["file_bytes"] - f["tensor_bytes"] for f in files) / len(files)
+                                     if files else None),
+        "conversations": rows, "split_sample": convs[split_sample].sample_id,
+        "split_files": len(owner_files), "split": split,
+    }
+    write_outputs(out_dir, NAME, summary, to_markdown(summary))
+    plot_footprint(summary, out_dir / f"{NAME}.png")
+    return summary
+
+
+def to_markdown(summary: dict) -> str:
+    """Tables of the summary."""
+    conv = markdown_table(
+        ["conversation", "facts", "fact tokens", "tokens per fact", "KV (MiB)"],
+        [[r["sample"], r["facts"], r["fact_tokens"], f"{r['tokens_per_fact']:.1f}", f"{r['kv_mib']:.1f}"]
+         for r in summary["conversations"]])
+    split = markdown_table(
+        ["device-tier budget (MiB)", "device (MiB)", "CPU (MiB)", "disk (MiB)"],
+        [[f"{s['budget_mib']:.0f}", f"{s['device_mib']:.1f}", f"{s['cpu_mib']:.1f}", f"{s['disk_mib']:.1f}"]
+         for s in summary["split"]])
+    host = summary["split"] and summary["split"][0]["device_is_host_memory"]
+    return (
+        f"# KV footprint\n\ndtype {summary['dtype']}: **{summary['bytes_per_token']:,} bytes per token** "
+        f"(layers x 2 x KV heads x head dim x dtype bytes); a LoCoMo fact averages "
+        f"**{summary['bytes_per_fact_mean'] / 1024:.0f} KiB** of KV at every context window w.\n\n"
+        f"The formula matches {summary['stored_files_matching_formula']} of {summary['stored_files']} KV files in "
+        f"the store; a safetensors file adds {summary['file_overhead_bytes_mean'] or 0:.0f} bytes of header on "
+        f"average.\n\n## Per conversation (all facts, one context window)\n\n{conv}\n\n"
+        f"## Where the KV of {summary['split_sample']} lives ({summary['split_files']} stored KV files, all "
+        f"context windows)\n\n{split}\n\n"
+        + ("No GPU here: the device tier is host memory, so its bytes are also the CPU column.\n" if host else
+           "The device tier is GPU memory; there is no separate CPU tier (the OS page cache holds recent files).\n")
+    )
