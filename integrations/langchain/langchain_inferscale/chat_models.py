@@ -9,16 +9,17 @@ from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
-from inferscale import Generation, Memory
+from inferscale import Generation
 from langchain_inferscale._messages import split_prompt
+from langchain_inferscale._scope import MemoryScope
 
 #: Per-call overrides accepted by ``invoke`` / ``stream`` (``model.invoke(msgs, k=3)``).
 CALL_OPTIONS = ("user_id", "agent_id", "run_id", "k", "context_window", "mode", "max_tokens", "temperature")
 
 
-class ChatInferScale(BaseChatModel):
+class ChatInferScale(MemoryScope, BaseChatModel):
     """Chat model answering through InferScale's vLLM engine with the scope's memories
     supplied as precomputed KV.
 
@@ -53,12 +54,6 @@ class ChatInferScale(BaseChatModel):
         "My dog's name is Biscuit."
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    memory: Memory = Field(exclude=True)
-    user_id: str | None = None
-    agent_id: str | None = None
-    run_id: str | None = None
     k: int | None = Field(default=None, ge=0)
     context_window: int | None = Field(default=None, ge=0)
     mode: Literal["inject", "text"] = "inject"

@@ -5,12 +5,12 @@ from __future__ import annotations
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
-from inferscale import Memory
+from langchain_inferscale._scope import MemoryScope
 
 
-class InferScaleRetriever(BaseRetriever):
+class InferScaleRetriever(MemoryScope, BaseRetriever):
     """Retrieves the scope's memories most similar to the query (exact cosine top-``k``).
 
     Each ``Document`` has the memory's text as ``page_content``, its memory id as ``id``,
@@ -32,12 +32,6 @@ class InferScaleRetriever(BaseRetriever):
         "My dog's name is Biscuit."
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    memory: Memory = Field(exclude=True)
-    user_id: str | None = None
-    agent_id: str | None = None
-    run_id: str | None = None
     k: int = Field(default=4, ge=1)
     threshold: float | None = None
     filters: dict | None = None

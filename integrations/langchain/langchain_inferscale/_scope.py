@@ -1,0 +1,18 @@
+"""The fields every InferScale LangChain component shares: the memory and the scope."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from inferscale import Memory
+
+
+class MemoryScope(BaseModel):
+    """An InferScale memory and whose memories to use (``user_id`` / ``agent_id`` / ``run_id``)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    memory: Memory = Field(exclude=True)
+    user_id: str | None = None
+    agent_id: str | None = None
+    run_id: str | None = None

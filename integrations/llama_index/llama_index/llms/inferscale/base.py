@@ -1,0 +1,175 @@
+"""``InferScaleLLM``: a LlamaIndex LLM served by vLLM with the scope's memories injected as KV."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Iterator, Literal, Optional, Sequence
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from pydantic import Field
+
+from inferscale import Generation, GenerationChunk, Memory
+from llama_index.llms.inferscale.messages import split_prompt
+
+#: Per-call overrides accepted by every method (``llm.complete(q, k=3)``).
+CALL_OPTIONS = ("user_id", "agent_id", "run_id", "k", "context_window", "mode", "max_tokens", "temperature", "stop")
+
+
+class InferScaleLLM(CustomLLM):
+    """LLM answering through InferScale's vLLM engine with the scope's memories supplied
+    as precomputed KV.
+
+    ``complete(prompt)`` answers ``prompt`` with the scope's top-``k`` memories for it;
+    ``chat(messages)`` answers the last (user) message, with the earlier user/assistant
+    messages as the conversation (prefilled after the memory block) and system messages
+    added to the system turn after the memories. Streaming variants yield the same answer
+    in pieces; async variants run the same code in a worker thread.
+
+    Each response's ``additional_kwargs`` carry the engine's counters: ``ttft_s``,
+    ``num_prompt_tokens``, ``num_injected_tokens`` (supplied as KV),
+    ``num_prefilled_tokens``, ``num_generated_tokens`` and ``memory_ids``.
+
+    Attributes:
+        memory: the InferScale memory (its engine starts on first use).
+        user_id / agent_id / run_id: whose memories (at least one, here or per call).
+        k: memories injected (default the memory's ``top_k``).
+        context_window: w of Context-Window Encoding, in turns (default the memory's).
+        mode: ``"inject"`` (KV) or ``"text"`` (prompt text).
+        temperature: 0 (default) is greedy. max_tokens: answer budget (tokens).
+        stop: stop strings.
+        allow_unknown_scope: answer a user with no memories yet without memories
+            (``False`` raises ``UnknownScopeError``).
+
+    Example:
+        >>> llm = InferScaleLLM(memory=Memory(), user_id="alice", k=5)
+        >>> llm.complete("What is my dog's name?").text
+        "My dog's name is Biscuit."
+    """
+
+    memory: Memory = Field(exclude=True)
+    user_id: Optional[str] = None
+    agent_id: Optional[str] = None
+    run_id: Optional[str] = None
+    k: Optional[int] = Field(default=None, ge=0)
+    context_window: Optional[int] = Field(default=None, ge=0)
+    mode: Literal["inject", "text"] = "inject"
+    temperature: float = Field(default=0.0, ge=0.0)
+    max_tokens: int = Field(default=256, ge=1)
+    stop: Optional[list[str]] = None
+    allow_unknown_scope: bool = True
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "InferScaleLLM"
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        """Context window and answer budget of the served model."""
+        return LLMMetadata(context_window=self.memory.config.max_model_len, num_output=self.max_tokens,
+                           is_chat_model=True, model_name=self.memory.config.llm)
+
+    # one request path: every method goes through _request and Memory.stream / Memory.generate
+
+    def _request(self, query: str, history: Sequence[dict], instructions: str | None, kwargs: dict) -> dict:
+        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for InferScaleLLM; valid per-call options: {CALL_OPTIONS}")
+        opts = {name: kwargs.get(name, getattr(self, name)) for name in CALL_OPTIONS}
+        return dict(query=query, **opts, history=list(history), instructions=instructions,
+                    allow_unknown_scope=self.allow_unknown_scope)
+
+    def _complete(self, prompt: str, kwargs: dict) -> CompletionResponse:
+        gen = self.memory.generate(**self._request(prompt, (), None, kwargs))
+        return CompletionResponse(text=gen.text, raw=gen, additional_kwargs=_counters(gen))
+
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> ChatResponse:
+        gen = self.memory.generate(**self._request(*split_prompt(messages), kwargs))
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=gen.text), raw=gen,
+                            additional_kwargs=_counters(gen))
+
+    def _stream_complete(self, prompt: str, kwargs: dict) -> CompletionResponseGen:
+        parts = self.memory.stream(**self._request(prompt, (), None, kwargs))  # checks and retrieval happen here
+        return (CompletionResponse(text=text, delta=delta, raw=gen, additional_kwargs=_counters(gen) if gen else {})
+                for text, delta, gen in _accumulate(parts))
+
+    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> ChatResponseGen:
+        parts = self.memory.stream(**self._request(*split_prompt(messages), kwargs))
+        return (ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, raw=gen,
+                             additional_kwargs=_counters(gen) if gen else {})
+                for text, delta, gen in _accumulate(parts))
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Answer ``prompt`` with the scope's memories injected."""
+        return self._complete(prompt, kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        """:meth:`complete`, streamed (each response has the text so far and its ``delta``)."""
+        return self._stream_complete(prompt, kwargs)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Answer the last (user) message; earlier messages are the conversation."""
+        return self._chat(messages, kwargs)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """:meth:`chat`, streamed."""
+        return self._stream_chat(messages, kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """:meth:`complete` in a worker thread."""
+        return await asyncio.to_thread(self._complete, prompt, kwargs)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """:meth:`chat` in a worker thread."""
+        return await asyncio.to_thread(self._chat, messages, kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any
+                               ) -> CompletionResponseAsyncGen:
+        """:meth:`stream_complete`, each step in a worker thread."""
+        return _in_thread(await asyncio.to_thread(self._stream_complete, prompt, kwargs))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        """:meth:`stream_chat`, each step in a worker thread."""
+        return _in_thread(await asyncio.to_thread(self._stream_chat, messages, kwargs))
+
+
+def _accumulate(parts: Iterator[GenerationChunk]) -> Iterator[tuple[str, str, Generation | None]]:
+    """``(text so far, delta, generation on the last chunk)`` of a streamed answer."""
+    text = ""
+    for part in parts:
+        text += part.text
+        yield text, part.text, part.generation
+
+
+async def _in_thread(iterator: Iterator) -> AsyncIterator:
+    done = object()
+    while (item := await asyncio.to_thread(next, iterator, done)) is not done:
+        yield item
+
+
+def _counters(gen: Generation) -> dict:
+    return {
+        "mode": gen.mode, "ttft_s": gen.ttft_s, "latency_s": gen.latency_s, "retrieval_s": gen.retrieval_s,
+        "num_prompt_tokens": gen.num_prompt_tokens, "num_injected_tokens": gen.num_injected_tokens,
+        "num_prefilled_tokens": gen.num_prefilled_tokens, "num_generated_tokens": gen.num_generated_tokens,
+        "memory_ids": [m["id"] for m in gen.memories],
+    }

@@ -1,0 +1,192 @@
+"""LlamaIndex adapter (``llama-index-inferscale``) driven the way LlamaIndex drives it, on
+the real engine: ``SimpleChatEngine`` over ``ChatMemoryBuffer`` / ``Memory``."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.chat_engine import SimpleChatEngine
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
+from llama_index.core.memory import ChatMemoryBuffer
+from llama_index.core.memory import Memory as LlamaMemory
+
+from inferscale import Memory
+from llama_index.llms.inferscale import InferScaleLLM
+from llama_index.memory.inferscale import InferScaleMemoryBlock
+from llama_index.storage.chat_store.inferscale import InferScaleChatStore
+
+FACT, QUESTION = "My dog's name is Biscuit.", "What is my dog's name?"
+
+
+class ChatEnds(BaseEventHandler):
+    """Collects the LLM chat responses LlamaIndex's instrumentation reports."""
+
+    responses: list = []
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ChatEnds"
+
+    def handle(self, event, **kwargs) -> None:
+        if isinstance(event, LLMChatEndEvent) and event.response is not None:
+            self.responses.append(event.response)
+
+
+@pytest.fixture(scope="module")
+def memory(serving_dir, engine):
+    return Memory(data_dir=serving_dir, dtype="float32", engine=engine, max_model_len=4096)
+
+
+@pytest.fixture(scope="module")
+def chat_ends():
+    handler = ChatEnds(responses=[])
+    get_dispatcher().add_event_handler(handler)
+    return handler
+
+
+@pytest.fixture
+def user() -> str:
+    return f"li-{uuid.uuid4().hex[:8]}"
+
+
+def _user(role: str, text: str) -> ChatMessage:
+    return ChatMessage(role=role, content=text)
+
+
+def test_simple_chat_engine_over_the_chat_store_remembers_across_sessions(memory, user, chat_ends):
+    store = InferScaleChatStore(memory, user_id=user)
+    llm = InferScaleLLM(memory=memory, user_id=user, k=5, max_tokens=24)
+
+    def engine(session: str) -> SimpleChatEngine:
+        buffer = ChatMemoryBuffer.from_defaults(chat_store=store, chat_store_key=session, token_limit=2000)
+        return SimpleChatEngine.from_defaults(llm=llm, memory=buffer)
+
+    engine("monday").chat(FACT)
+    answer = engine("tuesday").chat(QUESTION)
+    response = chat_ends.responses[-1]
+    assert "Biscuit" in answer.response and response.message.content == answer.response
+    fact = next(r for r in memory.get_all(user_id=user)["results"] if r["memory"] == FACT)
+    counters = response.additional_kwargs
+    assert fact["id"] in counters["memory_ids"]
+    # the memory block (preamble + both stored user lines) came as KV, not prefilled
+    assert counters["num_injected_tokens"] == memory.inject(QUESTION, user_id=user, k=5).memory_tokens
+    assert counters["num_prefilled_tokens"] <= counters["num_prompt_tokens"] - counters["num_injected_tokens"]
+    assert [m.content for m in store.get_messages("tuesday")] == [QUESTION, answer.response]
+    assert store.get_keys() == ["monday", "tuesday"]
+
+    later = asyncio.run(engine("wednesday").achat(QUESTION))
+    assert "Biscuit" in later.response and chat_ends.responses[-1].additional_kwargs["num_injected_tokens"] > 0
+
+
+def test_memory_block_writes_flushed_messages_and_feeds_the_next_session(memory, user):
+    block = InferScaleMemoryBlock(memory=memory, user_id=user, k=3)
+    monday = LlamaMemory.from_defaults(session_id="monday", token_limit=40, chat_history_token_ratio=0.5,
+                                       token_flush_size=10, memory_blocks=[block])
+    for role, text in (("user", FACT), ("assistant", "What a lovely name!"), ("user", "I also like tea."),
+                       ("assistant", "Noted."), ("user", "Thanks, bye for now.")):
+        monday.put(_user(role, text))  # the oldest turns overflow into the block
+    stored = {r["memory"] for r in memory.get_all(user_id=user)["results"]}
+    assert FACT in stored and "What a lovely name!" not in stored  # user messages become memories
+    turns = memory.get_turns(user_id=user)
+    assert turns[0].content == FACT and turns[0].metadata == {"session_id": "monday"}
+
+    tuesday = LlamaMemory.from_defaults(session_id="tuesday", token_limit=2000, memory_blocks=[block])
+    shown = tuesday.get(input=QUESTION)
+    assert any(FACT in (m.content or "") for m in shown if m.role == MessageRole.SYSTEM)
+
+    silent = InferScaleMemoryBlock(memory=memory, user_id=user, include_text=False)
+    llm = InferScaleLLM(memory=memory, user_id=user, k=3, max_tokens=24)
+    chat = SimpleChatEngine.from_defaults(llm=llm, memory=LlamaMemory.from_defaults(
+        session_id="thursday", token_limit=2000, memory_blocks=[silent]))
+    answer = chat.chat(QUESTION)
+    assert "Biscuit" in answer.response
+
+
+def test_llm_complete_stream_and_chat(memory, user):
+    memory.add(FACT, user_id=user)
+    llm = InferScaleLLM(memory=memory, user_id=user, k=3, max_tokens=16)
+    done = llm.complete(QUESTION)
+    assert "Biscuit" in done.text
+    assert done.additional_kwargs["num_injected_tokens"] > 0 and done.additional_kwargs["num_generated_tokens"] > 0
+    parts = list(llm.stream_complete(QUESTION))
+    assert len(parts) > 1 and "".join(p.delta for p in parts) == parts[-1].text == done.text
+    assert parts[-1].additional_kwargs["num_injected_tokens"] > 0
+
+    chat = llm.chat([_user("system", "Answer briefly."), _user("user", "Hi!"), _user("assistant", "Hello!"),
+                     _user("user", QUESTION)])
+    assert chat.message.role == MessageRole.ASSISTANT and chat.additional_kwargs["num_injected_tokens"] > 0
+    streamed = list(llm.stream_chat([_user("user", QUESTION)]))
+    assert streamed[-1].message.content == "".join(r.delta for r in streamed)
+
+    async def run():
+        a = await llm.acomplete(QUESTION)
+        gen = await llm.astream_complete(QUESTION)
+        b = [r async for r in gen]
+        c = await llm.achat([_user("user", QUESTION)])
+        gen = await llm.astream_chat([_user("user", QUESTION)])
+        d = [r async for r in gen]
+        return a, b, c, d
+
+    a, b, c, d = asyncio.run(run())
+    assert a.text == b[-1].text == done.text and c.message.content == d[-1].message.content
+    text_mode = llm.complete(QUESTION, mode="text").additional_kwargs
+    assert text_mode["num_injected_tokens"] == 0
+    assert "Biscuit" not in llm.complete(QUESTION, stop=["Biscuit"]).text
+    assert llm.metadata.is_chat_model and llm.metadata.context_window == 4096
+
+
+def test_llm_bad_input_gets_a_clear_error(memory, user):
+    memory.add(FACT, user_id=user)
+    llm = InferScaleLLM(memory=memory, user_id=user)
+    with pytest.raises(ValueError, match="valid per-call options"):
+        llm.complete(QUESTION, top_p=0.5)
+    with pytest.raises(ValueError, match="last message must be the user's"):
+        llm.chat([_user("user", QUESTION), _user("assistant", "Biscuit")])
+    with pytest.raises(ValueError, match="no tool calls"):
+        llm.chat([_user("tool", "42"), _user("user", QUESTION)])
+    with pytest.raises(ValueError, match="has no text"):
+        llm.chat([_user("user", "  ")])
+    with pytest.raises(ValueError):
+        InferScaleLLM(memory=None)
+
+
+def test_chat_store_implements_every_method(memory, user):
+    store = InferScaleChatStore(memory, user_id=user)
+    msgs = [_user("user", "I live in Lisbon."), _user("assistant", "Nice."), _user("user", "I like tea.")]
+    store.set_messages("a", msgs)
+    assert [(m.role, m.content) for m in store.get_messages("a")] == [(m.role, m.content) for m in msgs]
+    store.add_message("a", _user("assistant", "Noted."))
+    with pytest.raises(ValueError, match="appended"):
+        store.add_message("a", _user("user", "x"), idx=0)
+    assert store.delete_message("a", 1).content == "Nice."
+    assert store.delete_message("a", 9) is None
+    assert store.delete_last_message("a").content == "Noted."
+    assert [m.content for m in store.get_messages("a")] == ["I live in Lisbon.", "I like tea."]
+    before = len(memory.get_all(user_id=user)["results"])
+    store.set_messages("a", [msgs[0], _user("user", "I like coffee.")])  # keeps the common prefix
+    assert [m.content for m in store.get_messages("a")] == ["I live in Lisbon.", "I like coffee."]
+    assert len(memory.get_all(user_id=user)["results"]) == before + 1
+
+    async def run():
+        await store.async_add_message("b", _user("user", "I run marathons."))
+        await store.aset_messages("c", [_user("user", "I have two cats.")])
+        got = await store.aget_messages("b")
+        keys = await store.aget_keys()
+        last = await store.adelete_last_message("c")
+        one = await store.adelete_message("b", 0)
+        gone = await store.adelete_messages("a")
+        return got, keys, last, one, gone
+
+    got, keys, last, one, gone = asyncio.run(run())
+    assert [m.content for m in got] == ["I run marathons."] and keys == ["a", "b", "c"]
+    assert last.content == "I have two cats." and one.content == "I run marathons."
+    assert [m.content for m in gone] == ["I live in Lisbon.", "I like coffee."]
+    assert store.get_keys() == [] and store.delete_messages("a") is None
+    assert {"I live in Lisbon.", "I run marathons."} <= {r["memory"] for r in memory.get_all(user_id=user)["results"]}
+    with pytest.raises(ValueError, match="has no text"):
+        store.add_message("a", _user("user", ""))
