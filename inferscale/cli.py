@@ -71,7 +71,8 @@ def demo(
         )
     except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, StoreError, ValueError) as exc:
         _fail(str(exc))
-    console.print("Next: `inferscale bench memory-ops` and the benchmarks listed in README.md (section Benchmarks).")
+    console.print("Next, the benchmarks (README.md, section Benchmarks): `inferscale bench latency`, `bench throughput`, "
+                  "`bench quality`, `bench footprint` and `bench memory-ops`; each writes JSON, Markdown and a PNG.")
 
 
 def _fail(message: str) -> None:
@@ -207,6 +208,7 @@ def bench_footprint(
     data: Optional[Path] = _DATA,
     out: Path = typer.Option(Path("results/footprint"), help="Results folder."),
     store: Optional[Path] = _STORE,
+    samples: str = typer.Option("0,1,2,3,4,5,6,7,8,9", help="Conversations to size, comma-separated."),
     split_sample: int = typer.Option(0, help="Conversation whose stored KV shows the device / CPU / disk split."),
     budgets_mib: str = typer.Option("2048,64", help="Device-tier budgets (MiB) for the split, comma-separated."),
     dtype: str = _DTYPE,
@@ -216,7 +218,8 @@ def bench_footprint(
 
     data, store = _bench_paths(data, store)
     budgets = [b * 2**20 for b in _ints(budgets_mib, "budgets-mib")]
-    _run_bench("footprint", out, lambda: run(data, out, store, split_sample=split_sample, budgets=budgets,
+    _run_bench("footprint", out, lambda: run(data, out, store, samples=_ints(samples, "samples"), split_sample=split_sample,
+                                             budgets=budgets,
                                              dtype=dtype))
 
 

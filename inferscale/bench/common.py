@@ -64,11 +64,15 @@ class ResultLog:
         self.settings = settings
         self.rows: dict[str, dict] = {}
         if self.path.exists():
-            for line in self.path.read_text().splitlines():
+            text = self.path.read_text()
+            if text and not text.endswith("\n"):  # a row cut short by a kill: drop it, its work is redone
+                text = text[: text.rfind("\n") + 1]
+                self.path.write_text(text)
+            for line in text.splitlines():
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a line cut short by a kill: its work is redone
+                    continue  # a damaged line: its work is redone
                 self.rows[row["key"]] = row
 
     def done(self, key: str) -> bool:

@@ -64,18 +64,19 @@ def stored_files(kv_dir: Path) -> list[dict]:
     return rows
 
 
-def run(data: Path, out_dir: Path, store_dir: Path, *, split_sample: int = 0,
+def run(data: Path, out_dir: Path, store_dir: Path, *, samples: Sequence[int] | None = None, split_sample: int = 0,
         budgets: Sequence[int] = (2 << 30, 64 * MIB), dtype: str = "auto") -> dict:
     """Write ``footprint.{json,md,png}`` (no long work, so nothing to resume).
 
     Args:
+        samples: conversation indices to size (default: all).
         split_sample: the conversation whose stored KV is loaded for the split.
         budgets: device-tier budgets (bytes) to show the split at.
 
     Raises:
         ValueError: bad settings.
     """
-    settings = {"split_sample": split_sample, "budgets": list(budgets), "dtype": dtype, "data": str(data)}
+    settings = {"samples": None if samples is None else list(samples), "split_sample": split_sample, "budgets": list(budgets), "dtype": dtype, "data": str(data)}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     from transformers import AutoConfig
 
@@ -84,9 +85,14 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, split_sample: int = 0,
     per_token = bytes_per_token(AutoConfig.from_pretrained(str(memory.model_path)), dt)
     files = stored_files(memory.kv_dir)
     mismatched = [f for f in files if f["tensor_bytes"] != f["tokens"] * per_token]
-    convs = load_locomo(data)
-    if not 0 <= split_sample < len(convs):
-        raise ValueError(f"--split-sample must be in 0..{len(convs) - 1}, got {split_sample}")
+    every = load_locomo(data)
+    picked = list(range(len(every))) if samples is None else list(samples)
+    if split_sample not in picked:
+        picked.append(split_sample)
+    bad = [i for i in picked if not 0 <= i < len(every)]
+    if bad:
+        raise ValueError(f"conversation indices must be in 0..{len(every) - 1}, got {bad}")
+    convs = [every[i] for i in sorted(set(picked))]
     rows = []
     fact_ids: dict[str, set[str]] = {}
     for conv in tqdm(convs, desc="size conversations", unit="conversation"):
@@ -97,7 +103,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, split_sample: int = 0,
         rows.append({"sample": conv.sample_id, "facts": len(tokens), "fact_tokens": sum(tokens),
                      "tokens_per_fact": sum(tokens) / len(tokens), "kv_bytes": sum(tokens) * per_token,
                      "kv_mib": sum(tokens) * per_token / MIB})
-    owners = fact_ids[convs[split_sample].sample_id]  # a fact's KV files live under its id
+    owners = fact_ids[every[split_sample].sample_id]  # a fact's KV files live under its id
     owner_files = [f for f in files if f["owner"] in owners]
     split = []
     for budget in budgets:
@@ -117,7 +123,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, split_sample: int = 0,
         "stored_files": len(files), "stored_files_matching_formula": len(files) - len(mismatched),
         "file_overhead_bytes_mean": (sum(f["file_bytes"] - f["tensor_bytes"] for f in files) / len(files)
                                      if files else None),
-        "conversations": rows, "split_sample": convs[split_sample].sample_id,
+        "conversations": rows, "split_sample": every[split_sample].sample_id,
         "split_files": len(owner_files), "split": split,
     }
     write_outputs(out_dir, NAME, summary, to_markdown(summary))

@@ -1,0 +1,179 @@
+"""The benchmarks: resumable logs, and tiny real runs of every ``inferscale bench`` command.
+
+Each command runs in a subprocess (as a user runs it) on the real model, vLLM and
+LoCoMo, with one small store shared by the module. Timings are never asserted; what is
+asserted is what the outputs mean (which tokens were prefilled, what was resumed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inferscale.bench.common import ResultLog, percentile
+
+CLI = [sys.executable, "-m", "inferscale.cli"]
+
+
+def _bench(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.run([*CLI, "bench", *args], capture_output=True, text=True, env=env, timeout=1200)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- the result log
+
+
+def test_result_log_resumes_skips_cut_lines_and_refuses_other_settings(tmp_path):
+    log = ResultLog(tmp_path, "b", {"ks": (1, 2)})
+    log.add("a", {"v": 1})
+    log.add("b", {"v": 2})
+    with (tmp_path / "b.jsonl").open("a") as fh:
+        fh.write('{"key": "c", "v"')  # a write cut short by a kill
+    again = ResultLog(tmp_path, "b", {"ks": [1, 2]})
+    assert again.done("a") and again.done("b") and not again.done("c")
+    assert [r["v"] for r in again.all()] == [1, 2]
+
+    before = (tmp_path / "b.jsonl").read_text()
+    with pytest.raises(ValueError, match="other settings \\(ks\\).*--fresh"):
+        ResultLog(tmp_path, "b", {"ks": [1, 2, 3]})
+    assert (tmp_path / "b.jsonl").read_text() == before  # refused: nothing changed
+    assert json.loads((tmp_path / "b.settings.json").read_text()) == {"ks": [1, 2]}
+
+    fresh = ResultLog(tmp_path, "b", {"ks": [1, 2, 3]}, fresh=True)
+    assert fresh.all() == [] and not (tmp_path / "b.jsonl").exists()
+
+
+def test_percentile_matches_numpy_linear():
+    np = pytest.importorskip("numpy")
+    xs = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+# ---------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench-store")
+
+
+@pytest.fixture(scope="module")
+def latency_run(tmp_path_factory, store, locomo_path):
+    out = tmp_path_factory.mktemp("latency")
+    args = ["latency", "--data", str(locomo_path), "--out", str(out), "--store", str(store), "--questions", "2",
+            "--k", "0,5", "--modes", "text,inject-w0"]
+    first = _bench(*args)
+    return out, args, first
+
+
+def test_latency_writes_json_md_png_and_injects(latency_run):
+    out, _args, first = latency_run
+    summary = json.loads((out / "latency.json").read_text())
+    assert {"cpu", "cores", "torch"} <= set(summary["machine"])
+    cells = {(c["mode"], c["k"]): c for c in summary["cells"]}
+    assert set(cells) == {("text", 0), ("text", 5), ("inject-w0", 0), ("inject-w0", 5)}
+    assert all(c["n"] == 2 for c in cells.values())
+    # same prompt in both modes; inject prefills only the question
+    assert cells[("text", 5)]["prompt_tokens_mean"] == cells[("inject-w0", 5)]["prompt_tokens_mean"]
+    assert cells[("text", 5)]["prefilled_tokens_mean"] == cells[("text", 5)]["prompt_tokens_mean"]
+    assert cells[("inject-w0", 5)]["prefilled_tokens_mean"] < cells[("text", 5)]["prompt_tokens_mean"] - 100
+    assert "text k=5 / inject-w0 k=5" in summary["ttft_median_ratios"]
+    assert (out / "latency.png").stat().st_size > 10_000
+    assert "| inject-w0 | 5 | 2 |" in (out / "latency.md").read_text()
+    assert "Latency: TTFT vs k" in first.stdout
+
+
+def test_latency_resumes_without_redoing_finished_work(latency_run):
+    out, args, _first = latency_run
+    log = out / "latency.jsonl"
+    rows = _rows(log)
+    assert len(rows) == 8
+    kept, lost = rows[:5], rows[5:]
+    log.write_text("".join(json.dumps(r) + "\n" for r in kept) + '{"key": "text|k=5|q=1", "ttft')  # killed mid-write
+    _bench(*args)
+    after = _rows_tolerant(log)
+    assert [r for r in after if r["key"] in {k["key"] for k in kept}] == kept  # finished work untouched
+    assert sorted(r["key"] for r in after) == sorted(r["key"] for r in rows)  # the lost work, and only it, redone
+    assert len(after) == 8
+    assert {r["key"] for r in after[5:]} == {r["key"] for r in lost}
+
+
+def _rows_tolerant(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def test_latency_refuses_other_settings_in_the_same_folder(latency_run):
+    out, args, _ = latency_run
+    before = (out / "latency.jsonl").read_text()
+    proc = _bench(*[a if a != "0,5" else "0,5,10" for a in args], check=False)
+    assert proc.returncode == 2
+    assert "other settings" in proc.stdout and "--fresh" in proc.stdout
+    assert (out / "latency.jsonl").read_text() == before
+
+
+def test_quality_scores_every_mode(tmp_path, store, locomo_path, latency_run):
+    _bench("quality", "--data", str(locomo_path), "--out", str(tmp_path), "--store", str(store), "--samples", "0",
+           "--questions", "1", "--k", "5", "--modes", "text,inject-w0", "--max-tokens", "8")
+    rows = _rows(tmp_path / "quality.jsonl")
+    answers = [r for r in rows if "mode" in r]
+    assert {r["mode"] for r in answers} == {"text", "inject-w0"}
+    for r in answers:
+        assert 0.0 <= r["f1"] <= 1.0 and r["nll"] > 0 and r["answer"]
+    by_mode = {r["mode"]: r for r in answers}
+    assert by_mode["inject-w0"]["injected_tokens"] > 0 and by_mode["text"]["injected_tokens"] == 0
+    recall = next(r for r in rows if "recall" in r)["recall"]["5"]
+    assert recall is None or 0.0 <= recall <= 1.0
+    summary = json.loads((tmp_path / "quality.json").read_text())
+    assert "inject-w0 k=5" in summary["vs_text"]
+    assert (tmp_path / "quality.png").stat().st_size > 10_000
+
+
+def test_throughput_on_the_async_engine(tmp_path, store, locomo_path):
+    _bench("throughput", "--data", str(locomo_path), "--out", str(tmp_path), "--store", str(store), "--users", "1,2",
+           "--facts-per-user", "8", "--requests-per-user", "1", "--k", "5", "--max-tokens", "4")
+    summary = json.loads((tmp_path / "throughput.json").read_text())
+    cells = {(c["mode"], c["users"]): c for c in summary["cells"]}
+    assert set(cells) == {("inject", 1), ("inject", 2), ("text", 1), ("text", 2)}
+    for (mode, users), c in cells.items():
+        assert c["requests"] == users and c["requests_per_s"] > 0
+        assert 0 < c["output_tokens_mean"] <= 4
+    assert cells[("inject", 2)]["prefilled_tokens_mean"] < cells[("text", 2)]["prefilled_tokens_mean"]
+    assert (tmp_path / "throughput.png").stat().st_size > 10_000
+
+
+def test_footprint_formula_matches_the_stored_kv(tmp_path, store, locomo_path, latency_run):
+    _bench("footprint", "--data", str(locomo_path), "--out", str(tmp_path), "--store", str(store), "--samples", "0",
+           "--budgets-mib", "1024,4")
+    s = json.loads((tmp_path / "footprint.json").read_text())
+    from transformers import AutoConfig
+
+    from inferscale.models import resolve_llm
+
+    cfg = AutoConfig.from_pretrained(str(resolve_llm()))
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert s["bytes_per_token"] == cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4  # fp32 on CPU
+    assert s["stored_files"] > 0 and s["stored_files_matching_formula"] == s["stored_files"]
+    (conv,) = s["conversations"]
+    assert conv["sample"] == "conv-26" and conv["kv_bytes"] == conv["fact_tokens"] * s["bytes_per_token"]
+    big, tiny = s["split"]
+    assert big["device_mib"] == pytest.approx(big["disk_mib"], rel=0.01)  # everything fits the device tier
+    assert 0 < tiny["device_mib"] <= 4.0 < tiny["disk_mib"]  # LRU keeps to the budget; every fact stays on disk
