@@ -106,9 +106,17 @@ class RopeRotator:
         x_rot, x_pass = x[..., :rot], x[..., rot:]
         if inverse:
             y = (x_rot * cos - _rotate_half(x_rot) * sin) / (cos * cos + sin * sin)
-        else:
-            y = x_rot * cos + _rotate_half(x_rot) * sin
-        return torch.cat((y, x_pass), dim=-1).to(keys.dtype)
+            return torch.cat((y, x_pass), dim=-1).to(keys.dtype)
+        # the serving path: x*cos + rotate_half(x)*sin written in place, with no
+        # rotate_half or concatenation temporaries (it runs on every injected token)
+        half = rot // 2
+        out = torch.empty_like(x)
+        torch.mul(x_rot, cos, out=out[..., :rot]) if x_pass.shape[-1] else torch.mul(x, cos, out=out)
+        out[..., :half].addcmul_(x_rot[..., half:], sin[..., :half], value=-1)
+        out[..., half:rot].addcmul_(x_rot[..., :half], sin[..., half:])
+        if x_pass.shape[-1]:
+            out[..., rot:] = x_pass
+        return out.to(keys.dtype)
 
     def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate pre-RoPE keys to ``positions``.
