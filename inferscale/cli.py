@@ -223,6 +223,20 @@ def bench_footprint(
                                              dtype=dtype))
 
 
+@bench_app.command("report")
+def bench_report(
+    results: Path = typer.Option(Path("docs/results"), help="Folder holding <bench>/<bench>.json."),
+    readme: Path = typer.Option(Path("README.md"), help="README with the bench-results markers to fill."),
+) -> None:
+    """Rewrite the README's results section from the benchmarks' JSON summaries."""
+    from inferscale.bench.report import update_readme
+
+    try:
+        console.print(update_readme(readme, results))
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+
+
 def summary_table(rows: list[dict], k: int) -> Table:
     """The demo's summary: median TTFT per mode, ratio, mean token F1."""
     table = Table(title=f"Summary over {len(rows)} questions (k={k})")

@@ -177,3 +177,26 @@ def test_footprint_formula_matches_the_stored_kv(tmp_path, store, locomo_path, l
     big, tiny = s["split"]
     assert big["device_mib"] == pytest.approx(big["disk_mib"], rel=0.01)  # everything fits the device tier
     assert 0 < tiny["device_mib"] <= 4.0 < tiny["disk_mib"]  # LRU keeps to the budget; every fact stays on disk
+
+
+def test_report_fills_the_readme_section_from_the_summaries(tmp_path):
+    from inferscale.bench import latency, report
+
+    rows = [{"mode": m, "k": k, "ttft_s": t, "retrieval_s": 0.01, "e2e_s": t + 0.01, "prompt_tokens": 30 + 25 * k,
+             "prefilled_tokens": 30 + 25 * k if m == "text" else 20}
+            for m, per_k in (("text", {0: 0.1, 50: 2.0}), ("inject-w20", {0: 0.1, 50: 0.125})) for k, t in per_k.items()]
+    summary = latency.summarize(rows, [0, 50], ["text", "inject-w20"])
+    summary["settings"] = {"questions": 1}
+    (tmp_path / "latency").mkdir()
+    (tmp_path / "latency" / "latency.json").write_text(json.dumps(
+        {"machine": {"cpu": "test cpu", "cores": 2, "torch": "x", "gpu": None, "vllm": "y"}, **summary}))
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n")
+    with pytest.raises(ValueError, match="bench-results"):
+        report.update_readme(readme, tmp_path)
+    assert readme.read_text() == "intro\n"
+    readme.write_text(f"intro\n{report.START}\nold\n{report.END}\noutro\n")
+    report.update_readme(readme, tmp_path)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
+    assert "**1.25x**" in text and "**16.00x**" in text and "test cpu" in text

@@ -1,0 +1,106 @@
+"""The README's results section, built from the benchmarks' JSON summaries.
+
+``inferscale bench report`` reads ``<results>/{latency,throughput,quality,footprint}/*.json``
+and rewrites the part of ``README.md`` between the markers below, so the headline
+numbers are never typed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from inferscale.bench.common import markdown_table
+
+START = "<!-- bench-results:start -->"
+END = "<!-- bench-results:end -->"
+
+
+def _load(results: Path, name: str) -> dict | None:
+    path = results / name / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _cell(cells: list[dict], **match) -> dict | None:
+    return next((c for c in cells if all(c.get(k) == v for k, v in match.items())), None)
+
+
+def summary_rows(results: Path) -> list[list[str]]:
+    """One row per headline number: (what, measured, target, page)."""
+    rows = []
+    lat = _load(results, "latency")
+    if lat:
+        cells, n = lat["cells"], lat["settings"]["questions"]
+        inj0, inj50 = _cell(cells, mode="inject-w20", k=0), _cell(cells, mode="inject-w20", k=50)
+        txt50 = _cell(cells, mode="text", k=50)
+        if inj0 and inj50 and txt50:
+            rows.append([f"TTFT, inject (w=20) k=50 vs k=0 ({n} questions, median)",
+                         f"{inj50['ttft_median_ms']:.0f} vs {inj0['ttft_median_ms']:.0f} ms: "
+                         f"**{inj50['ttft_median_ms'] / inj0['ttft_median_ms']:.2f}x**", "<= 1.25x",
+                         "[latency](docs/results/latency/latency.md)"])
+            rows.append(["TTFT, text vs inject (w=20) at k=50 (median)",
+                         f"{txt50['ttft_median_ms']:.0f} vs {inj50['ttft_median_ms']:.0f} ms: "
+                         f"**{txt50['ttft_median_ms'] / inj50['ttft_median_ms']:.2f}x**", ">= 6x",
+                         "[latency](docs/results/latency/latency.md)"])
+            e_t, e_i = txt50["e2e_median_ms"], inj50["e2e_median_ms"]
+            rows.append(["end to end (retrieval + TTFT), text vs inject (w=20) at k=50", f"{e_t:.0f} vs {e_i:.0f} ms: "
+                         f"{e_t / e_i:.2f}x", "", "[latency](docs/results/latency/latency.md)"])
+    tp = _load(results, "throughput")
+    if tp:
+        for users, ratio in tp["inject_over_text_requests_per_s"].items():
+            if users == "16":
+                i, t = _cell(tp["cells"], mode="inject", users=16), _cell(tp["cells"], mode="text", users=16)
+                rows.append(["throughput at 16 concurrent users, inject vs text",
+                             f"{i['requests_per_s']:.2f} vs {t['requests_per_s']:.2f} req/s: **{ratio:.2f}x**",
+                             ">= 3.7x", "[throughput](docs/results/throughput/throughput.md)"])
+    q = _load(results, "quality")
+    if q:
+        cells = q["cells"]
+        for mode in ("inject-w20",):
+            i, t = _cell(cells, mode=mode, k=50), _cell(cells, mode="text", k=50)
+            if i and t:
+                rows.append([f"token F1 at k=50, {mode} vs text ({i['n']} answers each)",
+                             f"{i['f1_mean']:.3f} vs {t['f1_mean']:.3f}: **{i['f1_mean'] / t['f1_mean']:.0%}**"
+                             if t["f1_mean"] else f"{i['f1_mean']:.3f} vs {t['f1_mean']:.3f}", ">= 95%",
+                             "[quality](docs/results/quality/quality.md)"])
+                rows.append([f"gold-answer NLL at k=50, {mode} vs text", f"{i['nll_mean']:.3f} vs {t['nll_mean']:.3f} "
+                             f"nats/token: **{i['nll_mean'] / t['nll_mean'] - 1:+.1%}**", "within 5%",
+                             "[quality](docs/results/quality/quality.md)"])
+    fp = _load(results, "footprint")
+    if fp:
+        sizes = [c["kv_mib"] for c in fp["conversations"]]
+        rows.append(["KV per fact / per LoCoMo conversation", f"{fp['bytes_per_fact_mean'] / 1024:.0f} KiB / "
+                     f"{min(sizes):.0f}-{max(sizes):.0f} MiB ({fp['dtype']})", "",
+                     "[footprint](docs/results/footprint/footprint.md)"])
+    return rows
+
+
+def render(results: Path) -> str:
+    """The Markdown that goes between the markers."""
+    rows = summary_rows(results)
+    machine = None
+    for name in ("latency", "throughput", "quality", "footprint"):
+        data = _load(results, name)
+        if data:
+            machine = data["machine"]
+            break
+    where = (f"{machine['cpu']}, {machine['cores']} cores, {machine.get('gpu') or 'no GPU'}, torch {machine['torch']}, "
+             f"vLLM {machine.get('vllm')}" if machine else "no results yet")
+    table = markdown_table(["what", "measured", "target", "page"], rows) if rows else "(no benchmark results yet)"
+    return f"{START}\nMeasured on: {where}.\n\n{table}\n{END}"
+
+
+def update_readme(readme: Path, results: Path) -> str:
+    """Rewrite the marked section of ``readme``; returns the new section.
+
+    Raises:
+        ValueError: the README lacks the markers.
+    """
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{readme} has no {START} ... {END} section to fill")
+    section = render(results)
+    head, rest = text.split(START, 1)
+    _old, tail = rest.split(END, 1)
+    readme.write_text(head + section + tail)
+    return section
