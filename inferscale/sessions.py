@@ -14,8 +14,8 @@ thin shims over :class:`ChatSessions`; this module knows no framework.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from inferscale.memory import Memory
 from inferscale.store import Scope

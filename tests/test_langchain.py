@@ -8,14 +8,14 @@ import importlib.util
 import uuid
 from pathlib import Path
 
+import langchain_inferscale
 import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.prompts import ChatPromptTemplate
-
-import langchain_inferscale
-from inferscale import Memory
 from langchain_inferscale import ChatInferScale, InferScaleChatMessageHistory, InferScaleRetriever
+
+from inferscale import Memory
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "integrations" / "langchain" / "examples" / "remembering_agent.py"
 FACT, QUESTION = "My dog's name is Biscuit.", "What is my dog's name?"
@@ -125,8 +125,8 @@ def test_chat_history_logs_turns_and_stores_user_messages_as_memories(memory, us
     history.add_ai_message("Lisbon is lovely.")
     asyncio.run(history.aadd_messages([HumanMessage("I am allergic to peanuts.")]))
     msgs = history.messages
-    assert [(type(m), m.content) for m in msgs] == [
-        (HumanMessage, "I live in Lisbon."), (AIMessage, "Lisbon is lovely."), (HumanMessage, "I am allergic to peanuts.")]
+    assert [(type(m), m.content) for m in msgs] == [(HumanMessage, "I live in Lisbon."), (AIMessage, "Lisbon is lovely."),
+                                                    (HumanMessage, "I am allergic to peanuts.")]
     assert asyncio.run(history.aget_messages()) == msgs
     stored = memory.get_all(user_id=user)["results"]
     assert sorted(r["memory"] for r in stored) == ["I am allergic to peanuts.", "I live in Lisbon."]

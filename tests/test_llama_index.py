@@ -14,11 +14,12 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
 from llama_index.core.memory import ChatMemoryBuffer
 from llama_index.core.memory import Memory as LlamaMemory
-
-from inferscale import Memory
 from llama_index.llms.inferscale import InferScaleLLM
 from llama_index.memory.inferscale import InferScaleMemoryBlock
 from llama_index.storage.chat_store.inferscale import InferScaleChatStore
+from pydantic import Field
+
+from inferscale import Memory
 
 FACT, QUESTION = "My dog's name is Biscuit.", "What is my dog's name?"
 
@@ -26,7 +27,7 @@ FACT, QUESTION = "My dog's name is Biscuit.", "What is my dog's name?"
 class ChatEnds(BaseEventHandler):
     """Collects the LLM chat responses LlamaIndex's instrumentation reports."""
 
-    responses: list = []
+    responses: list = Field(default_factory=list)
 
     @classmethod
     def class_name(cls) -> str:
@@ -44,7 +45,7 @@ def memory(serving_dir, engine):
 
 @pytest.fixture(scope="module")
 def chat_ends():
-    handler = ChatEnds(responses=[])
+    handler = ChatEnds()
     get_dispatcher().add_event_handler(handler)
     return handler
 

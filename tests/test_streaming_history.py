@@ -26,8 +26,8 @@ def user(memory) -> str:
 
 
 def test_stream_joins_to_the_generate_answer_with_the_same_counters(memory, user):
+    chunks = list(memory.stream(QUESTION, user_id=user, k=3, max_tokens=16))  # first: nothing prefix-cached yet
     done = memory.generate(QUESTION, user_id=user, k=3, max_tokens=16)
-    chunks = list(memory.stream(QUESTION, user_id=user, k=3, max_tokens=16))
     assert all(c.generation is None for c in chunks[:-1]) and chunks[-1].generation is not None
     assert "".join(c.text for c in chunks) == chunks[-1].generation.text == done.text
     last = chunks[-1].generation

@@ -95,7 +95,7 @@ class ServePath:
                 f"no memories for {scope.as_dict()}: add some with Memory.add(..., {field}=...) first"
             )
         t0 = time.perf_counter()
-        hits = self.facts.search(scope, query, k) if self.facts.index.size(scope.key) else []
+        hits = self.facts.search(scope, query, k)
         retrieval = time.perf_counter() - t0
         layout = self.prompts.build(query, [(r.id, r.text) for r, _ in hits[::-1]], history, instructions)
         if len(layout.token_ids) + reserve > self.max_model_len:

@@ -16,9 +16,9 @@ import tempfile
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.runnables import Runnable, RunnablePassthrough
+from langchain_inferscale import ChatInferScale, InferScaleChatMessageHistory
 
 from inferscale import Memory
-from langchain_inferscale import ChatInferScale, InferScaleChatMessageHistory
 
 PROMPT = ChatPromptTemplate.from_messages([
     ("system", "Keep answers short."),

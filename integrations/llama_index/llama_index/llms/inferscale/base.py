@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Iterator, Literal, Optional, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, Literal
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -18,10 +19,10 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.llms.inferscale.messages import split_prompt
 from pydantic import Field
 
 from inferscale import Generation, GenerationChunk, Memory
-from llama_index.llms.inferscale.messages import split_prompt
 
 #: Per-call overrides accepted by every method (``llm.complete(q, k=3)``).
 CALL_OPTIONS = ("user_id", "agent_id", "run_id", "k", "context_window", "mode", "max_tokens", "temperature", "stop")
@@ -59,19 +60,20 @@ class InferScaleLLM(CustomLLM):
     """
 
     memory: Memory = Field(exclude=True)
-    user_id: Optional[str] = None
-    agent_id: Optional[str] = None
-    run_id: Optional[str] = None
-    k: Optional[int] = Field(default=None, ge=0)
-    context_window: Optional[int] = Field(default=None, ge=0)
+    user_id: str | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
+    k: int | None = Field(default=None, ge=0)
+    context_window: int | None = Field(default=None, ge=0)
     mode: Literal["inject", "text"] = "inject"
     temperature: float = Field(default=0.0, ge=0.0)
     max_tokens: int = Field(default=256, ge=1)
-    stop: Optional[list[str]] = None
+    stop: list[str] | None = None
     allow_unknown_scope: bool = True
 
     @classmethod
     def class_name(cls) -> str:
+        """LlamaIndex's name for this class (serialisation)."""
         return "InferScaleLLM"
 
     @property

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.memory.memory import BaseMemoryBlock
+from llama_index.llms.inferscale.messages import to_session_message
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from inferscale import Memory
 from inferscale.sessions import ChatSessions
-from llama_index.llms.inferscale.messages import to_session_message
 
 #: Session id of messages flushed without one.
 DEFAULT_SESSION = "llama_index"
@@ -43,10 +44,10 @@ class InferScaleMemoryBlock(BaseMemoryBlock[str]):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     name: str = "inferscale"
-    description: Optional[str] = "What the user told in earlier conversations."
+    description: str | None = "What the user told in earlier conversations."
     memory: Memory = Field(exclude=True)
-    user_id: Optional[str] = None
-    agent_id: Optional[str] = None
+    user_id: str | None = None
+    agent_id: str | None = None
     k: int = Field(default=5, ge=1)
     include_text: bool = True
     infer: bool = False
@@ -72,10 +73,10 @@ class InferScaleMemoryBlock(BaseMemoryBlock[str]):
         for session_id, rows in by_session.items():
             self._sessions.add(session_id, rows)
 
-    async def _aget(self, messages: Optional[List[ChatMessage]] = None, **block_kwargs: Any) -> str:
+    async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> str:
         """The user's memories for the newest user message, one ``"- <memory>"`` line each."""
         return await asyncio.to_thread(self._retrieve, messages or [])
 
-    async def _aput(self, messages: List[ChatMessage]) -> None:
+    async def _aput(self, messages: list[ChatMessage]) -> None:
         """Log the messages and store memories from them (in a worker thread)."""
         await asyncio.to_thread(self._store, messages)

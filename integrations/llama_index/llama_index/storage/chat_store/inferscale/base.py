@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.storage.chat_store.base import BaseChatStore
+from llama_index.llms.inferscale.messages import from_session_message, to_session_message
 from pydantic import PrivateAttr
 
 from inferscale import Memory
 from inferscale.sessions import ChatSessions
-from llama_index.llms.inferscale.messages import from_session_message, to_session_message
 
 
 class InferScaleChatStore(BaseChatStore):
@@ -50,18 +51,19 @@ class InferScaleChatStore(BaseChatStore):
 
     @classmethod
     def class_name(cls) -> str:
+        """LlamaIndex's name for this class (serialisation)."""
         return "InferScaleChatStore"
 
-    def set_messages(self, key: str, messages: List[ChatMessage]) -> None:
+    def set_messages(self, key: str, messages: list[ChatMessage]) -> None:
         """Make the session hold exactly ``messages`` (messages it already holds in the same
         order are kept, so their memories are not stored twice)."""
         self._sessions.replace(key, [to_session_message(m, i) for i, m in enumerate(messages)])
 
-    def get_messages(self, key: str) -> List[ChatMessage]:
+    def get_messages(self, key: str) -> list[ChatMessage]:
         """The session's messages, oldest first (empty for an unknown session)."""
         return [from_session_message(m) for m in self._sessions.messages(key)]
 
-    def add_message(self, key: str, message: ChatMessage, idx: Optional[int] = None) -> None:
+    def add_message(self, key: str, message: ChatMessage, idx: int | None = None) -> None:
         """Append a message to the session and store memories from it.
 
         Raises:
@@ -73,7 +75,7 @@ class InferScaleChatStore(BaseChatStore):
                              "appended (idx=None)")
         self._sessions.add(key, [to_session_message(message)])
 
-    def delete_messages(self, key: str) -> Optional[List[ChatMessage]]:
+    def delete_messages(self, key: str) -> list[ChatMessage] | None:
         """Delete the session's messages; returns them (``None`` for an unknown session)."""
         current = self._sessions.messages(key)
         if not current:
@@ -81,7 +83,7 @@ class InferScaleChatStore(BaseChatStore):
         self._sessions.delete(key)
         return [from_session_message(m) for m in current]
 
-    def delete_message(self, key: str, idx: int) -> Optional[ChatMessage]:
+    def delete_message(self, key: str, idx: int) -> ChatMessage | None:
         """Delete the session's message at ``idx``; returns it (``None`` when out of range)."""
         current = self._sessions.messages(key)
         if isinstance(idx, bool) or not isinstance(idx, int) or not -len(current) <= idx < len(current):
@@ -89,38 +91,38 @@ class InferScaleChatStore(BaseChatStore):
         self._sessions.delete(key, [current[idx].turn_id])
         return from_session_message(current[idx])
 
-    def delete_last_message(self, key: str) -> Optional[ChatMessage]:
+    def delete_last_message(self, key: str) -> ChatMessage | None:
         """Delete the session's newest message; returns it (``None`` when there is none)."""
         return self.delete_message(key, -1)
 
-    def get_keys(self) -> List[str]:
+    def get_keys(self) -> list[str]:
         """The user's sessions, in order of their first message."""
         return self._sessions.session_ids()
 
-    async def aset_messages(self, key: str, messages: List[ChatMessage]) -> None:
+    async def aset_messages(self, key: str, messages: list[ChatMessage]) -> None:
         """:meth:`set_messages` in a worker thread."""
         await asyncio.to_thread(self.set_messages, key, messages)
 
-    async def aget_messages(self, key: str) -> List[ChatMessage]:
+    async def aget_messages(self, key: str) -> list[ChatMessage]:
         """:meth:`get_messages` in a worker thread."""
         return await asyncio.to_thread(self.get_messages, key)
 
-    async def async_add_message(self, key: str, message: ChatMessage, idx: Optional[int] = None) -> None:
+    async def async_add_message(self, key: str, message: ChatMessage, idx: int | None = None) -> None:
         """:meth:`add_message` in a worker thread."""
         await asyncio.to_thread(self.add_message, key, message, idx)
 
-    async def adelete_messages(self, key: str) -> Optional[List[ChatMessage]]:
+    async def adelete_messages(self, key: str) -> list[ChatMessage] | None:
         """:meth:`delete_messages` in a worker thread."""
         return await asyncio.to_thread(self.delete_messages, key)
 
-    async def adelete_message(self, key: str, idx: int) -> Optional[ChatMessage]:
+    async def adelete_message(self, key: str, idx: int) -> ChatMessage | None:
         """:meth:`delete_message` in a worker thread."""
         return await asyncio.to_thread(self.delete_message, key, idx)
 
-    async def adelete_last_message(self, key: str) -> Optional[ChatMessage]:
+    async def adelete_last_message(self, key: str) -> ChatMessage | None:
         """:meth:`delete_last_message` in a worker thread."""
         return await asyncio.to_thread(self.delete_last_message, key)
 
-    async def aget_keys(self) -> List[str]:
+    async def aget_keys(self) -> list[str]:
         """:meth:`get_keys` in a worker thread."""
         return await asyncio.to_thread(self.get_keys)
