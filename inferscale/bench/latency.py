@@ -1,8 +1,8 @@
 """TTFT vs k: Mem0-style prompt text vs KV injection (w=0 and w=20), side by side in one run.
 
 One LoCoMo conversation is stored (its observations are the facts); for each question
-and each k, the same retrieved facts are served three ways, interleaved so drift on a
-shared machine hits every mode alike:
+and each k, the same retrieved facts are served three ways; a question is asked at every
+k in every mode back to back, so drift on a shared machine hits every cell alike:
 
 - ``text``: the facts are prompt text, prefilled by vLLM (prefix caching on, as in a
   Mem0 deployment; only the system preamble is shared between requests);
@@ -101,7 +101,9 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, sample: int = 0, question
     for mode, w in parsed:  # engine start-up and first-request costs, on a question not measured
         memory.generate("What do you remember about me?", user_id=user_id, k=1, context_window=w, mode=mode,
                         max_tokens=1)
-    todo = [(k, qi, m) for k in ks for qi in range(len(picked)) for m in modes if not log.done(_key(m, k, qi))]
+    # question-major: each question is asked at every k in every mode back to back, so
+    # drift on a shared machine hits every (mode, k) cell alike
+    todo = [(k, qi, m) for qi in range(len(picked)) for k in ks for m in modes if not log.done(_key(m, k, qi))]
     for k, qi, name in tqdm(todo, desc="TTFT", unit="request"):
         mode, w = parse_mode(name)
         t0 = time.perf_counter()
