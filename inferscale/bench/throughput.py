@@ -160,23 +160,30 @@ def summarize(rows: list[dict], levels: Sequence[int]) -> dict:
                 "prefilled_tokens_mean": sum(p - c for p, c in zip(r["prompt_tokens"], r["cached_tokens"]))
                 / len(r["prompt_tokens"]),
                 "output_tokens_mean": sum(r["output_tokens"]) / len(r["output_tokens"]),
+                "output_tokens_per_s": sum(r["output_tokens"]) / r["wall_s"],
             })
     cell = {(c["mode"], c["users"]): c for c in cells}
-    ratios = {str(n): cell[("inject", n)]["requests_per_s"] / cell[("text", n)]["requests_per_s"]
-              for n in levels if ("inject", n) in cell and ("text", n) in cell}
-    return {"cells": cells, "inject_over_text_requests_per_s": ratios}
+    both = [n for n in levels if ("inject", n) in cell and ("text", n) in cell]
+    ratios = {str(n): cell[("inject", n)]["requests_per_s"] / cell[("text", n)]["requests_per_s"] for n in both}
+    token_ratios = {str(n): cell[("inject", n)]["output_tokens_per_s"] / cell[("text", n)]["output_tokens_per_s"]
+                    for n in both}
+    return {"cells": cells, "inject_over_text_requests_per_s": ratios,
+            "inject_over_text_output_tokens_per_s": token_ratios}
 
 
 def to_markdown(summary: dict) -> str:
     """Tables of the summary."""
     s = summary["settings"]
-    rows = [[c["mode"], c["users"], c["requests"], f"{c['requests_per_s']:.2f}", f"{c['ttft_p50_ms']:.0f}",
+    rows = [[c["mode"], c["users"], c["requests"], f"{c['requests_per_s']:.2f}", f"{c['output_tokens_per_s']:.1f}",
+             f"{c['ttft_p50_ms']:.0f}",
              f"{c['ttft_p99_ms']:.0f}", f"{c['prompt_tokens_mean']:.0f}", f"{c['prefilled_tokens_mean']:.0f}",
              f"{c['output_tokens_mean']:.1f}"] for c in summary["cells"]]
-    table = markdown_table(["mode", "users", "requests", "requests/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
+    table = markdown_table(["mode", "users", "requests", "requests/s", "output tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
                             "prompt tokens", "prefilled tokens", "output tokens"], rows)
-    ratios = markdown_table(["users", "requests/s inject / text"],
-                            [[n, f"{v:.2f}x"] for n, v in summary["inject_over_text_requests_per_s"].items()])
+    tok = summary["inject_over_text_output_tokens_per_s"]
+    ratios = markdown_table(["users", "requests/s inject / text", "output tokens/s inject / text"],
+                            [[n, f"{v:.2f}x", f"{tok[n]:.2f}x"]
+                             for n, v in summary["inject_over_text_requests_per_s"].items()])
     return (f"# Throughput: concurrent users, vLLM async engine\n\nEach user: {s['facts_per_user']} facts of its own, "
             f"{s['requests_per_user']} questions in a row, k={s['k']}, KV at w={s['context_window']}, up to "
             f"{s['max_tokens']} answer tokens (greedy); dtype {s['dtype']}.\n\n{table}\n\n{ratios}\n")

@@ -11,6 +11,7 @@ carries a generated token, with ``time.perf_counter`` (seconds).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import time
@@ -130,5 +131,8 @@ class AsyncEngine:
         )
 
     def shutdown(self) -> None:
-        """Stop the engine-core process."""
-        self.llm.shutdown()
+        """Stop the engine-core process (idempotent)."""
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None  # AsyncLLM.__del__ would shut down again at interpreter exit, when that fails
+            gc.collect()
