@@ -129,7 +129,7 @@ def _run_bench(name: str, out: Path, call) -> None:
         call()
     except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, StoreError, ValueError) as exc:
         _fail(str(exc))
-    console.print((out / f"{name}.md").read_text())
+    console.print((out / f"{name}.md").read_text(), markup=False)
     written = sorted(p.name for p in out.glob(f"{name}.*"))
     console.print(f"results in {out}: {', '.join(written)}")
 
@@ -232,7 +232,7 @@ def bench_report(
     from inferscale.bench.report import update_readme
 
     try:
-        console.print(update_readme(readme, results))
+        console.print(update_readme(readme, results), markup=False)
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
 
