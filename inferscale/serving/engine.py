@@ -88,24 +88,12 @@ class Engine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.kv_dir = Path(kv_dir)
         from vllm import LLM
-        from vllm.config import KVTransferConfig
 
-        transfer = KVTransferConfig(
-            kv_connector="InferScaleConnector",
-            kv_connector_module_path="inferscale.serving.connector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"kv_dir": str(kv_dir), "device_budget_bytes": device_budget_bytes},
-        )
-        self.llm = LLM(
-            model=str(model_path),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            kv_transfer_config=transfer,
-            enable_prefix_caching=True,
-            enforce_eager=True,
-            seed=0,
-        )
+        from inferscale.serving.async_engine import engine_kwargs
+
+        self.llm = LLM(**engine_kwargs(model_path, dtype=dtype, kv_dir=kv_dir, max_model_len=max_model_len,
+                                       kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                       device_budget_bytes=device_budget_bytes))
         self._engine = self.llm.llm_engine
         self._lock = threading.Lock()
 
