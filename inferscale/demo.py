@@ -6,35 +6,18 @@ import statistics
 from pathlib import Path
 
 from rich.console import Console
-from tqdm import tqdm
 
 from inferscale.config import default_data_dir
-from inferscale.datasets.locomo import LocomoSample, default_locomo_path, load_locomo, token_f1
-from inferscale.memory import FactInput, Memory
-from inferscale.store import Scope
+from inferscale.datasets.locomo import LocomoSample, default_locomo_path, load_locomo, store_conversation, token_f1
+from inferscale.memory import Memory
 
 
 def ingest(memory: Memory, sample: LocomoSample, user_id: str, batch: int = 32) -> int:
-    """Log the sample's turns and store its observations as dated facts with provenance.
+    """Log the sample's turns and store its observations (with KV), resumably.
 
-    Idempotent: a scope that already holds the turns is not logged again, and facts
-    already stored are NOOPs. Returns the number of facts newly added.
+    See :func:`inferscale.datasets.locomo.store_conversation`. Returns the number of facts newly added.
     """
-    if memory.turns.count(Scope(user_id).key) == 0:
-        memory.log_turns(
-            [
-                {"id": t.dia_id, "role": "user", "name": t.speaker, "content": t.text,
-                 "metadata": {"session": t.session, "date": t.session_date}}
-                for t in sample.turns
-            ],
-            user_id=user_id,
-        )
-    added = 0
-    facts = [FactInput(f.dated_text(), f.dia_ids, {"speaker": f.speaker, "session": f.session}) for f in sample.facts]
-    for start in tqdm(range(0, len(facts), batch), desc="ingest (embed + Chroma + KV encode)", unit="batch"):
-        res = memory.add_facts(facts[start : start + batch], user_id=user_id)
-        added += sum(r["event"] == "ADD" for r in res["results"])
-    return added
+    return store_conversation(memory, sample, user_id, batch=batch, progress="ingest (embed + Chroma + KV encode)")
 
 
 def run_demo(

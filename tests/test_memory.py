@@ -13,6 +13,7 @@ from vllm import SamplingParams
 from inferscale import FactInput, Memory, UnknownScopeError
 from inferscale.datasets.locomo import load_locomo
 from inferscale.demo import ingest
+from inferscale.store import Scope
 
 USER = "locomo-conv-26-s12"
 
@@ -58,6 +59,11 @@ def test_locomo_facts_keep_their_provenance(memory, sample):
     assert len(stored) == len(by_text)
     for item in stored:
         assert tuple(item["source_turn_ids"]) == by_text[item["memory"]]
+    turns = memory.turns.count(Scope(USER).key)
+    assert turns == len(sample.turns)
+    assert ingest(memory, sample, USER) == 0  # a second load adds nothing, logs nothing
+    assert memory.turns.count(Scope(USER).key) == turns
+    assert len(memory.get_all(user_id=USER, limit=1000)["results"]) == len(by_text)
 
 
 def test_generate_inject_prefills_only_the_question(memory, sample):

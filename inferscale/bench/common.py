@@ -23,12 +23,9 @@ import subprocess
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from tqdm import tqdm
 
-from inferscale.datasets.locomo import LocomoSample
+from inferscale.datasets.locomo import LocomoSample, store_conversation
 from inferscale.memory import Memory
-from inferscale.store import Scope
-from inferscale.types import FactInput
 
 
 class ResultLog:
@@ -176,25 +173,12 @@ def scope_of(sample: LocomoSample) -> str:
 
 
 def ensure_conversation(memory: Memory, sample: LocomoSample, batch: int = 64) -> int:
-    """Store a LoCoMo conversation's turns and observations (no KV) unless already there.
+    """Store a LoCoMo conversation under :func:`scope_of` unless already there (no KV yet).
 
     KV is encoded later, on demand, for the settings a benchmark serves with; the
     memory must have ``precompute_kv=False``. Returns the number of facts added.
     """
-    user_id = scope_of(sample)
-    if memory.turns.count(Scope(user_id).key) == 0:
-        memory.log_turns(
-            [{"id": t.dia_id, "role": "user", "name": t.speaker, "content": t.text} for t in sample.turns],
-            user_id=user_id,
-        )
-    if memory.index.size(Scope(user_id).key) >= len(sample.facts):
-        return 0
-    facts = [FactInput(f.dated_text(), f.dia_ids, {"speaker": f.speaker, "session": f.session}) for f in sample.facts]
-    added = 0
-    for start in tqdm(range(0, len(facts), batch), desc=f"store {sample.sample_id}", unit="batch", leave=False):
-        res = memory.add_facts(facts[start : start + batch], user_id=user_id)
-        added += sum(r["event"] == "ADD" for r in res["results"])
-    return added
+    return store_conversation(memory, sample, scope_of(sample), batch=batch, progress=f"store {sample.sample_id}")
 
 
 def pick_questions(sample: LocomoSample, n: int) -> list:

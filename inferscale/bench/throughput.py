@@ -28,16 +28,15 @@ from tqdm import tqdm
 
 from inferscale.bench.common import ResultLog, markdown_table, percentile, write_outputs
 from inferscale.bench.plots import plot_throughput
-from inferscale.datasets.locomo import LocomoSample, load_locomo
+from inferscale.datasets.locomo import LocomoFact, LocomoSample, load_locomo, store_conversation
 from inferscale.memory import Memory
 from inferscale.store import Scope
-from inferscale.types import FactInput
 
 NAME = "throughput"
 
 
 def user_plan(convs: Sequence[LocomoSample], users: int, facts_per_user: int, requests_per_user: int
-              ) -> list[tuple[str, LocomoSample, list[FactInput], list[str]]]:
+              ) -> list[tuple[str, LocomoSample, Sequence[LocomoFact], list[str]]]:
     """``(user_id, conversation, facts, questions)`` for each simulated user.
 
     Raises:
@@ -52,7 +51,7 @@ def user_plan(convs: Sequence[LocomoSample], users: int, facts_per_user: int, re
         if len(facts) < facts_per_user or len(asked) < requests_per_user:
             raise ValueError(f"{conv.sample_id} has too few facts or questions for user {u}: lower --users, "
                              "--facts-per-user or --requests-per-user")
-        plan.append((f"tp-user-{u:02d}", conv, [FactInput(f.dated_text(), f.dia_ids) for f in facts], asked))
+        plan.append((f"tp-user-{u:02d}", conv, facts, asked))
     return plan
 
 
@@ -90,11 +89,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
     plan = user_plan(load_locomo(data), max(levels), facts_per_user, requests_per_user)
     memory = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=True, context_window=context_window)
     for user_id, conv, facts, _qs in tqdm(plan, desc="store users' memories + KV", unit="user"):
-        if memory.turns.count(Scope(user_id).key) == 0:
-            memory.log_turns([{"id": t.dia_id, "name": t.speaker, "content": t.text} for t in conv.turns],
-                             user_id=user_id)
-        if memory.index.size(Scope(user_id).key) < len(facts):
-            memory.add_facts(facts, user_id=user_id)
+        store_conversation(memory, conv, user_id, facts=facts, batch=len(facts))
     todo = [(n, mode) for n in levels for mode in ("inject", "text") if not log.done(f"{mode}|users={n}")]
     if todo:
         asyncio.run(_measure(memory, plan, todo, log, k=k, w=context_window, max_tokens=max_tokens))

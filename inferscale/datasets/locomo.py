@@ -16,6 +16,15 @@ import string
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from tqdm import tqdm
+
+from inferscale.store import Scope
+from inferscale.types import FactInput
+
+if TYPE_CHECKING:
+    from inferscale.memory import Memory
 
 #: Where the public file lives (used only when no local copy is given or found).
 LOCOMO_URL = "https://raw.githubusercontent.com/snap-research/LoCoMo/3eb6f2c5/data/locomo10.json"
@@ -142,6 +151,48 @@ def load_locomo(path: Path) -> list[LocomoSample]:
     if not isinstance(raw, list) or not raw or not all(isinstance(s, dict) for s in raw):
         raise LocomoFormatError(f"{path} is not a JSON list of conversation samples: expected LoCoMo's locomo10.json")
     return [_parse_sample(i, s) for i, s in enumerate(raw)]
+
+
+def store_conversation(memory: Memory, sample: LocomoSample, user_id: str, *,
+                       facts: Sequence[LocomoFact] | None = None, batch: int = 32,
+                       progress: str | None = None) -> int:
+    """Log a conversation's turns and store its observations as dated facts with provenance.
+
+    The one loader behind the demo, the benchmarks and the tests. Each turn is logged
+    with its ``dia_id`` as turn id (so facts' ``source_turn_ids`` point at it) and its
+    session and date as metadata; each fact is :meth:`LocomoFact.dated_text` with its
+    ``dia_ids`` as provenance and speaker and session as metadata. Whether KV is encoded
+    now depends on the memory's ``precompute_kv``.
+
+    Idempotent and resumable: turns are logged only into a scope with no turns yet;
+    when the scope already holds at least ``len(facts)`` facts nothing is embedded
+    again, and otherwise facts already stored come back as NOOPs.
+
+    Args:
+        facts: the observations to store (default: all of ``sample.facts``).
+        batch: facts per :meth:`Memory.add_facts` call (embedding batch).
+        progress: a tqdm label, or ``None`` for no progress bar.
+
+    Returns:
+        The number of facts newly added.
+    """
+    scope = Scope(user_id).key
+    if memory.turns.count(scope) == 0:
+        memory.log_turns(
+            [{"id": t.dia_id, "role": "user", "name": t.speaker, "content": t.text,
+              "metadata": {"session": t.session, "date": t.session_date}} for t in sample.turns],
+            user_id=user_id,
+        )
+    chosen = sample.facts if facts is None else facts
+    if memory.index.size(scope) >= len(chosen):
+        return 0
+    inputs = [FactInput(f.dated_text(), f.dia_ids, {"speaker": f.speaker, "session": f.session}) for f in chosen]
+    added = 0
+    for start in tqdm(range(0, len(inputs), batch), desc=progress, unit="batch", disable=progress is None,
+                      leave=False):
+        res = memory.add_facts(inputs[start : start + batch], user_id=user_id)
+        added += sum(r["event"] == "ADD" for r in res["results"])
+    return added
 
 
 def default_locomo_path() -> Path:
