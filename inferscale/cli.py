@@ -54,7 +54,7 @@ def demo(
     k: int = typer.Option(10, min=0, help="Facts retrieved per question."),
     context_window: int = typer.Option(5, min=0, help="w: turns before each fact's source turn encoded with it."),
     dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16."),
-    data_dir: Optional[Path] = typer.Option(None, help="Memory store (default: <user data dir>/inferscale/demo)."),
+    data_dir: Optional[Path] = typer.Option(None, help="Memory store (default: <data dir>/demo; data dir: $INFERSCALE_DATA_DIR or ~/.local/share/inferscale)."),
 ) -> None:
     """Ingest a LoCoMo conversation, then answer questions with KV injection vs prompt text."""
     from inferscale.datasets.locomo import LocomoFormatError
@@ -113,11 +113,18 @@ def _bench_paths(data: Optional[Path], store: Optional[Path]) -> tuple[Path, Pat
     return data or default_locomo_path(), store or default_data_dir() / "bench"
 
 
+def _check_dtype(value: str) -> str:
+    """Reject a bad ``--dtype`` before anything is written."""
+    if value not in ("auto", "float32", "bfloat16"):
+        raise typer.BadParameter(f"must be auto, float32 or bfloat16, got {value!r}")
+    return value
+
+
 _DATA = typer.Option(None, help="locomo10.json (default: ../shared/data/locomo).")
 _STORE = typer.Option(None, help="Benchmark memory store, shared by the benchmarks so KV is encoded once "
-                                 "(default: <user data dir>/inferscale/bench).")
+                                 "(default: <data dir>/bench; data dir: $INFERSCALE_DATA_DIR or ~/.local/share/inferscale).")
 _FRESH = typer.Option(False, "--fresh", help="Discard earlier results in --out instead of resuming.")
-_DTYPE = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16.")
+_DTYPE = typer.Option("auto", callback=_check_dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16.")
 
 
 def _run_bench(name: str, out: Path, call) -> None:

@@ -34,9 +34,13 @@ def cache_dir() -> Path:
 def default_data_dir() -> Path:
     """Per-user application data folder for memory stores (never /tmp).
 
-    ``$XDG_DATA_HOME/inferscale`` when ``XDG_DATA_HOME`` is set, else
-    ``~/.local/share/inferscale``.
+    ``$INFERSCALE_DATA_DIR`` when set; else ``$XDG_DATA_HOME/inferscale`` when
+    ``XDG_DATA_HOME`` is set; else ``~/.local/share/inferscale``. The demo and the
+    benchmarks keep their stores in its ``demo/`` and ``bench/`` subfolders.
     """
+    own = os.environ.get("INFERSCALE_DATA_DIR")
+    if own and own.strip():
+        return Path(own).expanduser()
     xdg = os.environ.get("XDG_DATA_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
     return base / "inferscale"

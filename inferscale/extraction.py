@@ -87,15 +87,54 @@ def parse_facts(reply: str, max_facts: int = 20) -> list[str]:
     return out[:max_facts]
 
 
+#: Words that say nothing about what a fact is grounded in (the extraction prompt's own
+#: phrasing, "The user is ...", and function words).
+_FILLER = frozenset(
+    "a an the and or but of to in on at for with by from as is are was were be been being am has have had "
+    "do does did not no user user's users their they them he she his her him it its i me my you your "
+    "this that these those who which called named name".split()
+)
+_WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
+
+
+def grounding(fact: str, conversation: str) -> float:
+    """Share of ``fact``'s content words that the conversation also uses (0.0 to 1.0).
+
+    Words are lower-cased and compared by their first 4 characters, so "lives" and
+    "live", "adopted" and "adopt" match; :data:`_FILLER` words are ignored. A fact with
+    no content words scores 0.0.
+    """
+    words = [w for w in _WORD.findall(fact.lower()) if w not in _FILLER]
+    if not words:
+        return 0.0
+    source = {w[:4] for w in _WORD.findall(conversation.lower())}
+    return sum(w[:4] in source for w in words) / len(words)
+
+
 class LLMFactExtractor:
     """Extracts facts with the served LLM and :data:`EXTRACTION_SYSTEM`.
 
+    A small model copies facts from the prompt's worked example into its answer (with
+    SmolLM2-135M, "I adopted a dog called Max." gave "The user hates coffee.", from
+    :data:`EXTRACTION_EXAMPLE`). Each extracted fact must therefore be grounded in the
+    conversation: at least ``min_grounding`` of its content words (:func:`grounding`)
+    must occur there; the others are dropped. Paraphrases that share no words with the
+    conversation are dropped too: lower ``min_grounding`` (0 keeps everything) or plug in
+    your own extractor for a model that paraphrases reliably.
+
     Args:
         max_facts: cap on facts per call.
+        min_grounding: 0.0 to 1.0, see above.
+
+    Raises:
+        ValueError: ``min_grounding`` outside 0.0 to 1.0.
     """
 
-    def __init__(self, max_facts: int = 20) -> None:
+    def __init__(self, max_facts: int = 20, min_grounding: float = 0.5) -> None:
+        if not 0.0 <= min_grounding <= 1.0:
+            raise ValueError(f"min_grounding must be between 0.0 and 1.0, got {min_grounding!r}")
         self.max_facts = max_facts
+        self.min_grounding = min_grounding
 
     def __call__(self, turns: Sequence[Turn], chat: ChatFn) -> list[str]:
         conversation = "\n".join(t.render() for t in turns)
@@ -105,7 +144,8 @@ class LLMFactExtractor:
             {"role": "assistant", "content": EXTRACTION_EXAMPLE[1]},
             {"role": "user", "content": f"Conversation:\n{conversation}\n\nFacts:"},
         ])
-        return parse_facts(reply, self.max_facts)
+        raw = "\n".join(t.content for t in turns)
+        return [f for f in parse_facts(reply, self.max_facts) if grounding(f, raw) >= self.min_grounding]
 
 
 _NEGATION = re.compile(r"\b(not|no longer|never|n't|stopped|quit|no)\b", re.IGNORECASE)

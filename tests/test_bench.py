@@ -52,7 +52,20 @@ def test_result_log_resumes_skips_cut_lines_and_refuses_other_settings(tmp_path)
     assert json.loads((tmp_path / "b.settings.json").read_text()) == {"ks": [1, 2]}
 
     fresh = ResultLog(tmp_path, "b", {"ks": [1, 2, 3]}, fresh=True)
-    assert fresh.all() == [] and not (tmp_path / "b.jsonl").exists()
+    assert fresh.all() == []
+    assert (tmp_path / "b.jsonl").read_text() == before  # nothing discarded before new work is done
+    fresh.add("z", {"v": 9})
+    assert [json.loads(x)["key"] for x in (tmp_path / "b.jsonl").read_text().splitlines()] == ["z"]
+    assert json.loads((tmp_path / "b.settings.json").read_text()) == {"ks": [1, 2, 3]}
+
+    cut = ResultLog(tmp_path / "cut", "b", {"ks": [1]})
+    assert not (tmp_path / "cut").exists()  # a log that never finished any work writes nothing
+    cut.add("a", {"v": 1})
+    with (tmp_path / "cut" / "b.jsonl").open("a") as fh:
+        fh.write('{"key": "b", "v"')
+    resumed = ResultLog(tmp_path / "cut", "b", {"ks": [1]})
+    resumed.add("b", {"v": 2})  # the cut row is trimmed before the new one is appended
+    assert [json.loads(x)["v"] for x in (tmp_path / "cut" / "b.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_percentile_matches_numpy_linear():

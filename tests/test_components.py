@@ -156,6 +156,15 @@ def test_default_data_dir_is_never_tmp(monkeypatch):
     assert not str(MemoryConfig().data_dir).startswith("/tmp")
 
 
+def test_data_dir_env_reaches_the_demo_and_benchmark_stores(monkeypatch, tmp_path):
+    from inferscale.cli import _bench_paths
+    from inferscale.config import default_data_dir
+
+    monkeypatch.setenv("INFERSCALE_DATA_DIR", str(tmp_path))
+    assert default_data_dir() == tmp_path == MemoryConfig().data_dir
+    assert _bench_paths(None, None)[1] == tmp_path / "bench"
+
+
 def test_cache_dir_is_overridable(monkeypatch, tmp_path):
     monkeypatch.setenv("INFERSCALE_CACHE_DIR", str(tmp_path))
     assert cache_dir() == tmp_path

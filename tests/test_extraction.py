@@ -3,7 +3,8 @@
 import pytest
 
 from inferscale import Memory
-from inferscale.extraction import SimilarityReconciler, parse_facts
+from inferscale.extraction import EXTRACTION_EXAMPLE, LLMFactExtractor, SimilarityReconciler, grounding, parse_facts
+from inferscale.turns import Turn
 
 
 @pytest.mark.parametrize(
@@ -62,6 +63,24 @@ def test_reconciliation_emits_each_event_and_records_history(tmp_path):
     assert [e["event"] for e in mem.history(res[0]["id"], user_id="u")] == ["ADD", "DELETE"]
     texts = sorted(r["memory"] for r in mem.get_all(user_id="u")["results"])
     assert texts == ["The user does not have a dog named Rex.", "The user lives in Paris, in the 11th district."]
+
+
+def test_extracted_facts_must_be_grounded_in_the_conversation():
+    said = "I adopted a dog called Max and I live in Lyon."
+    assert grounding("The user hates coffee.", said) == 0.0
+    assert grounding("The user lives in Lyon.", said) == 1.0
+    assert grounding("The user adopted a dog.", said) == 1.0
+    assert grounding("The user is.", said) == 0.0  # no content words at all
+    # a small model echoing the prompt's worked example: the copied facts are dropped
+    echo = EXTRACTION_EXAMPLE[1][:-1] + ', "The user has a dog called Max.", "The user lives in Lyon."]'
+    seen = []
+    extractor = LLMFactExtractor()
+    got = extractor([Turn("t1", "user", said)], lambda messages: seen.append(messages) or echo)
+    assert got == ["The user has a dog called Max.", "The user lives in Lyon."]
+    assert said in seen[0][-1]["content"]
+    assert LLMFactExtractor(min_grounding=0.0)([Turn("t1", "user", said)], lambda m: echo)[:1] == ["The user is called Bob."]
+    with pytest.raises(ValueError, match="min_grounding"):
+        LLMFactExtractor(min_grounding=1.5)
 
 
 def test_reconciler_thresholds_are_validated():

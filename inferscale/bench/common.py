@@ -32,7 +32,7 @@ class ResultLog:
     """Append-only JSON-lines log of finished work, keyed for resuming.
 
     Args:
-        out_dir: the results folder (created).
+        out_dir: the results folder (created at the first :meth:`add`).
         name: the benchmark's name; the log is ``<out_dir>/<name>.jsonl``.
         settings: everything that changes what a row means (JSON-serialisable).
         fresh: discard earlier rows instead of resuming.
@@ -43,41 +43,55 @@ class ResultLog:
 
     def __init__(self, out_dir: Path, name: str, settings: dict, *, fresh: bool = False) -> None:
         self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / f"{name}.jsonl"
-        settings_path = self.out_dir / f"{name}.settings.json"
+        self._settings_path = self.out_dir / f"{name}.settings.json"
         settings = json.loads(json.dumps(settings))  # normalise tuples to lists
-        if fresh:
-            self.path.unlink(missing_ok=True)
-        elif settings_path.exists() and self.path.exists():
-            old = json.loads(settings_path.read_text())
+        if not fresh and self._settings_path.exists() and self.path.exists():
+            old = json.loads(self._settings_path.read_text())
             if old != settings:
                 changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
                 raise ValueError(
                     f"{self.out_dir} holds {name} results made with other settings ({', '.join(changed)}): "
                     "rerun with the same options to resume, add --fresh to discard them, or pick another --out"
                 )
-        settings_path.write_text(json.dumps(settings, indent=2))
         self.settings = settings
         self.rows: dict[str, dict] = {}
-        if self.path.exists():
+        # Nothing is written (settings, --fresh's discard, the trim of a cut row) until the
+        # first finished unit of work, so a run that fails to start changes nothing.
+        self._fresh, self._kept = fresh, None
+        if not fresh and self.path.exists():
             text = self.path.read_text()
-            if text and not text.endswith("\n"):  # a row cut short by a kill: drop it, its work is redone
+            if text and not text.endswith("\n"):  # a row cut short by a kill: dropped, its work redone
                 text = text[: text.rfind("\n") + 1]
-                self.path.write_text(text)
+                self._kept = text
             for line in text.splitlines():
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a damaged line: its work is redone
                 self.rows[row["key"]] = row
+        self._started = False
+
+    def _start(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self._fresh:
+            self.path.unlink(missing_ok=True)
+        elif self._kept is not None:
+            self.path.write_text(self._kept)
+        self._settings_path.write_text(json.dumps(self.settings, indent=2))
+        self._started = True
 
     def done(self, key: str) -> bool:
         """Whether the unit of work ``key`` has a row."""
         return key in self.rows
 
     def add(self, key: str, row: dict) -> dict:
-        """Record a finished unit of work (written and flushed before returning)."""
+        """Record a finished unit of work (written and flushed before returning).
+
+        The first call also writes ``<name>.settings.json`` (and applies ``fresh``).
+        """
+        if not self._started:
+            self._start()
         row = {"key": key, **row}
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
@@ -162,6 +176,7 @@ def _cpu_model() -> str:
 
 def write_outputs(out_dir: Path, name: str, summary: dict, markdown: str) -> None:
     """Write ``<name>.json`` (summary plus machine) and ``<name>.md``."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "machine": machine(), **summary}
     (Path(out_dir) / f"{name}.json").write_text(json.dumps(payload, indent=2))
     (Path(out_dir) / f"{name}.md").write_text(markdown.rstrip() + "\n")

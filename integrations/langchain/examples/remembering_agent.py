@@ -52,7 +52,12 @@ def main() -> None:
     parser.add_argument("--data-dir", default=None, help="memory store (default: a new temporary folder)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    memory = Memory(data_dir=args.data_dir or tempfile.mkdtemp(prefix="inferscale-agent-"))
+    with tempfile.TemporaryDirectory(prefix="inferscale-agent-") as scratch:  # removed at exit
+        run(Memory(data_dir=args.data_dir or scratch))
+
+
+def run(memory: Memory) -> None:
+    """Monday: tell the agent a fact. Tuesday, a new session: ask for it back."""
     agent = build_agent(memory, k=5, max_tokens=32)
     user = "alice"
     for session, question in (("monday", "My dog's name is Biscuit."), ("tuesday", "What is my dog's name?")):
