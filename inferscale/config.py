@@ -37,9 +37,14 @@ def default_data_dir() -> Path:
     ``$INFERSCALE_DATA_DIR`` when set; else ``$XDG_DATA_HOME/inferscale`` when
     ``XDG_DATA_HOME`` is set; else ``~/.local/share/inferscale``. The demo and the
     benchmarks keep their stores in its ``demo/`` and ``bench/`` subfolders.
+
+    Raises:
+        ValueError: ``INFERSCALE_DATA_DIR`` is set but blank.
     """
     own = os.environ.get("INFERSCALE_DATA_DIR")
-    if own and own.strip():
+    if own is not None:
+        if not own.strip():
+            raise ValueError("INFERSCALE_DATA_DIR is set but empty: unset it or give a folder, e.g. ~/inferscale-data")
         return Path(own).expanduser()
     xdg = os.environ.get("XDG_DATA_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"

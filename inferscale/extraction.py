@@ -92,9 +92,9 @@ def parse_facts(reply: str, max_facts: int = 20) -> list[str]:
 _FILLER = frozenset(
     "a an the and or but of to in on at for with by from as is are was were be been being am has have had "
     "do does did not no user user's users their they them he she his her him it its i me my you your "
-    "this that these those who which called named name".split()
+    "this that these those who which called named name longer anymore never".split()
 )
-_WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
+_WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)?")  # letters and digits of any script
 
 
 def grounding(fact: str, conversation: str) -> float:
@@ -102,7 +102,9 @@ def grounding(fact: str, conversation: str) -> float:
 
     Words are lower-cased and compared by their first 4 characters, so "lives" and
     "live", "adopted" and "adopt" match; :data:`_FILLER` words are ignored. A fact with
-    no content words scores 0.0.
+    no content words scores 0.0. Words are runs of letters and digits of any script, so
+    this suits languages that separate words with spaces, not Chinese or Japanese
+    (give those ``min_grounding=0``).
     """
     words = [w for w in _WORD.findall(fact.lower()) if w not in _FILLER]
     if not words:
@@ -144,8 +146,7 @@ class LLMFactExtractor:
             {"role": "assistant", "content": EXTRACTION_EXAMPLE[1]},
             {"role": "user", "content": f"Conversation:\n{conversation}\n\nFacts:"},
         ])
-        raw = "\n".join(t.content for t in turns)
-        return [f for f in parse_facts(reply, self.max_facts) if grounding(f, raw) >= self.min_grounding]
+        return [f for f in parse_facts(reply, self.max_facts) if grounding(f, conversation) >= self.min_grounding]
 
 
 _NEGATION = re.compile(r"\b(not|no longer|never|n't|stopped|quit|no)\b", re.IGNORECASE)

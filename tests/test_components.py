@@ -163,6 +163,9 @@ def test_data_dir_env_reaches_the_demo_and_benchmark_stores(monkeypatch, tmp_pat
     monkeypatch.setenv("INFERSCALE_DATA_DIR", str(tmp_path))
     assert default_data_dir() == tmp_path == MemoryConfig().data_dir
     assert _bench_paths(None, None)[1] == tmp_path / "bench"
+    monkeypatch.setenv("INFERSCALE_DATA_DIR", " ")
+    with pytest.raises(ValueError, match="INFERSCALE_DATA_DIR is set but empty"):
+        default_data_dir()
 
 
 def test_cache_dir_is_overridable(monkeypatch, tmp_path):

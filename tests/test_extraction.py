@@ -71,6 +71,8 @@ def test_extracted_facts_must_be_grounded_in_the_conversation():
     assert grounding("The user lives in Lyon.", said) == 1.0
     assert grounding("The user adopted a dog.", said) == 1.0
     assert grounding("The user is.", said) == 0.0  # no content words at all
+    assert grounding("The user no longer lives in Lyon.", said) == 1.0  # negations are not content
+    assert grounding("The user moved to München.", "I moved to München last year.") == 1.0  # any script's letters
     # a small model echoing the prompt's worked example: the copied facts are dropped
     echo = EXTRACTION_EXAMPLE[1][:-1] + ', "The user has a dog called Max.", "The user lives in Lyon."]'
     seen = []

@@ -57,6 +57,20 @@ def test_rotate_then_unrotate_is_identity(tmp_path, rope):
     assert torch.allclose(back, keys, atol=1e-5)
 
 
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_one_layer_with_shared_tables_equals_all_layers_at_once(rope):
+    """The connector's per-layer rotation (cos/sin computed once) writes the same keys."""
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_parameters=ROPES[rope])
+    rot = RopeRotator(cfg)
+    keys = torch.randn(3, 10, 2, 16)
+    pos = torch.arange(40, 50)
+    whole, tables = rot.rotate(keys, pos), rot.cos_sin(pos)
+    for layer in range(3):
+        assert torch.equal(rot.rotate(keys[layer], pos, tables), whole[layer])
+    with pytest.raises(ValueError, match="tables cover 9 positions"):
+        rot.rotate(keys[0], pos, rot.cos_sin(pos[:9]))
+
+
 def test_rotation_matches_the_models_own_attention(tmp_path):
     """Keys rotated by us equal the keys the model itself caches at those positions."""
     enc = KVEncoder(tiny_model(tmp_path, "llama", ROPES["llama3"]), "float32", device=torch.device("cpu"))

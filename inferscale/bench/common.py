@@ -72,6 +72,14 @@ class ResultLog:
                 self.rows[row["key"]] = row
         self._started = False
 
+    def commit(self) -> None:
+        """Apply what the log defers (settings file, ``fresh``'s discard) without a new row.
+
+        Call before writing outputs built from :meth:`all`, so the folder agrees with itself.
+        """
+        if not self._started:
+            self._start()
+
     def _start(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self._fresh:

@@ -114,6 +114,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, sample: int = 0, question
             "prompt_tokens": g.num_prompt_tokens, "prefilled_tokens": g.num_prefilled_tokens,
             "injected_tokens": g.num_injected_tokens,
         })
+    log.commit()
     summary = summarize(log.all(), ks, modes)
     summary["settings"] = settings
     write_outputs(out_dir, NAME, summary, to_markdown(summary))

@@ -116,6 +116,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, samples: Sequence[int] = 
                 "injected_tokens": g.num_injected_tokens, "prompt_tokens": g.num_prompt_tokens,
                 "seconds": time.perf_counter() - t0,
             })
+    log.commit()
     summary = summarize(log.all(), ks, modes)
     summary["settings"] = settings
     write_outputs(out_dir, NAME, summary, to_markdown(summary))

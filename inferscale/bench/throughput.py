@@ -90,9 +90,14 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
     memory = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=True, context_window=context_window)
     for user_id, conv, facts, _qs in tqdm(plan, desc="store users' memories + KV", unit="user"):
         store_conversation(memory, conv, user_id, facts=facts, batch=len(facts))
+        if memory.index.size(Scope(user_id).key) != len({f.dated_text() for f in facts}):
+            raise ValueError(f"{user_id} in {store_dir} holds {memory.index.size(Scope(user_id).key)} facts, not the "
+                             f"{len(facts)} of this plan (an earlier run with another --facts-per-user): "
+                             "use another --store")
     todo = [(n, mode) for n in levels for mode in ("inject", "text") if not log.done(f"{mode}|users={n}")]
     if todo:
         asyncio.run(_measure(memory, plan, todo, log, k=k, w=context_window, max_tokens=max_tokens))
+    log.commit()
     summary = summarize(log.all(), levels)
     summary["settings"] = settings
     write_outputs(out_dir, NAME, summary, to_markdown(summary))

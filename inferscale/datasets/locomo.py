@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from tqdm import tqdm
 
+from inferscale.facts import text_hash
 from inferscale.store import Scope
 from inferscale.types import FactInput
 
@@ -165,8 +166,9 @@ def store_conversation(memory: Memory, sample: LocomoSample, user_id: str, *,
     now depends on the memory's ``precompute_kv``.
 
     Idempotent and resumable: turns are logged only into a scope with no turns yet;
-    when the scope already holds at least ``len(facts)`` facts nothing is embedded
-    again, and otherwise facts already stored come back as NOOPs.
+    when every asked fact is already stored (by text hash) nothing is embedded again,
+    and otherwise facts already stored come back as NOOPs. Facts stored earlier that
+    are not asked for stay: the caller checks the scope's size where that matters.
 
     Args:
         facts: the observations to store (default: all of ``sample.facts``).
@@ -184,9 +186,10 @@ def store_conversation(memory: Memory, sample: LocomoSample, user_id: str, *,
             user_id=user_id,
         )
     chosen = sample.facts if facts is None else facts
-    if memory.index.size(scope) >= len(chosen):
-        return 0
     inputs = [FactInput(f.dated_text(), f.dia_ids, {"speaker": f.speaker, "session": f.session}) for f in chosen]
+    hashes = {text_hash(f.text) for f in inputs}
+    if memory.index.size(scope) >= len(hashes) and len(memory.store.find_hashes(Scope(user_id), hashes)) == len(hashes):
+        return 0
     added = 0
     for start in tqdm(range(0, len(inputs), batch), desc=progress, unit="batch", disable=progress is None,
                       leave=False):

@@ -95,11 +95,14 @@ class RopeRotator:
         cos, sin = self._module(probe, positions.view(1, -1))
         return cos[0].to(dtype), sin[0].to(dtype)
 
-    def _apply(self, keys: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
+    def _apply(self, keys: torch.Tensor, positions: torch.Tensor, inverse: bool,
+               tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # keys: [..., num_tokens, num_kv_heads, head_dim]; positions: [num_tokens]
         if keys.shape[-3] != positions.shape[0]:
             raise ValueError(f"keys have {keys.shape[-3]} tokens but {positions.shape[0]} positions were given")
-        cos, sin = self.cos_sin(positions.to(keys.device))  # fp32 [T, rotary_dim]
+        if tables is not None and tables[0].shape[0] != positions.shape[0]:
+            raise ValueError(f"cos/sin tables cover {tables[0].shape[0]} positions but {positions.shape[0]} were given")
+        cos, sin = tables if tables is not None else self.cos_sin(positions.to(keys.device))  # fp32 [T, rotary_dim]
         rot = cos.shape[-1]
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         x = keys.float()
@@ -118,18 +121,25 @@ class RopeRotator:
             out[..., rot:] = x_pass
         return out.to(keys.dtype)
 
-    def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor,
+               tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Rotate pre-RoPE keys to ``positions``.
 
         Args:
             keys: ``[..., num_tokens, num_kv_heads, head_dim]`` pre-RoPE keys (any leading
                 dims, e.g. layers). Computed in fp32, returned in ``keys.dtype``.
             positions: ``[num_tokens]`` absolute positions (tokens).
+            tables: ``cos_sin(positions)`` computed once by the caller, for callers that
+                rotate the same positions many times (one layer at a time); on
+                ``keys.device``.
 
         Returns:
             Rotated keys, same shape, dtype and device as ``keys``.
+
+        Raises:
+            ValueError: ``keys``, ``positions`` and ``tables`` disagree on the number of tokens.
         """
-        return self._apply(keys, positions, inverse=False)
+        return self._apply(keys, positions, inverse=False, tables=tables)
 
     def unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Recover pre-RoPE keys from keys rotated at ``positions`` (inverse of :meth:`rotate`)."""
