@@ -29,7 +29,7 @@ from inferscale.bench.common import (
 )
 from inferscale.bench.latency import parse_mode
 from inferscale.bench.plots import plot_quality
-from inferscale.datasets.locomo import load_locomo, token_f1
+from inferscale.datasets.locomo import CATEGORIES, load_locomo, token_f1
 from inferscale.memory import Memory
 from inferscale.serving.reference import ReferenceModel
 from inferscale.store import Scope
@@ -144,6 +144,13 @@ def summarize(rows: list[dict], ks: Sequence[int], modes: Sequence[str]) -> dict
         vals = [r["recall"][str(k)] for r in recalls if r["recall"].get(str(k)) is not None]
         recall.append({"k": k, "n": len(vals), "recall_mean": mean(vals)})
     cell = {(c["mode"], c["k"]): c for c in cells}
+    top = max(ks)
+    by_category = [
+        {"mode": mode, "category": cat, "n": len(rs), "f1_mean": mean(r["f1"] for r in rs),
+         "nll_mean": mean(r["nll"] for r in rs)}
+        for mode in modes for cat in (1, 2, 3, 4)
+        if (rs := [r for r in answers if r["mode"] == mode and r["k"] == top and r["category"] == cat])
+    ]
     ratios = {}
     for mode in modes:
         for k in ks:
@@ -153,7 +160,7 @@ def summarize(rows: list[dict], ks: Sequence[int], modes: Sequence[str]) -> dict
                     "f1_vs_text": i["f1_mean"] / t["f1_mean"] if t["f1_mean"] else None,
                     "nll_vs_text": i["nll_mean"] / t["nll_mean"] if t["nll_mean"] else None,
                 }
-    return {"cells": cells, "recall": recall, "vs_text": ratios}
+    return {"cells": cells, "recall": recall, "vs_text": ratios, "by_category": by_category, "category_k": top}
 
 
 def to_markdown(summary: dict) -> str:
@@ -174,8 +181,16 @@ def to_markdown(summary: dict) -> str:
                    "" if v["nll_vs_text"] is None else f"{v['nll_vs_text']:.1%}"]
                   for name, v in summary["vs_text"].items()]
     ratios = markdown_table(["inject setting", "F1 as % of text's", "NLL as % of text's"], ratio_rows)
+    cat = {(c["mode"], c["category"]): c for c in summary.get("by_category", [])}
+    cats = sorted({c["category"] for c in summary.get("by_category", [])})
+    by_cat = markdown_table(
+        ["mode"] + [f"{c} {CATEGORIES[c]} (n={max(x['n'] for x in summary['by_category'] if x['category'] == c)})"
+                    for c in cats],
+        [[m] + [f"{cat[(m, c)]['f1_mean']:.3f} / {cat[(m, c)]['nll_mean']:.2f}" if (m, c) in cat else "" for c in cats]
+         for m in modes])
     return (f"# Quality: prompt text vs KV injection\n\nLoCoMo {', '.join(s['samples'])}; {s['questions']} questions "
             f"per conversation (categories 1-4), {n} answers per cell; greedy, up to {s['max_tokens']} tokens; "
             f"dtype {s['dtype']}.\n\n## Token F1 (mean)\n\n{grid('f1_mean', '.3f')}\n\n"
             f"## Gold answer NLL (nats per token, mean; lower is better)\n\n{grid('nll_mean', '.3f')}\n\n"
-            f"## Retrieval\n\n{recall}\n\n## Inject vs text\n\n{ratios}\n")
+            f"## Retrieval\n\n{recall}\n\n## Inject vs text\n\n{ratios}\n\n"
+            f"## By LoCoMo category at k={summary.get('category_k')} (token F1 / gold NLL)\n\n{by_cat}\n")
