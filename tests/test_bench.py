@@ -157,6 +157,9 @@ def test_quality_scores_every_mode(tmp_path, store, locomo_path, latency_run):
     assert recall is None or 0.0 <= recall <= 1.0
     summary = json.loads((tmp_path / "quality.json").read_text())
     assert "inject-w0 k=5" in summary["vs_text"]
+    (cat,) = {r["category"] for r in answers}
+    assert {(c["mode"], c["category"], c["n"]) for c in summary["by_category"]} == {("text", cat, 1), ("inject-w0", cat, 1)}
+    assert "## By LoCoMo category at k=5" in (tmp_path / "quality.md").read_text()
     assert (tmp_path / "quality.png").stat().st_size > 10_000
 
 
