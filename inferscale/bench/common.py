@@ -23,7 +23,6 @@ import subprocess
 from pathlib import Path
 from typing import Iterable, Sequence
 
-
 from inferscale.datasets.locomo import LocomoSample, store_conversation
 from inferscale.memory import Memory
 
@@ -98,8 +97,7 @@ class ResultLog:
 
         The first call also writes ``<name>.settings.json`` (and applies ``fresh``).
         """
-        if not self._started:
-            self._start()
+        self.commit()
         row = {"key": key, **row}
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")

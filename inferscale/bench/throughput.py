@@ -90,8 +90,9 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
     memory = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=True, context_window=context_window)
     for user_id, conv, facts, _qs in tqdm(plan, desc="store users' memories + KV", unit="user"):
         store_conversation(memory, conv, user_id, facts=facts, batch=len(facts))
-        if memory.index.size(Scope(user_id).key) != len({f.dated_text() for f in facts}):
-            raise ValueError(f"{user_id} in {store_dir} holds {memory.index.size(Scope(user_id).key)} facts, not the "
+        held = memory.index.size(Scope(user_id).key)
+        if held != len({f.dated_text() for f in facts}):
+            raise ValueError(f"{user_id} in {store_dir} holds {held} facts, not the "
                              f"{len(facts)} of this plan (an earlier run with another --facts-per-user): "
                              "use another --store")
     todo = [(n, mode) for n in levels for mode in ("inject", "text") if not log.done(f"{mode}|users={n}")]
