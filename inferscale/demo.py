@@ -6,18 +6,28 @@ import statistics
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
 from inferscale.config import default_data_dir
 from inferscale.datasets.locomo import LocomoSample, default_locomo_path, load_locomo, store_conversation, token_f1
 from inferscale.memory import Memory
 
 
-def ingest(memory: Memory, sample: LocomoSample, user_id: str, batch: int = 32) -> int:
-    """Log the sample's turns and store its observations (with KV), resumably.
-
-    See :func:`inferscale.datasets.locomo.store_conversation`. Returns the number of facts newly added.
-    """
-    return store_conversation(memory, sample, user_id, batch=batch, progress="ingest (embed + Chroma + KV encode)")
+def summary_table(rows: list[dict], k: int) -> Table:
+    """The demo's summary: median TTFT per mode, ratio, mean token F1."""
+    table = Table(title=f"Summary over {len(rows)} questions (k={k})")
+    for col in ("mode", "median TTFT (ms)", "mean TTFT (ms)", "prefilled tokens (mean)", "token F1 (mean)"):
+        table.add_column(col)
+    for mode in ("inject", "text"):
+        ttft = [r[f"{mode}_ttft"] * 1000 for r in rows]
+        table.add_row(
+            mode,
+            f"{statistics.median(ttft):.1f}",
+            f"{statistics.mean(ttft):.1f}",
+            f"{statistics.mean(r[f'{mode}_prefilled'] for r in rows):.0f}",
+            f"{statistics.mean(r[f'{mode}_f1'] for r in rows):.3f}",
+        )
+    return table
 
 
 def run_demo(
@@ -25,8 +35,6 @@ def run_demo(
     data_dir: Path | None, console: Console,
 ) -> list[dict]:
     """Run the demo and print per-question lines and a summary; returns the rows."""
-    from inferscale.cli import summary_table
-
     path = data or default_locomo_path()
     samples = load_locomo(path)
     if not 0 <= sample < len(samples):
@@ -38,10 +46,10 @@ def run_demo(
     user_id = f"locomo-{conv.sample_id}"
     memory = Memory(data_dir=data_dir or default_data_dir() / "demo", dtype=dtype, context_window=context_window)
     console.print(f"[bold]LoCoMo {conv.sample_id}[/]: {len(conv.turns)} turns, {len(conv.facts)} facts, from {path}")
-    added = ingest(memory, conv, user_id)
+    added = store_conversation(memory, conv, user_id, progress="ingest (embed + Chroma + KV encode)")
     console.print(f"stored {added} new facts; KV pool on disk: {memory.pool.footprint()['disk'] / 2**20:.1f} MiB")
 
-    console.print("starting vLLM (in-process) and warming up both modes...")
+    console.print("starting vLLM and warming up both modes...")
     for mode in ("inject", "text"):  # first requests pay one-off start-up costs
         memory.generate("What do you remember?", user_id=user_id, k=k, mode=mode, max_tokens=2)
 

@@ -23,7 +23,7 @@ from typing import Callable, Protocol, Sequence
 from inferscale.facts import FactService
 from inferscale.store import FactRecord, Scope
 from inferscale.turns import Turn
-from inferscale.types import FactInput
+from inferscale.types import FactInput, WriteEvent
 
 EXTRACTION_SYSTEM = "List the facts about the user in the conversation as a JSON list of short sentences."
 #: One worked example (user turn, assistant reply): SmolLM2-135M answered with invented
@@ -182,37 +182,37 @@ class SimilarityReconciler:
 def extract_and_reconcile(
     facts: FactService, scope: Scope, turns: Sequence[Turn], metadata: dict, extractor: FactExtractor,
     reconciler: Reconciler, chat: ChatFn,
-) -> list[dict]:
+) -> list[WriteEvent]:
     """Extract facts from logged ``turns`` and apply each one's reconciliation event.
 
     Facts are applied one by one, so a later fact sees the earlier ones. Every applied
     event is recorded in the history by :class:`FactService`.
 
     Returns:
-        Mem0's result items: ``{"id", "memory", "event"}`` (+ ``previous_memory`` for UPDATE).
+        One :class:`WriteEvent` per applied event, in order.
     """
     provenance = tuple(t.turn_id for t in turns)
-    results: list[dict] = []
+    results: list[WriteEvent] = []
     for fact in extractor(turns, chat):
         try:
             facts.check_length(fact)
         except ValueError:
             continue  # an extracted "fact" longer than any fact may be is noise
-        with facts.lock:
+        with facts.transaction():
             decision = reconciler.decide(fact, facts.search(scope, fact, 5))
             target = decision.target
             if decision.event == "UPDATE" and target is not None:
                 try:
                     facts.update(scope, target.id, fact)
-                    results.append({"id": target.id, "memory": fact, "event": "UPDATE", "previous_memory": target.text})
+                    results.append(WriteEvent(target.id, fact, "UPDATE", target.text))
                     continue
                 except ValueError:  # another stored fact already says this
                     decision = Decision("NOOP", target)
             if decision.event == "NOOP" and target is not None:
-                results.append({"id": target.id, "memory": target.text, "event": "NOOP"})
+                results.append(WriteEvent(target.id, target.text, "NOOP"))
                 continue
             if decision.event == "DELETE" and target is not None:
                 facts.delete(scope, [target.id])
-                results.append({"id": target.id, "memory": target.text, "event": "DELETE"})
+                results.append(WriteEvent(target.id, target.text, "DELETE"))
             results.extend(facts.add(scope, [FactInput(fact, provenance, metadata)]))
     return results

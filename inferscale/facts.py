@@ -9,12 +9,13 @@ Writes are serialised by one lock per process; reads run concurrently.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import uuid
 from dataclasses import replace
 from datetime import datetime, timezone
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from inferscale.embedding import Embedder
 from inferscale.filters import matches, validate_filters
@@ -22,7 +23,8 @@ from inferscale.history import HistoryLog
 from inferscale.index import VectorIndex
 from inferscale.kv.manager import KVManager
 from inferscale.store import FactRecord, FactStore, Scope
-from inferscale.types import FactInput, MemoryNotFoundError, require_text
+from inferscale.turns import TurnLog
+from inferscale.types import FactInput, MemoryNotFoundError, WriteEvent, require_text
 
 
 def text_hash(text: str) -> str:
@@ -52,7 +54,13 @@ class FactService:
         self.default_w = default_w
         self.precompute_kv = precompute_kv
         self.max_fact_tokens = max_fact_tokens
-        self.lock = threading.RLock()
+        self._lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Hold the write lock: writes by other threads wait (re-entrant), reads go on."""
+        with self._lock:
+            yield
 
     # ------------------------------------------------------------------ writes
 
@@ -62,44 +70,50 @@ class FactService:
         Raises:
             ValueError: naming the length, the limit and the fix.
         """
-        n = len(self.kv.prompts.fact_line_ids(text))
+        n = self.kv.fact_tokens(text)
         if n > self.max_fact_tokens:
             raise ValueError(f"{what} is {n} tokens, over max_fact_tokens={self.max_fact_tokens}: split it into "
                              "shorter facts (or raise max_fact_tokens)")
 
-    def add(self, scope: Scope, inputs: Sequence[FactInput], *, encode_kv: bool = True) -> list[dict]:
+    def add(self, scope: Scope, inputs: Sequence[FactInput], *, encode_kv: bool = True,
+            context_window: int | None = None) -> list[WriteEvent]:
         """Store new facts; duplicates of stored or earlier texts are ``NOOP`` events.
 
+        Args:
+            encode_kv: encode the new facts' KV now (when ``precompute_kv``).
+            context_window: w to encode at (default ``default_w``).
+
         Returns:
-            ``[{"id", "memory", "event"}]`` in input order.
+            One :class:`WriteEvent` per input, in input order.
         """
         for i, f in enumerate(inputs):
             self.check_length(f.text, f"fact {i}")
-        with self.lock:
+        with self._lock:
             existing = self.store.find_hashes(scope, [text_hash(f.text) for f in inputs])
             results, records, seen = [], [], dict(existing)
             now = _now()
             for f in inputs:
                 h = text_hash(f.text)
                 if h in seen:
-                    results.append({"id": seen[h], "memory": f.text, "event": "NOOP"})
+                    results.append(WriteEvent(seen[h], f.text, "NOOP"))
                     continue
                 rec = FactRecord(uuid.uuid4().hex, f.text, h, scope, tuple(f.source_turn_ids), dict(f.metadata), now, now)
                 seen[h] = rec.id
                 records.append(rec)
-                results.append({"id": rec.id, "memory": f.text, "event": "ADD"})
+                results.append(WriteEvent(rec.id, f.text, "ADD"))
             if records:
                 emb = self.embedder.encode([r.text for r in records])
                 self.store.add(records, emb.numpy())
                 self.index.add(scope.key, [r.id for r in records], emb)
                 self.history.record(scope.key, [(r.id, "ADD", None, r.text) for r in records])
         if records and encode_kv and self.precompute_kv:
-            self.encode(scope, records)
+            self.encode(scope, records, context_window)
         return results
 
-    def encode(self, scope: Scope, records: Sequence[FactRecord]) -> None:
-        """Encode the records' KV at the default context window (skips what the pool has)."""
-        self.kv.ensure([self.kv.preamble_span(), *self.kv.fact_spans(scope.key, records, self.default_w)])
+    def encode(self, scope: Scope, records: Sequence[FactRecord], context_window: int | None = None) -> None:
+        """Encode the records' KV at ``context_window`` (default ``default_w``; skips what the pool has)."""
+        w = self.default_w if context_window is None else context_window
+        self.kv.ensure([self.kv.preamble_span(), *self.kv.fact_spans(scope.key, records, w)])
 
     def update(self, scope: Scope, memory_id: str, text: str, metadata: dict | None = None) -> FactRecord:
         """Replace a memory's text (and metadata when given); invalidates its KV everywhere.
@@ -110,7 +124,7 @@ class FactService:
         """
         require_text(text, "data")
         self.check_length(text, "data")
-        with self.lock:
+        with self._lock:
             old = self.get(scope, memory_id)
             h = text_hash(text)
             other = self.store.find_hashes(scope, [h]).get(h)
@@ -122,7 +136,7 @@ class FactService:
             self.store.update(new, emb.numpy())
             self.index.remove(scope.key, {memory_id})
             self.index.add(scope.key, [memory_id], emb)
-            self.kv.pool.invalidate_owner(memory_id)
+            self.kv.invalidate(memory_id)
             self.history.record(scope.key, [(memory_id, "UPDATE", old.text, text)])
         if self.precompute_kv:
             self.encode(scope, [new])
@@ -134,18 +148,45 @@ class FactService:
         Raises:
             MemoryNotFoundError: one of the ids is not a memory of ``scope`` (nothing is deleted).
         """
-        with self.lock:
+        with self._lock:
             records = [self.get(scope, i) for i in memory_ids]
             if not records:
                 return []
             self.store.delete([r.id for r in records])
             self.index.remove(scope.key, {r.id for r in records})
             for r in records:
-                self.kv.pool.invalidate_owner(r.id)
+                self.kv.invalidate(r.id)
             self.history.record(scope.key, [(r.id, "DELETE", r.text, None) for r in records])
         return records
 
+    def delete_all(self, scope: Scope) -> list[FactRecord]:
+        """Delete every memory of ``scope``; returns the deleted records."""
+        with self._lock:
+            return self.delete(scope, [r.id for r in self.store.list(scope)])
+
+    def delete_turns(self, scope: Scope, turns: TurnLog, turn_ids: Sequence[str]) -> int:
+        """Delete turns of the scope's log (ordered with fact writes); returns how many existed."""
+        with self._lock:
+            return turns.delete(scope.key, list(turn_ids))
+
+    def reset(self, turns: TurnLog) -> None:
+        """Delete everything: every scope's memories, their index and KV, the history, and ``turns``."""
+        with self._lock:
+            self.store.delete_everything()
+            self.index.clear()
+            turns.clear()
+            self.history.clear()
+            self.kv.clear()
+
     # ------------------------------------------------------------------ reads
+
+    def has_facts(self, scope: Scope) -> bool:
+        """Whether ``scope`` holds at least one memory."""
+        return self.index.size(scope.key) > 0
+
+    def count(self, scope: Scope) -> int:
+        """How many memories ``scope`` holds."""
+        return self.index.size(scope.key)
 
     def get(self, scope: Scope, memory_id: str) -> FactRecord:
         """The memory ``memory_id`` of ``scope``.

@@ -105,11 +105,6 @@ class VectorIndex:
             top = torch.topk(scores, min(k, n))
             return [(part.ids[i], float(s)) for s, i in zip(top.values.tolist(), top.indices.tolist())]
 
-    def drop_scope(self, scope: str) -> None:
-        """Forget every row of ``scope``."""
-        with self._lock:
-            self._parts.pop(scope, None)
-
     def clear(self) -> None:
         """Forget every row."""
         with self._lock:

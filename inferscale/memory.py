@@ -7,7 +7,7 @@ the KV pool (:class:`inferscale.facts.FactService`). Serve path (:meth:`Memory.i
 :meth:`Memory.generate`): embed the query, exact top-k in the scope's partition, build
 the prompt, make sure every retrieved fact's KV is in the pool, and hand vLLM the token
 ids plus the ``kv_transfer_params`` its connector reads
-(:class:`inferscale.serving.path.ServePath`).
+(:class:`inferscale.serve_path.ServePath`).
 
 Every call is scoped by ``user_id`` / ``agent_id`` / ``run_id`` (at least one), by-id
 calls included: another scope's memory id is "not found".
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Iterator, Sequence
 
 from inferscale.config import MemoryConfig
 from inferscale.embedding import Embedder
@@ -36,11 +36,20 @@ from inferscale.kv.encoder import best_device
 from inferscale.kv.manager import KVManager
 from inferscale.kv.pool import KVPool
 from inferscale.models import model_fingerprint, resolve_embedder, resolve_llm
-from inferscale.serving.path import ServePath
-from inferscale.serving.prompt import PromptBuilder
+from inferscale.options import GenerationOptions
+from inferscale.prompt import PromptBuilder
+from inferscale.serve_path import PreparedRequest, ServePath, run
 from inferscale.store import SCHEMA_VERSION, FactRecord, FactStore, Scope, StoreError
 from inferscale.turns import Turn, TurnLog
-from inferscale.types import FactInput, Generation, GenerationChunk, Injection, MemoryNotFoundError, require_text
+from inferscale.types import (
+    FactInput,
+    Generation,
+    GenerationChunk,
+    Injection,
+    MemoryNotFoundError,
+    WriteEvent,
+    require_text,
+)
 
 _MANIFEST = "inferscale.json"
 
@@ -111,8 +120,8 @@ class Memory:
         self.extractor = extractor or LLMFactExtractor()
         self.reconciler = reconciler or SimilarityReconciler()
         self._engine_lock = threading.Lock()
-        self.serve = ServePath(self.facts, self.prompts, self.kv, self.turns, lambda: self.engine, self._item,
-                               self.config.max_model_len)
+        self._owns_engine = engine is None
+        self.serve = ServePath(self.facts, self.prompts, self.kv, self.turns, self.config.max_model_len)
 
     def _check_data_dir(self, data: Path) -> dict | None:
         """Create the data dir, check it is writable and check its manifest (schema version,
@@ -203,12 +212,12 @@ class Memory:
                 self.facts.check_length(t.content, f"message {i}")
         if infer:
             logged = self.turns.append(scope.key, turns)
-            return {"results": extract_and_reconcile(self.facts, scope, logged, meta, self.extractor,
-                                                     self.reconciler, self._chat)}
-        with self.facts.lock:
+            return _results(extract_and_reconcile(self.facts, scope, logged, meta, self.extractor,
+                                                  self.reconciler, self._chat))
+        with self.facts.transaction():
             logged = self.turns.append(scope.key, turns)
             facts = [FactInput(t.content, (t.turn_id,), meta) for t in logged]
-            return {"results": self.facts.add(scope, facts)}
+            return _results(self.facts.add(scope, facts))
 
     def _chat(self, messages: list[dict]) -> str:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -216,12 +225,13 @@ class Memory:
         return self.engine.generate(ids, max_tokens=256, temperature=0.0).text
 
     def add_facts(self, facts: Sequence[FactInput | str], *, user_id: str | None = None, agent_id: str | None = None,
-                  run_id: str | None = None, encode_kv: bool = True) -> dict:
+                  run_id: str | None = None, encode_kv: bool = True, context_window: int | None = None) -> dict:
         """Store facts with provenance (LoCoMo observations, extracted facts).
 
         Args:
             facts: :class:`FactInput` s (or plain strings, without provenance).
-            encode_kv: encode each fact's KV at the default context window now (else on first use).
+            encode_kv: encode each fact's KV now (else on first use).
+            context_window: w to encode it at (default ``config.context_window``).
 
         Returns:
             ``{"results": [{"id", "memory", "event"}]}`` as :meth:`add`.
@@ -247,7 +257,18 @@ class Memory:
         if len(known) != len(wanted):
             missing = [t for t in wanted if t not in known]
             raise ValueError(f"source turn ids {missing[:5]} are not in this scope's log: log them with log_turns first")
-        return {"results": self.facts.add(scope, inputs, encode_kv=encode_kv)}
+        if context_window is not None and (isinstance(context_window, bool) or not isinstance(context_window, int)
+                                           or context_window < 0):
+            raise ValueError(f"context_window must be a non-negative integer, got {context_window!r}")
+        return _results(self.facts.add(scope, inputs, encode_kv=encode_kv, context_window=context_window))
+
+    def check_fact_length(self, text: str, what: str = "fact") -> None:
+        """Refuse a fact longer than ``config.max_fact_tokens`` (raises ``ValueError`` with the fix)."""
+        self.facts.check_length(text, what)
+
+    def count(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> int:
+        """How many memories the scope holds."""
+        return self.facts.count(Scope.of(user_id, agent_id, run_id))
 
     def update(self, memory_id: str, data: str, *, user_id: str | None = None, agent_id: str | None = None,
                run_id: str | None = None, metadata: dict | None = None) -> dict:
@@ -277,18 +298,12 @@ class Memory:
     def delete_all(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> dict:
         """Delete every memory of the scope (its turn log stays)."""
         scope = Scope.of(user_id, agent_id, run_id)
-        with self.facts.lock:
-            deleted = self.facts.delete(scope, [r.id for r in self.store.list(scope)])
+        deleted = self.facts.delete_all(scope)
         return {"message": f"{len(deleted)} memories deleted successfully!"}
 
     def reset(self) -> None:
         """Delete everything in the data dir's store: every scope's memories, turns, history and KV."""
-        with self.facts.lock:
-            self.store.delete_everything()
-            self.index.clear()
-            self.turns.clear()
-            self.history_log.clear()
-            self.pool.clear()
+        self.facts.reset(self.turns)
 
     # ------------------------------------------------------------------ reads
 
@@ -357,7 +372,8 @@ class Memory:
 
     @property
     def engine(self):
-        """The in-process vLLM engine with InferScale's connector (started on first use)."""
+        """The vLLM engine with InferScale's connector (:class:`~inferscale.serving.engine.Engine`,
+        started on first use; stopped by :meth:`close`)."""
         with self._engine_lock:
             if self._engine is None:
                 from inferscale.serving.engine import Engine
@@ -368,6 +384,46 @@ class Memory:
                     device_budget_bytes=self.config.device_kv_budget_bytes,
                 )
             return self._engine
+
+    def close(self) -> None:
+        """Stop the engine this memory started (an engine given to the constructor is left running)."""
+        with self._engine_lock:
+            if self._owns_engine and self._engine is not None:
+                self._engine.close()
+                self._engine = None
+
+    def __enter__(self) -> "Memory":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def options(self, options: GenerationOptions | None = None, **overrides: Any) -> GenerationOptions:
+        """Generation options with ``overrides`` applied and ``k`` / ``context_window`` resolved
+        to this memory's defaults (``config.top_k`` / ``config.context_window``).
+
+        Raises:
+            TypeError: an override is not an option. ValueError: a bad value.
+        """
+        o = (options or GenerationOptions()).merged(**overrides)
+        return o.merged(k=self.config.top_k if o.k is None else o.k,
+                        context_window=self.config.context_window if o.context_window is None else o.context_window)
+
+    def prepare(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
+                run_id: str | None = None, history: Sequence[dict] | None = None, instructions: str | None = None,
+                allow_unknown_scope: bool = False, options: GenerationOptions | None = None,
+                **overrides: Any) -> Injection:
+        """Retrieve and lay out one request without running it, in either mode (arguments as
+        :meth:`generate`).
+
+        In ``mode="inject"`` any missing KV is encoded first, so the request never falls
+        back; in ``mode="text"`` the result has no ``plan`` and no ``kv_transfer_params``.
+        """
+        req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
+                            self.options(options, **overrides))
+        return Injection(prompt_token_ids=req.prompt_token_ids, plan=req.plan,
+                         memories=[self._item(r, s) for r, s in req.hits], memory_tokens=req.memory_tokens,
+                         retrieval_s=req.retrieval_s)
 
     def inject(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                run_id: str | None = None, k: int | None = None, context_window: int | None = None) -> Injection:
@@ -383,50 +439,55 @@ class Memory:
             UnknownScopeError: the scope has no memories and no turns.
             ValueError: empty query, negative k or w.
         """
-        scope = Scope.of(user_id, agent_id, run_id)
-        return self.serve.inject(scope, query, self.config.top_k if k is None else k,
-                                 self.config.context_window if context_window is None else context_window)
+        return self.prepare(query, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k,
+                            context_window=context_window, mode="inject", max_tokens=1)
+
+    def _prepare(self, query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
+                 options: GenerationOptions) -> PreparedRequest:
+        return self.serve.prepare(Scope.of(user_id, agent_id, run_id), query, options, history=history,
+                                  instructions=instructions, allow_unknown_scope=allow_unknown_scope)
 
     def generate(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
-                 run_id: str | None = None, k: int | None = None, context_window: int | None = None,
-                 mode: Literal["inject", "text"] = "inject", max_tokens: int = 64, temperature: float = 0.0,
-                 logprobs: int | None = None, stop: Sequence[str] | None = None,
-                 history: Sequence[dict] | None = None, instructions: str | None = None,
-                 allow_unknown_scope: bool = False) -> Generation:
+                 run_id: str | None = None, history: Sequence[dict] | None = None, instructions: str | None = None,
+                 allow_unknown_scope: bool = False, options: GenerationOptions | None = None,
+                 **overrides: Any) -> Generation:
         """Answer ``query`` with the scope's memory.
 
+        Thread-safe: calls from several threads run concurrently and vLLM batches them.
+
         Args:
-            mode: ``"inject"`` supplies the memory block as precomputed KV; ``"text"``
-                prefills the same tokens (Mem0-style prompt injection).
-            max_tokens: answer budget (tokens). temperature: 0 is greedy.
-            logprobs: also return the top-N logprobs of the first answer token.
-            stop: strings that end the answer (not included in it).
             history: earlier turns of the current conversation, ``{"role": "user" |
                 "assistant", "content"}`` dicts, oldest first; they are prefilled after the
                 memory block, before ``query``.
             instructions: extra system text, placed after the memory block.
             allow_unknown_scope: answer a scope with no memories and no turns (a new user)
                 without memories instead of raising ``UnknownScopeError``.
+            options: a :class:`~inferscale.options.GenerationOptions`.
+            **overrides: its fields one by one: ``k``, ``context_window``, ``mode``
+                (``"inject"``: the memory block as precomputed KV; ``"text"``: the same
+                tokens prefilled, Mem0-style), ``max_tokens`` (default 64), ``temperature``
+                (0 is greedy), ``stop``, ``logprobs``.
 
         Raises:
-            UnknownScopeError, ValueError: as :meth:`inject`; ``ValueError`` for an unknown
-                mode, a bad history or bad stop strings.
+            UnknownScopeError: the scope has no memories and no turns.
+            TypeError: an unknown option. ValueError: a bad option value, an empty query, a
+                bad history, or a prompt over ``max_model_len``.
         """
-        return self.serve.generate(Scope.of(user_id, agent_id, run_id), query, **self._serve_args(
-            k, context_window, mode, max_tokens, temperature, logprobs, stop, history, instructions,
-            allow_unknown_scope))
+        for chunk in self.stream(query, user_id=user_id, agent_id=agent_id, run_id=run_id, history=history,
+                                 instructions=instructions, allow_unknown_scope=allow_unknown_scope, options=options,
+                                 **overrides):
+            if chunk.generation is not None:
+                return chunk.generation
+        raise RuntimeError("the stream ended without a generation")
 
     def stream(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
-               run_id: str | None = None, k: int | None = None, context_window: int | None = None,
-               mode: Literal["inject", "text"] = "inject", max_tokens: int = 64, temperature: float = 0.0,
-               logprobs: int | None = None, stop: Sequence[str] | None = None,
-               history: Sequence[dict] | None = None, instructions: str | None = None,
-               allow_unknown_scope: bool = False) -> Iterator[GenerationChunk]:
+               run_id: str | None = None, history: Sequence[dict] | None = None, instructions: str | None = None,
+               allow_unknown_scope: bool = False, options: GenerationOptions | None = None,
+               **overrides: Any) -> Iterator[GenerationChunk]:
         """:meth:`generate`, streamed: the same request, its text yielded as the engine produces it.
 
         Retrieval, input checks and KV encoding happen in this call (errors are raised
-        here); the iterator runs the request. Exhaust or close it: the engine serves one
-        request at a time.
+        here); the iterator runs the request. Closing it early aborts the request.
 
         Returns:
             An iterator of :class:`GenerationChunk`; their texts joined are the answer, and
@@ -436,16 +497,21 @@ class Memory:
             >>> for chunk in m.stream("Suggest a snack for me.", user_id="alice"):
             ...     print(chunk.text, end="")
         """
-        return self.serve.stream(Scope.of(user_id, agent_id, run_id), query, **self._serve_args(
-            k, context_window, mode, max_tokens, temperature, logprobs, stop, history, instructions,
-            allow_unknown_scope))
+        req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
+                            self.options(options, **overrides))
+        return self._chunks(self.engine, req, [self._item(r, s) for r, s in req.hits])
 
-    def _serve_args(self, k, context_window, mode, max_tokens, temperature, logprobs, stop, history, instructions,
-                    allow_unknown_scope) -> dict:
-        return dict(k=self.config.top_k if k is None else k,
-                    w=self.config.context_window if context_window is None else context_window, mode=mode,
-                    max_tokens=max_tokens, temperature=temperature, logprobs=logprobs, stop=stop,
-                    history=history or (), instructions=instructions, allow_unknown_scope=allow_unknown_scope)
+    @staticmethod
+    def _chunks(engine, req: PreparedRequest, memories: list[dict]) -> Iterator[GenerationChunk]:
+        for piece in run(engine, req):
+            out = piece.output
+            yield GenerationChunk(piece.delta, None if out is None else Generation(
+                text=piece.text, mode=req.options.mode, ttft_s=out.ttft_s, latency_s=out.latency_s,
+                retrieval_s=req.retrieval_s, num_prompt_tokens=out.num_prompt_tokens,
+                num_injected_tokens=out.num_injected_tokens,
+                num_prefilled_tokens=out.num_prompt_tokens - out.num_cached_tokens, memories=memories,
+                first_logprobs=out.first_logprobs, num_generated_tokens=out.num_output_tokens,
+            ))
 
     # ------------------------------------------------------------------ turns
 
@@ -468,8 +534,12 @@ class Memory:
         if isinstance(turn_ids, (str, bytes)) or not isinstance(turn_ids, Sequence) or not all(
                 isinstance(t, str) for t in turn_ids):
             raise TypeError(f"turn_ids must be a list of turn id strings, got {turn_ids!r}")
-        with self.facts.lock:
-            return self.turns.delete(scope.key, list(turn_ids))
+        return self.facts.delete_turns(scope, self.turns, list(turn_ids))
+
+
+def _results(events: Sequence[WriteEvent]) -> dict:
+    """Mem0's ``{"results": [...]}`` from typed write events."""
+    return {"results": [e.to_dict() for e in events]}
 
 
 def _turn(i: int, m: Any) -> Turn:

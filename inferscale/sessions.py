@@ -118,7 +118,7 @@ class ChatSessions:
                 raise ValueError(f"message {i} has role {m.role!r}; use one of {ROLES}")
             require_text(m.content, f"message {i} content")
             if not self.infer and m.role in self.fact_roles:
-                self.memory.facts.check_length(m.content, f"message {i}")
+                self.memory.check_fact_length(m.content, f"message {i}")
             rows.append({"role": m.role, "content": m.content, "id": f"{session_id}:{uuid.uuid4().hex}",
                          "metadata": {"session_id": session_id}})
         return rows

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferscale.kv.injection import InjectionPlan
+
 
 class UnknownScopeError(KeyError):
     """The scope has no memories and no turns."""
@@ -37,28 +39,65 @@ class FactInput:
 
 
 @dataclass(frozen=True)
+class WriteEvent:
+    """What one write did to one memory (Mem0's ``add`` result item).
+
+    Attributes:
+        id: the memory's id.
+        memory: its text after the write (before it, for ``DELETE``).
+        event: ``"ADD"``, ``"UPDATE"``, ``"DELETE"`` or ``"NOOP"``.
+        previous_memory: the text before an ``UPDATE``.
+    """
+
+    id: str
+    memory: str
+    event: str
+    previous_memory: str | None = None
+
+    def to_dict(self) -> dict:
+        """Mem0's item: ``{"id", "memory", "event"}`` (+ ``previous_memory`` for UPDATE)."""
+        item = {"id": self.id, "memory": self.memory, "event": self.event}
+        if self.previous_memory is not None:
+            item["previous_memory"] = self.previous_memory
+        return item
+
+
+@dataclass(frozen=True)
 class Injection:
-    """What one vLLM request needs to be served with injected memory.
+    """One vLLM request prepared by :meth:`Memory.inject` / :meth:`Memory.prepare`.
 
     Attributes:
         prompt_token_ids: the whole prompt (tokens).
-        kv_transfer_params: pass as ``SamplingParams(extra_args={"kv_transfer_params": ...})``.
-        cache_salt: pass in the prompt dict so the prefix cache keeps injected KV apart.
+        plan: what the connector injects (:class:`~inferscale.kv.injection.InjectionPlan`);
+            ``None`` for a text-mode request.
         memories: the retrieved facts, best first (Mem0's search result items).
-        memory_tokens: tokens supplied as KV (preamble plus fact lines).
+        memory_tokens: preamble plus fact lines (tokens); supplied as KV in inject mode.
         retrieval_s: time to embed the query and search (seconds).
     """
 
     prompt_token_ids: tuple[int, ...]
-    kv_transfer_params: dict
-    cache_salt: str
+    plan: InjectionPlan | None
     memories: list[dict]
     memory_tokens: int
     retrieval_s: float
 
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        """Pass as ``SamplingParams(extra_args={"kv_transfer_params": ...})`` (or the OpenAI
+        server's ``kv_transfer_params`` field)."""
+        return None if self.plan is None else self.plan.to_params()
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Pass in the prompt dict so the prefix cache keeps injected KV apart."""
+        return None if self.plan is None else self.plan.cache_salt()
+
     def vllm_prompt(self) -> dict:
-        """The prompt dict for ``LLM.generate`` / ``LLMEngine.add_request``."""
-        return {"prompt_token_ids": list(self.prompt_token_ids), "cache_salt": self.cache_salt}
+        """The prompt dict for ``LLM.generate`` / ``AsyncLLM.generate``."""
+        prompt: dict = {"prompt_token_ids": list(self.prompt_token_ids)}
+        if self.plan is not None:
+            prompt["cache_salt"] = self.plan.cache_salt()
+        return prompt
 
 
 @dataclass(frozen=True)

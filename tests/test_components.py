@@ -11,7 +11,7 @@ from inferscale.index import VectorIndex
 from inferscale.kv.pool import FactKV, KVPool, kv_key, validate_key
 from inferscale.models import ModelNotFoundError, model_fingerprint, resolve_llm
 from inferscale.serving.connector import InjectionPlan
-from inferscale.serving.prompt import PromptBuilder
+from inferscale.prompt import PromptBuilder
 
 
 def kv(tokens: int, fill: float = 1.0) -> FactKV:

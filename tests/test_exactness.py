@@ -10,11 +10,12 @@ import itertools
 import pytest
 import torch
 
+from inferscale.config import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.datasets.locomo import load_locomo
 from inferscale.kv.encoder import EncodeItem
 from inferscale.kv.pool import FactKV, KVPool, kv_key
-from inferscale.serving.prompt import PromptBuilder
-from inferscale.serving.reference import ReferenceModel
+from inferscale.prompt import PromptBuilder
+from inferscale.kv.reference import ReferenceModel
 
 OFFSET = 1000
 _salts = itertools.count()
@@ -33,7 +34,7 @@ def builder(tokenizer):
 
 @pytest.fixture(scope="module")
 def pool(serving_dir):
-    return KVPool.shared(serving_dir / "kv", "cpu", 1 << 30)
+    return KVPool.shared(serving_dir / "kv", "cpu", DEFAULT_DEVICE_KV_BUDGET_BYTES)
 
 
 def inject_params(layout, encoder, pool, *, exact_context: bool, tag: str, poison: bool = False):

@@ -11,8 +11,7 @@ import pytest
 from vllm import SamplingParams
 
 from inferscale import FactInput, Memory, UnknownScopeError
-from inferscale.datasets.locomo import load_locomo
-from inferscale.demo import ingest
+from inferscale.datasets.locomo import load_locomo, store_conversation
 from inferscale.store import Scope
 
 USER = "locomo-conv-26-s12"
@@ -33,7 +32,7 @@ def sample(locomo_path):
 @pytest.fixture(scope="module")
 def memory(serving_dir, engine, sample):
     mem = Memory(data_dir=serving_dir, dtype="float32", context_window=3, engine=engine)
-    added = ingest(mem, sample, USER)
+    added = store_conversation(mem, sample, USER)
     assert added == len({f.dated_text() for f in sample.facts})
     return mem
 
@@ -61,7 +60,7 @@ def test_locomo_facts_keep_their_provenance(memory, sample):
         assert tuple(item["source_turn_ids"]) == by_text[item["memory"]]
     turns = memory.turns.count(Scope(USER).key)
     assert turns == len(sample.turns)
-    assert ingest(memory, sample, USER) == 0  # a second load adds nothing, logs nothing
+    assert store_conversation(memory, sample, USER) == 0  # a second load adds nothing, logs nothing
     assert memory.turns.count(Scope(USER).key) == turns
     assert len(memory.get_all(user_id=USER, limit=1000)["results"]) == len(by_text)
 
@@ -86,7 +85,13 @@ def test_inject_gives_a_request_any_connector_engine_can_serve(memory, engine, s
     owners = {seg[0].split("/")[0] for seg in req.kv_transfer_params["inferscale"]["segments"]}
     assert owners == {"_preamble"} | {m["id"] for m in req.memories}
     params = SamplingParams(max_tokens=16, temperature=0, extra_args={"kv_transfer_params": req.kv_transfer_params})
-    (out,) = engine.llm.generate([req.vllm_prompt()], params, use_tqdm=False)
+
+    async def plain_vllm_request():
+        async for out in engine.llm.generate(req.vllm_prompt(), params, "plain-vllm-request"):
+            final = out
+        return final
+
+    out = engine.run_coroutine(plain_vllm_request())
     ours = memory.generate(question, user_id=USER, k=8, context_window=3, max_tokens=16)
     assert out.outputs[0].text.strip() == ours.text
 

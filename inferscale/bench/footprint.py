@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from inferscale.bench.common import ensure_conversation, markdown_table, scope_of, write_outputs
 from inferscale.bench.plots import plot_footprint
+from inferscale.config import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.datasets.locomo import load_locomo
 from inferscale.kv.encoder import torch_dtype
 from inferscale.kv.pool import KVPool
@@ -65,7 +66,7 @@ def stored_files(kv_dir: Path) -> list[dict]:
 
 
 def run(data: Path, out_dir: Path, store_dir: Path, *, samples: Sequence[int] | None = None, split_sample: int = 0,
-        budgets: Sequence[int] = (2 << 30, 64 * MIB), dtype: str = "auto") -> dict:
+        budgets: Sequence[int] = (DEFAULT_DEVICE_KV_BUDGET_BYTES, 64 * MIB), dtype: str = "auto") -> dict:
     """Write ``footprint.{json,md,png}`` (no long work, so nothing to resume).
 
     Args:

@@ -53,15 +53,18 @@ def parse_mode(mode: str) -> tuple[str, int]:
 
 
 def warm_kv(memory: Memory, user_id: str, questions: Sequence[str], k: int, windows: Sequence[int]) -> None:
-    """Encode (where missing) and load into the pool's device tier the KV of every fact to be injected.
+    """Encode (where missing) the KV of every fact to be injected, and load it into the
+    device tier of the engine's connector by serving it once.
 
     Covers the top ``k`` facts of each question at each context window in ``windows``.
+    The warm-up requests carry their own cache salt, so no measured request reuses
+    their prefix-cache blocks.
     """
     jobs = [(q, w) for w in windows for q in questions]
     for q, w in tqdm(jobs, desc=f"encode + load KV (top {k})", unit="question"):
         inj = memory.inject(q, user_id=user_id, k=k, context_window=w)
-        for key, _start, _n in inj.kv_transfer_params["inferscale"]["segments"]:
-            memory.pool.get(key)
+        memory.engine.generate(inj.prompt_token_ids, kv_transfer_params=inj.kv_transfer_params,
+                               cache_salt=f"warm-{inj.cache_salt}", max_tokens=1)
 
 
 def run(data: Path, out_dir: Path, store_dir: Path, *, sample: int = 0, questions: int = 20,

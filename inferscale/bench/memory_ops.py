@@ -66,11 +66,10 @@ def run(data: Path, out_dir: Path, *, stored: int = 2500, timed_adds: int = 20, 
     held_out = facts[stored:]
     mem.kv.ensure([mem.kv.preamble_span()])
     for w, chunk in ((0, held_out[:timed_adds]), (20, held_out[timed_adds : 2 * timed_adds])):
-        mem.facts.default_w = w
         times = []
         for user, f in tqdm(chunk, desc=f"add with KV encoding, w={w}"):
             t = time.perf_counter()
-            mem.add_facts([FactInput(f.dated_text(), f.dia_ids)], user_id=user)
+            mem.add_facts([FactInput(f.dated_text(), f.dia_ids)], user_id=user, context_window=w)
             times.append(time.perf_counter() - t)
         results.append(_summary(f"add (KV encoding, w={w})", times))
     questions = [(f"locomo-{s.sample_id}", q.question) for s in samples for q in s.qa]

@@ -8,7 +8,7 @@ three numbers are recorded:
   normalised as LoCoMo's own evaluation does (:func:`inferscale.datasets.locomo.token_f1`);
 - the gold answer's negative log-likelihood per token (nats), teacher-forced through the
   transformers reference path with the same prompt and, for ``inject`` modes, the same
-  injected KV (:class:`inferscale.serving.reference.ReferenceModel`);
+  injected KV (:class:`inferscale.kv.reference.ReferenceModel`);
 - evidence recall@k of the retrieval: the share of the question's evidence turns
   (LoCoMo ``evidence`` dialogue ids) that are a source turn of some retrieved fact
   (questions without evidence are left out of the mean).
@@ -31,8 +31,7 @@ from inferscale.bench.latency import parse_mode
 from inferscale.bench.plots import plot_quality
 from inferscale.datasets.locomo import CATEGORIES, load_locomo, token_f1
 from inferscale.memory import Memory
-from inferscale.serving.reference import ReferenceModel
-from inferscale.store import Scope
+from inferscale.kv.reference import ReferenceModel
 
 NAME = "quality"
 
@@ -49,12 +48,11 @@ def answer_nll(memory: Memory, ref: ReferenceModel, user_id: str, question: str,
                mode: str, w: int) -> float:
     """Mean NLL (nats per token) of ``answer`` after the prompt served in ``mode`` with top-``k`` facts."""
     answer_ids = memory.tokenizer(answer, add_special_tokens=False).input_ids
-    if mode == "text":
-        layout, _hits, _t = memory.serve.layout(Scope(user_id), question, k)
-        return ref.answer_nll(layout.token_ids, answer_ids)
-    inj = memory.inject(question, user_id=user_id, k=k, context_window=w)
-    segments = [(start, memory.pool.get(key)) for key, start, _n in inj.kv_transfer_params["inferscale"]["segments"]]
-    return ref.answer_nll(inj.prompt_token_ids, answer_ids, segments)
+    req = memory.prepare(question, user_id=user_id, k=k, context_window=w, mode=mode)
+    if req.plan is None:
+        return ref.answer_nll(req.prompt_token_ids, answer_ids)
+    segments = [(seg.start, memory.pool.get(seg.key)) for seg in req.plan.segments]
+    return ref.answer_nll(req.prompt_token_ids, answer_ids, segments)
 
 
 def run(data: Path, out_dir: Path, store_dir: Path, *, samples: Sequence[int] = (0, 1, 8),

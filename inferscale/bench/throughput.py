@@ -30,9 +30,10 @@ from inferscale.bench.common import ResultLog, markdown_table, percentile, write
 from inferscale.bench.plots import plot_throughput
 from inferscale.datasets.locomo import LocomoFact, LocomoSample, load_locomo, store_conversation
 from inferscale.memory import Memory
-from inferscale.store import Scope
 
 NAME = "throughput"
+#: vLLM's paged cache for this benchmark (2 GiB): 64 requests of ~800 tokens at 45 KiB/token.
+PAGED_CACHE_BYTES = 2 << 30
 
 
 def user_plan(convs: Sequence[LocomoSample], users: int, facts_per_user: int, requests_per_user: int
@@ -58,7 +59,7 @@ def user_plan(convs: Sequence[LocomoSample], users: int, facts_per_user: int, re
 async def _level(engine, requests: list[list[dict]], max_tokens: int) -> tuple[float, list]:
     """Run every user's requests (each user's one after another, users concurrently)."""
     async def user(reqs: list[dict]) -> list:
-        return [await engine.generate(**r, max_tokens=max_tokens) for r in reqs]
+        return [await engine.agenerate(**r, max_tokens=max_tokens) for r in reqs]
 
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(user(r) for r in requests))
@@ -90,7 +91,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
     memory = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=True, context_window=context_window)
     for user_id, conv, facts, _qs in tqdm(plan, desc="store users' memories + KV", unit="user"):
         store_conversation(memory, conv, user_id, facts=facts, batch=len(facts))
-        held = memory.index.size(Scope(user_id).key)
+        held = memory.count(user_id=user_id)
         if held != len({f.dated_text() for f in facts}):
             raise ValueError(f"{user_id} in {store_dir} holds {held} facts, not the "
                              f"{len(facts)} of this plan (an earlier run with another --facts-per-user): "
@@ -111,27 +112,24 @@ def _requests(memory: Memory, plan, users: int, mode: str, k: int, w: int, salt:
     for user_id, _conv, _facts, questions in plan[:users]:
         reqs = []
         for q in questions:
-            if mode == "inject":
-                inj = memory.inject(q, user_id=user_id, k=k, context_window=w)
-                reqs.append({"prompt_token_ids": inj.prompt_token_ids, "kv_transfer_params": inj.kv_transfer_params,
-                             "cache_salt": f"{inj.cache_salt}-{salt}"})
-            else:
-                layout, _hits, _t = memory.serve.layout(Scope(user_id), q, k)
-                reqs.append({"prompt_token_ids": layout.token_ids, "cache_salt": f"text-{salt}"})
+            req = memory.prepare(q, user_id=user_id, k=k, context_window=w, mode=mode)
+            reqs.append({"prompt_token_ids": req.prompt_token_ids, "kv_transfer_params": req.kv_transfer_params,
+                         "cache_salt": f"{req.cache_salt or 'text'}-{salt}"})
         out.append(reqs)
     return out
 
 
 async def _measure(memory: Memory, plan, todo, log: ResultLog, *, k: int, w: int, max_tokens: int) -> None:
-    from inferscale.serving.async_engine import AsyncEngine
+    from inferscale.serving.engine import Engine
 
-    engine = AsyncEngine(memory.model_path, dtype=memory.config.resolved_dtype, kv_dir=memory.kv_dir,
-                         max_model_len=memory.config.max_model_len, max_num_seqs=max(n for n, _ in todo))
+    engine = Engine(memory.model_path, dtype=memory.config.resolved_dtype, kv_dir=memory.kv_dir,
+                    max_model_len=memory.config.max_model_len, kv_cache_memory_bytes=PAGED_CACHE_BYTES,
+                    max_num_seqs=max(n for n, _ in todo))
     try:
         warm = _requests(memory, plan, len(plan), "inject", k, w, "warm")
         for reqs in tqdm(warm, desc="warm-up (loads KV into the engine's device tier)", unit="user"):
             for r in reqs:
-                await engine.generate(**r, max_tokens=1)
+                await engine.agenerate(**r, max_tokens=1)
         for n, mode in tqdm(todo, desc="levels", unit="level"):
             requests = _requests(memory, plan, n, mode, k, w, f"users={n}")
             wall, outs = await _level(engine, requests, max_tokens)
@@ -143,7 +141,7 @@ async def _measure(memory: Memory, plan, todo, log: ResultLog, *, k: int, w: int
                 "output_tokens": [o.num_output_tokens for o in outs],
             })
     finally:
-        engine.shutdown()
+        engine.close()
 
 
 def summarize(rows: list[dict], levels: Sequence[int]) -> dict:

@@ -188,7 +188,7 @@ def store_conversation(memory: Memory, sample: LocomoSample, user_id: str, *,
     chosen = sample.facts if facts is None else facts
     inputs = [FactInput(f.dated_text(), f.dia_ids, {"speaker": f.speaker, "session": f.session}) for f in chosen]
     hashes = {text_hash(f.text) for f in inputs}
-    if memory.index.size(scope) >= len(hashes) and len(memory.store.find_hashes(Scope(user_id), hashes)) == len(hashes):
+    if memory.count(user_id=user_id) >= len(hashes) and len(memory.store.find_hashes(Scope(user_id), hashes)) == len(hashes):
         return 0
     added = 0
     for start in tqdm(range(0, len(inputs), batch), desc=progress, unit="batch", disable=progress is None,

@@ -76,7 +76,6 @@ class KVEncoder:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype).to(self.device).eval()
         self.rotator = RopeRotator(self.model.config)
         self.batch_tokens = batch_tokens
-        self.num_encoded_spans = 0
 
     @torch.no_grad()
     def encode(self, items: Sequence[EncodeItem]) -> list[FactKV]:
@@ -108,7 +107,6 @@ class KVEncoder:
             batch.append(idx)
         if batch:
             self._encode_batch([items[i] for i in batch], batch, results)
-        self.num_encoded_spans += len(items)
         return results  # type: ignore[return-value]
 
     def _encode_batch(self, items: list[EncodeItem], slots: list[int], results: list) -> None:

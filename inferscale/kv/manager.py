@@ -14,7 +14,7 @@ from typing import Sequence
 
 from inferscale.kv.encoder import EncodeItem, KVEncoder
 from inferscale.kv.pool import KVPool, kv_key
-from inferscale.serving.prompt import PromptBuilder
+from inferscale.prompt import PromptBuilder
 from inferscale.store import FactRecord
 from inferscale.turns import TurnLog
 
@@ -73,6 +73,18 @@ class KVManager:
         if self._encoder is None:
             self._encoder = KVEncoder(self.model_path, self.dtype, batch_tokens=self.batch_tokens)
         return self._encoder
+
+    def fact_tokens(self, text: str) -> int:
+        """Tokens of the fact's memory line (what its KV covers)."""
+        return len(self.prompts.fact_line_ids(text))
+
+    def invalidate(self, fact_id: str) -> None:
+        """Drop every stored KV variant of a fact (on update and delete)."""
+        self.pool.invalidate_owner(fact_id)
+
+    def clear(self) -> None:
+        """Drop all stored KV."""
+        self.pool.clear()
 
     def preamble_span(self) -> FactSpan:
         ids = self.prompts.preamble_ids

@@ -112,7 +112,15 @@ class KVPool:
 
     @classmethod
     def shared(cls, root: Path, device: torch.device | str, device_budget_bytes: int) -> "KVPool":
-        """The process-wide pool for ``root`` (created on first use)."""
+        """The process-wide pool for ``root`` (created on first use).
+
+        Every caller in a process shares one device tier per folder, so invalidations
+        reach all of them.
+
+        Raises:
+            ValueError: the pool for ``root`` exists with another device or budget (the
+                second caller's settings would be silently ignored otherwise).
+        """
         key = Path(root).resolve()
         key.mkdir(parents=True, exist_ok=True)  # also fails loudly if the folder became a file
         with cls._registry_lock:
@@ -120,6 +128,12 @@ class KVPool:
             if pool is None:
                 pool = cls(key, device, device_budget_bytes)
                 cls._registry[key] = pool
+            elif pool.device != torch.device(device) or pool.device_budget_bytes != int(device_budget_bytes):
+                raise ValueError(
+                    f"the KV pool at {key} is already open in this process on {pool.device} with a device budget "
+                    f"of {pool.device_budget_bytes} bytes; open it with the same settings (asked: {device}, "
+                    f"{device_budget_bytes} bytes)"
+                )
             return pool
 
     def _path(self, key: str) -> Path:

@@ -75,7 +75,6 @@ class RopeRotator:
                 "rope_type 'dynamic' rescales angles with the sequence length, so stored keys cannot be "
                 "rotated independently of the request; use a model with a static rope type"
             )
-        self.rope_type = rope_type
         self._module = _find_rotary_class(config)(config=config)
         self._module.eval()
 

@@ -1,25 +1,40 @@
-"""vLLM engine wiring: one in-process engine with InferScale's KV connector.
+"""The vLLM engine: ``AsyncLLM`` with InferScale's KV connector, for sync and async callers.
 
-Everything that imports vLLM at module level lives in ``inferscale/serving/`` (this
-file and ``connector.py``); version differences belong here.
+One implementation: every request runs as a coroutine on the engine's own event loop
+(a daemon thread), so requests from any number of threads or event loops are in flight
+together and vLLM batches them. :meth:`Engine.stream` / :meth:`Engine.generate` are the
+synchronous faces, :meth:`Engine.astream` / :meth:`Engine.agenerate` the asynchronous
+ones, over the same coroutine. vLLM's engine core (scheduler, model, and the connector's
+both sides) runs in its own process and reads fact KV from the pool's disk tier.
 
-TTFT is measured from submission to the engine (``add_request``) to the step whose
-output first carries a generated token, with ``time.perf_counter`` (seconds).
+TTFT is measured from submission (``AsyncLLM.generate``) to the first output that
+carries a generated token, with ``time.perf_counter`` (seconds). The number of injected
+tokens comes back through vLLM's own return path: the connector's ``request_finished``
+params, delivered in the finished output's ``kv_transfer_params``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-import os
+import logging
+import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
-from inferscale.serving.connector import INJECTION_LOG
+from vllm.v1.metrics.loggers import StatLoggerBase
 
+from inferscale.config import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
+from inferscale.kv.injection import injected_tokens
+from inferscale.serving.vllm_compat import check_vllm_version, engine_kwargs, engine_process_environment
+
+logger = logging.getLogger(__name__)
 _ids = itertools.count()
+_DONE = object()
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,11 @@ class EngineOutput:
     num_cached_tokens: int
     first_logprobs: dict[int, float] = field(default_factory=dict)
 
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens."""
+        return len(self.token_ids)
+
 
 @dataclass(frozen=True)
 class EngineChunk:
@@ -61,8 +81,24 @@ class EngineChunk:
     output: EngineOutput | None = None
 
 
+class BatchStats(StatLoggerBase):
+    """vLLM stat logger that keeps the largest number of requests the scheduler ran in one step."""
+
+    def __init__(self, vllm_config: Any = None, engine_index: int = 0) -> None:
+        self.max_running = 0
+        self.steps = 0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.steps += 1
+            self.max_running = max(self.max_running, scheduler_stats.num_running_reqs)
+
+    def log_engine_initialized(self) -> None:
+        return
+
+
 class Engine:
-    """An in-process vLLM ``LLMEngine`` configured with :class:`InferScaleConnector`.
+    """vLLM's ``AsyncLLM`` configured with :class:`InferScaleConnector`; thread-safe.
 
     Args:
         model_path: local Hugging Face folder.
@@ -71,44 +107,112 @@ class Engine:
         max_model_len: context length (tokens).
         kv_cache_memory_bytes: size of vLLM's paged KV cache (bytes).
         device_budget_bytes: device tier of the connector's KV pool (bytes).
+        max_num_seqs: most requests vLLM batches at once.
 
-    Thread-safe: requests are served one at a time.
+    Concurrent requests (from threads, or tasks of any event loop) are batched by vLLM.
+    Call :meth:`close` (or use ``with Engine(...) as e:``) to stop the engine-core
+    process; it is also stopped when the object is collected or the interpreter exits.
+
+    Raises:
+        ImportError: vLLM is not installed.
     """
 
-    def __init__(
-        self,
-        model_path: Path,
-        *,
-        dtype: str,
-        kv_dir: Path,
-        max_model_len: int = 8192,
-        kv_cache_memory_bytes: int = 1 << 30,
-        device_budget_bytes: int = 2 << 30,
-    ) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    def __init__(self, model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: int = 8192,
+                 kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
+                 device_budget_bytes: int = DEFAULT_DEVICE_KV_BUDGET_BYTES, max_num_seqs: int = 64) -> None:
+        check_vllm_version()
         self.kv_dir = Path(kv_dir)
-        from vllm import LLM
+        self.batch_stats = BatchStats()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="inferscale-engine", daemon=True)
+        self._thread.start()
+        kwargs = engine_kwargs(model_path, dtype=dtype, kv_dir=kv_dir, max_model_len=max_model_len,
+                               kv_cache_memory_bytes=kv_cache_memory_bytes, device_budget_bytes=device_budget_bytes,
+                               max_num_seqs=max_num_seqs)
+        try:
+            self.llm = self.run_coroutine(self._start(kwargs))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._finalizer = weakref.finalize(self, _shutdown, self.llm, self._loop, self._thread)
 
-        from inferscale.serving.async_engine import engine_kwargs
+    async def _start(self, kwargs: dict):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.llm = LLM(**engine_kwargs(model_path, dtype=dtype, kv_dir=kv_dir, max_model_len=max_model_len,
-                                       kv_cache_memory_bytes=kv_cache_memory_bytes,
-                                       device_budget_bytes=device_budget_bytes))
-        self._engine = self.llm.llm_engine
-        self._lock = threading.Lock()
+        stats = self.batch_stats  # not self: the engine must stay collectable
+        with engine_process_environment():
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[lambda config, index: stats])
 
-    def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        kv_transfer_params: dict | None = None,
-        cache_salt: str | None = None,
-        max_tokens: int = 64,
-        temperature: float = 0.0,
-        stop: Sequence[str] | None = None,
-        logprobs: int | None = None,
-    ) -> EngineOutput:
-        """Run one request to completion (consumes :meth:`stream`).
+    def run_coroutine(self, coro):
+        """Run ``coro`` on the engine's event loop and wait for its result, e.g. one that drives
+        ``engine.llm`` (vLLM's ``AsyncLLM``) directly. Call from any thread but the loop's."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def close(self) -> None:
+        """Stop the engine-core process and the engine's loop (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ one request
+
+    async def _run(self, prompt_token_ids: Sequence[int], emit: Callable[[EngineChunk], None], *,
+                   kv_transfer_params: dict | None, cache_salt: str | None, max_tokens: int, temperature: float,
+                   stop: Sequence[str] | None, logprobs: int | None) -> EngineOutput:
+        """The one request loop, on the engine's event loop: ``emit`` each chunk, return the output."""
+        from vllm import SamplingParams
+
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=list(stop or []),
+                                logprobs=logprobs, extra_args=extra)
+        prompt: dict = {"prompt_token_ids": list(prompt_token_ids)}
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt
+        t0 = time.perf_counter()
+        ttft = None
+        final = None
+        async for out in self.llm.generate(prompt, params, f"inferscale-{next(_ids)}"):
+            if ttft is None and out.outputs and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - t0
+            if out.finished:
+                final = out
+            elif out.outputs and out.outputs[0].text:
+                emit(EngineChunk(out.outputs[0].text))
+        latency = time.perf_counter() - t0
+        if final is None:
+            raise RuntimeError("vLLM finished the request without output")
+        completion = final.outputs[0]
+        first: dict[int, float] = {}
+        if logprobs and completion.logprobs:
+            first = {tok: lp.logprob for tok, lp in completion.logprobs[0].items()}
+        output = EngineOutput(
+            text=completion.text,
+            token_ids=tuple(completion.token_ids),
+            ttft_s=ttft if ttft is not None else latency,
+            latency_s=latency,
+            num_prompt_tokens=len(prompt_token_ids),
+            num_injected_tokens=injected_tokens(final.kv_transfer_params),
+            num_cached_tokens=int(final.num_cached_tokens or 0),
+            first_logprobs=first,
+        )
+        emit(EngineChunk(completion.text, output))
+        return output
+
+    # ------------------------------------------------------------------ sync faces
+
+    def stream(self, prompt_token_ids: Sequence[int], *, kv_transfer_params: dict | None = None,
+               cache_salt: str | None = None, max_tokens: int = 64, temperature: float = 0.0,
+               stop: Sequence[str] | None = None, logprobs: int | None = None) -> Iterator[EngineChunk]:
+        """Run one request, yielding its text after each engine step that produced tokens.
 
         Args:
             prompt_token_ids: the prompt (tokens).
@@ -119,79 +223,76 @@ class Engine:
             stop: stop strings.
             logprobs: return the top-N logprobs of the first generated position.
 
+        Yields:
+            :class:`EngineChunk` s; the last one carries the :class:`EngineOutput`.
+            Closing the iterator early aborts the request in vLLM.
+        """
+        chunks: queue.Queue = queue.Queue()
+        future = asyncio.run_coroutine_threadsafe(self._run(
+            prompt_token_ids, chunks.put, kv_transfer_params=kv_transfer_params, cache_salt=cache_salt,
+            max_tokens=max_tokens, temperature=temperature, stop=stop, logprobs=logprobs), self._loop)
+        future.add_done_callback(lambda _f: chunks.put(_DONE))
+        try:
+            while (chunk := chunks.get()) is not _DONE:
+                yield chunk
+            future.result()  # raises what the request raised
+        finally:
+            if not future.done():  # closed early: cancelling the coroutine aborts the vLLM request
+                future.cancel()
+
+    def generate(self, prompt_token_ids: Sequence[int], **options: Any) -> EngineOutput:
+        """Run one request to completion; options as :meth:`stream`.
+
         Returns:
             An :class:`EngineOutput`.
         """
-        for chunk in self.stream(prompt_token_ids, kv_transfer_params=kv_transfer_params, cache_salt=cache_salt,
-                                 max_tokens=max_tokens, temperature=temperature, stop=stop, logprobs=logprobs):
-            if chunk.output is not None:
-                return chunk.output
-        raise RuntimeError("the engine's stream ended without an output")
+        return self.run_coroutine(self._run(prompt_token_ids, _ignore, **_defaults(options)))
 
-    def stream(
-        self,
-        prompt_token_ids: Sequence[int],
-        *,
-        kv_transfer_params: dict | None = None,
-        cache_salt: str | None = None,
-        max_tokens: int = 64,
-        temperature: float = 0.0,
-        stop: Sequence[str] | None = None,
-        logprobs: int | None = None,
-    ) -> Iterator[EngineChunk]:
-        """Run one request, yielding its text after each engine step that produced tokens.
+    # ------------------------------------------------------------------ async faces
 
-        Arguments as :meth:`generate`. The engine serves one request at a time: it is held
-        until the iterator is exhausted or closed; closing it early aborts the request.
+    async def astream(self, prompt_token_ids: Sequence[int], **options: Any) -> AsyncIterator[EngineChunk]:
+        """:meth:`stream` for a coroutine caller of any event loop; options as :meth:`stream`."""
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+        future = asyncio.run_coroutine_threadsafe(self._run(
+            prompt_token_ids, lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c), **_defaults(options)),
+            self._loop)
+        future.add_done_callback(lambda _f: loop.call_soon_threadsafe(chunks.put_nowait, _DONE))
+        try:
+            while (chunk := await chunks.get()) is not _DONE:
+                yield chunk
+            future.result()
+        finally:
+            if not future.done():
+                future.cancel()
 
-        Yields:
-            :class:`EngineChunk` s; the last one carries the :class:`EngineOutput`.
-        """
-        from vllm import SamplingParams
+    async def agenerate(self, prompt_token_ids: Sequence[int], **options: Any) -> EngineOutput:
+        """:meth:`generate` for a coroutine caller of any event loop; options as :meth:`stream`."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+            self._run(prompt_token_ids, _ignore, **_defaults(options)), self._loop))
 
-        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, stop=list(stop or []), logprobs=logprobs, extra_args=extra
-        )
-        prompt: dict = {"prompt_token_ids": list(prompt_token_ids)}
-        if cache_salt:
-            prompt["cache_salt"] = cache_salt
-        req_id = f"inferscale-{next(_ids)}"
-        with self._lock:
-            t0 = time.perf_counter()
-            internal_id = self._engine.add_request(req_id, prompt, params)
-            ttft = None
-            final = None
-            try:
-                while final is None and self._engine.has_unfinished_requests():
-                    for out in self._engine.step():
-                        if out.request_id not in (req_id, internal_id):
-                            continue
-                        if ttft is None and out.outputs and out.outputs[0].token_ids:
-                            ttft = time.perf_counter() - t0
-                        if out.finished:
-                            final = out
-                        elif out.outputs and out.outputs[0].text:
-                            yield EngineChunk(out.outputs[0].text)
-            finally:
-                if final is None:  # closed early or failed: free the request's blocks
-                    self._engine.abort_request([req_id])
-                    INJECTION_LOG.pop(internal_id, None)
-            latency = time.perf_counter() - t0
-        if final is None:
-            raise RuntimeError(f"vLLM finished without output for request {req_id}")
-        completion = final.outputs[0]
-        first: dict[int, float] = {}
-        if logprobs and completion.logprobs:
-            first = {tok: lp.logprob for tok, lp in completion.logprobs[0].items()}
-        injected = INJECTION_LOG.pop(internal_id, {}).get("injected_tokens", 0)
-        yield EngineChunk(completion.text, EngineOutput(
-            text=completion.text,
-            token_ids=tuple(completion.token_ids),
-            ttft_s=ttft if ttft is not None else latency,
-            latency_s=latency,
-            num_prompt_tokens=len(prompt_token_ids),
-            num_injected_tokens=injected,
-            num_cached_tokens=int(final.num_cached_tokens or 0),
-            first_logprobs=first,
-        ))
+
+def _ignore(_chunk: EngineChunk) -> None:
+    return
+
+
+_OPTIONS = {"kv_transfer_params": None, "cache_salt": None, "max_tokens": 64, "temperature": 0.0, "stop": None,
+            "logprobs": None}
+
+
+def _defaults(options: dict) -> dict:
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown engine options {sorted(unknown)}: use {sorted(_OPTIONS)}")
+    return {**_OPTIONS, **options}
+
+
+def _shutdown(llm, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Stop the engine-core process, then the loop (the finalizer of :class:`Engine`)."""
+    try:
+        llm.shutdown()
+    except Exception as exc:  # noqa: BLE001 - shutting down must not raise at interpreter exit
+        logger.warning("vLLM engine shutdown: %s", exc)
+    if loop.is_running():
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
@@ -12,15 +12,18 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import Field
 
-from inferscale import Generation
+from inferscale import Generation, GenerationOptions
 from langchain_inferscale._messages import split_prompt
 from langchain_inferscale._scope import MemoryScope
 
-#: Per-call overrides accepted by ``invoke`` / ``stream`` (``model.invoke(msgs, k=3)``).
-CALL_OPTIONS = ("user_id", "agent_id", "run_id", "k", "context_window", "mode", "max_tokens", "temperature")
+#: Per-call overrides accepted by ``invoke`` / ``stream`` (``model.invoke(msgs, k=3)``): the
+#: scope and every generation option (:class:`inferscale.GenerationOptions`); ``stop`` is
+#: LangChain's own argument.
+CALL_OPTIONS = ("user_id", "agent_id", "run_id",
+                *(n for n in GenerationOptions.option_names() if n != "stop"))
 
 
-class ChatInferScale(MemoryScope, BaseChatModel):
+class ChatInferScale(MemoryScope, GenerationOptions, BaseChatModel):
     """Chat model answering through InferScale's vLLM engine with the scope's memories
     supplied as precomputed KV.
 
@@ -33,12 +36,9 @@ class ChatInferScale(MemoryScope, BaseChatModel):
     Attributes:
         memory: the InferScale memory (its engine starts on first use).
         user_id / agent_id / run_id: whose memories (at least one, here or per call).
-        k: memories injected (default the memory's ``top_k``).
-        context_window: w of Context-Window Encoding, in turns (default the memory's).
-        mode: ``"inject"`` (KV) or ``"text"`` (Mem0-style prompt text).
-        temperature: sampling temperature; 0 (default) is greedy.
-        max_tokens: answer budget (tokens).
-        stop: stop strings (also given per call as ``stop=``).
+        k, context_window, mode, temperature, stop, logprobs: the generation options
+            (:class:`inferscale.GenerationOptions`; ``stop`` also per call as ``stop=``).
+        max_tokens: answer budget (tokens, default 256).
         allow_unknown_scope: answer a user with no memories yet (a new user's first
             message) without memories; ``False`` raises ``UnknownScopeError``.
 
@@ -55,12 +55,7 @@ class ChatInferScale(MemoryScope, BaseChatModel):
         "My dog's name is Biscuit."
     """
 
-    k: int | None = Field(default=None, ge=0)
-    context_window: int | None = Field(default=None, ge=0)
-    mode: Literal["inject", "text"] = "inject"
-    temperature: float = Field(default=0.0, ge=0.0)
-    max_tokens: int = Field(default=256, ge=1)
-    stop: list[str] | None = None
+    max_tokens: int = Field(default=256, ge=1, strict=True)  # chat answers run longer than Memory's 64
     allow_unknown_scope: bool = True
 
     @property
@@ -78,9 +73,12 @@ class ChatInferScale(MemoryScope, BaseChatModel):
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for ChatInferScale; valid per-call options: {CALL_OPTIONS}")
         query, history, instructions = split_prompt(messages)
-        opts = {name: kwargs.get(name, getattr(self, name)) for name in CALL_OPTIONS}
-        return dict(query=query, **opts, history=history, instructions=instructions,
-                    stop=self.stop if stop is None else stop, allow_unknown_scope=self.allow_unknown_scope)
+        overrides = {name: kwargs[name] for name in self.option_names() if name in kwargs}
+        if stop is not None:
+            overrides["stop"] = stop
+        scope = {name: kwargs.get(name, getattr(self, name)) for name in ("user_id", "agent_id", "run_id")}
+        return dict(query=query, **scope, history=history, instructions=instructions,
+                    allow_unknown_scope=self.allow_unknown_scope, options=self.options().merged(**overrides))
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -22,13 +22,14 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.llms.inferscale.messages import split_prompt
 from pydantic import Field
 
-from inferscale import Generation, GenerationChunk, Memory
+from inferscale import Generation, GenerationChunk, GenerationOptions, Memory
 
-#: Per-call overrides accepted by every method (``llm.complete(q, k=3)``).
-CALL_OPTIONS = ("user_id", "agent_id", "run_id", "k", "context_window", "mode", "max_tokens", "temperature", "stop")
+#: Per-call overrides accepted by every method (``llm.complete(q, k=3)``): the scope and
+#: every generation option (:class:`inferscale.GenerationOptions`).
+CALL_OPTIONS = ("user_id", "agent_id", "run_id", *GenerationOptions.option_names())
 
 
-class InferScaleLLM(CustomLLM):
+class InferScaleLLM(GenerationOptions, CustomLLM):
     """LLM answering through InferScale's vLLM engine with the scope's memories supplied
     as precomputed KV.
 
@@ -45,11 +46,9 @@ class InferScaleLLM(CustomLLM):
     Attributes:
         memory: the InferScale memory (its engine starts on first use).
         user_id / agent_id / run_id: whose memories (at least one, here or per call).
-        k: memories injected (default the memory's ``top_k``).
-        context_window: w of Context-Window Encoding, in turns (default the memory's).
-        mode: ``"inject"`` (KV) or ``"text"`` (prompt text).
-        temperature: 0 (default) is greedy. max_tokens: answer budget (tokens).
-        stop: stop strings.
+        k, context_window, mode, temperature, stop, logprobs: the generation options
+            (:class:`inferscale.GenerationOptions`).
+        max_tokens: answer budget (tokens, default 256).
         allow_unknown_scope: answer a user with no memories yet without memories
             (``False`` raises ``UnknownScopeError``).
 
@@ -63,12 +62,7 @@ class InferScaleLLM(CustomLLM):
     user_id: str | None = None
     agent_id: str | None = None
     run_id: str | None = None
-    k: int | None = Field(default=None, ge=0)
-    context_window: int | None = Field(default=None, ge=0)
-    mode: Literal["inject", "text"] = "inject"
-    temperature: float = Field(default=0.0, ge=0.0)
-    max_tokens: int = Field(default=256, ge=1)
-    stop: list[str] | None = None
+    max_tokens: int = Field(default=256, ge=1, strict=True)  # chat answers run longer than Memory's 64
     allow_unknown_scope: bool = True
 
     @classmethod
@@ -88,9 +82,10 @@ class InferScaleLLM(CustomLLM):
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for InferScaleLLM; valid per-call options: {CALL_OPTIONS}")
-        opts = {name: kwargs.get(name, getattr(self, name)) for name in CALL_OPTIONS}
-        return dict(query=query, **opts, history=list(history), instructions=instructions,
-                    allow_unknown_scope=self.allow_unknown_scope)
+        overrides = {name: kwargs[name] for name in self.option_names() if name in kwargs}
+        scope = {name: kwargs.get(name, getattr(self, name)) for name in ("user_id", "agent_id", "run_id")}
+        return dict(query=query, **scope, history=list(history), instructions=instructions,
+                    allow_unknown_scope=self.allow_unknown_scope, options=self.options().merged(**overrides))
 
     def _complete(self, prompt: str, kwargs: dict) -> CompletionResponse:
         gen = self.memory.generate(**self._request(prompt, (), None, kwargs))

@@ -1,0 +1,263 @@
+"""The injection plan: the wire format between :meth:`inferscale.Memory.inject` and the
+KV connector, and the tensor work of an injection, as pure functions (no vLLM).
+
+Wire format (what a request carries in ``kv_transfer_params``)::
+
+    {"inferscale": {"memory_end": 412,
+                    "segments": [["_preamble/<hash>", 0, 31], ["<fact_id>/<hash>", 31, 18], ...]}}
+
+``segments`` are ``[pool key, start position, num tokens]`` triples tiling the prompt's
+first ``memory_end`` tokens. What the connector injected comes back in the finished
+request's ``kv_transfer_params`` as ``{"inferscale_injected_tokens": n}``
+(:func:`report_params` / :func:`injected_tokens`), which vLLM carries from the engine
+core to the caller in any process layout.
+
+An injection, for one request whose first ``start`` prompt tokens are already computed
+(prefix cache) and whose prompt positions live in paged-cache ``block_ids``:
+
+1. :func:`stage` gathers the segments' pre-RoPE K and V from ``start`` to ``memory_end``
+   (``[L, N, H, D]``) with the ``N`` prompt positions they are served at;
+2. :func:`slot_mapping` maps positions to cache slots
+   (``block_ids[pos // block_size] * block_size + pos % block_size``, vLLM's layout);
+3. :func:`write_layers` rotates each layer's keys to their positions (cos/sin computed
+   once) and hands them, with the values, to that layer's writer (vLLM's
+   ``do_kv_cache_update`` in the connector; ``index_copy_`` in tests and benchmarks);
+4. when a segment cannot be read, :func:`blocks_to_recompute` names the claimed blocks
+   vLLM must recompute, so attention never reads claimed-but-unwritten blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from inferscale.kv.pool import FactKV, validate_key
+from inferscale.kv.rope import RopeRotator
+
+PARAMS_KEY = "inferscale"
+REPORT_KEY = "inferscale_injected_tokens"
+
+
+@dataclass(frozen=True)
+class PlannedSegment:
+    """One span of the memory block supplied from the KV pool.
+
+    Attributes:
+        key: pool key ``"<owner>/<32 hex>"`` (:func:`inferscale.kv.pool.kv_key`).
+        start: first prompt position (tokens).
+        num_tokens: span length (tokens).
+    """
+
+    key: str
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class InjectionPlan:
+    """What one request asks the connector to inject.
+
+    Attributes:
+        memory_end: prompt tokens covered by the segments (tokens).
+        segments: contiguous from position 0 to ``memory_end``.
+    """
+
+    memory_end: int
+    segments: tuple[PlannedSegment, ...]
+
+    def __post_init__(self) -> None:
+        pos = 0
+        for seg in self.segments:
+            validate_key(seg.key)
+            if seg.start != pos or seg.num_tokens <= 0:
+                raise ValueError(f"segment {seg.key} at {seg.start} (+{seg.num_tokens}) does not continue at "
+                                 f"position {pos}")
+            pos = seg.end
+        if pos != self.memory_end:
+            raise ValueError(f"segments cover {pos} tokens but memory_end is {self.memory_end}")
+
+    @classmethod
+    def of(cls, segments: Iterable[tuple[str, int, int]]) -> "InjectionPlan":
+        """Plan from ``(key, start, num_tokens)`` triples; ``memory_end`` is where they stop.
+
+        Raises:
+            ValueError: a malformed key, or segments with gaps or overlaps.
+        """
+        segs = tuple(PlannedSegment(k, s, n) for k, s, n in segments)
+        return cls(segs[-1].end if segs else 0, segs)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(s.key for s in self.segments)
+
+    def cache_salt(self) -> str:
+        """Prefix-cache salt: requests share cached blocks only when they inject exactly the same KV."""
+        return hashlib.sha256("|".join(self.keys).encode()).hexdigest()[:32]
+
+    def to_params(self) -> dict:
+        """The request's ``kv_transfer_params`` (JSON-serialisable)."""
+        return {PARAMS_KEY: {"memory_end": self.memory_end,
+                             "segments": [[s.key, s.start, s.num_tokens] for s in self.segments]}}
+
+    @classmethod
+    def from_params(cls, params: Any) -> "InjectionPlan | None":
+        """Parse and validate ``kv_transfer_params``; ``None`` when they carry no InferScale entry.
+
+        Raises:
+            ValueError: the entry is malformed (bad key or count, gaps or overlaps between segments).
+        """
+        if not isinstance(params, dict) or PARAMS_KEY not in params:
+            return None
+        entry = params[PARAMS_KEY]
+        try:
+            if not isinstance(entry, dict):
+                raise TypeError(f"expected a dict, got {type(entry).__name__}")
+            segments = tuple(PlannedSegment(validate_key(k), _count(s), _count(n)) for k, s, n in entry["segments"])
+            return cls(_count(entry["memory_end"]), segments)
+        except Exception as exc:  # anything malformed must be rejected, never crash the engine
+            raise ValueError(f"malformed kv_transfer_params[{PARAMS_KEY!r}]: {exc}") from exc
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def report_params(injected_tokens: int) -> dict:
+    """What the connector returns from ``request_finished``: ``{"inferscale_injected_tokens": n}``."""
+    return {REPORT_KEY: int(injected_tokens)}
+
+
+def injected_tokens(returned_params: Any) -> int:
+    """Tokens the connector injected, from a finished request's ``kv_transfer_params`` (0 when absent)."""
+    if isinstance(returned_params, dict) and isinstance(returned_params.get(REPORT_KEY), int):
+        return returned_params[REPORT_KEY]
+    return 0
+
+
+class MissingKVError(LookupError):
+    """A planned segment's KV is absent from the pool or has the wrong length."""
+
+
+@dataclass(frozen=True)
+class StagedKV:
+    """The KV of one request's injection, gathered and ready to rotate.
+
+    Attributes:
+        keys: ``[num_layers, N, num_kv_heads, head_dim]`` pre-RoPE keys.
+        values: same shape as ``keys``.
+        positions: ``[N]`` int64 prompt positions, on ``keys.device``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def stage(plan: InjectionPlan, start: int, fetch: Callable[[str], FactKV | None]) -> StagedKV | None:
+    """Gather the planned KV from prompt position ``start`` (tokens before it are computed).
+
+    Args:
+        plan: the request's plan.
+        start: first position to write (vLLM's ``num_computed_tokens`` when it was claimed).
+        fetch: the pool's ``get``.
+
+    Returns:
+        A :class:`StagedKV` of ``memory_end - start`` tokens, or ``None`` when nothing is left.
+
+    Raises:
+        MissingKVError: a segment is absent or has another length than planned.
+    """
+    parts_k, parts_v, positions = [], [], []
+    for seg in plan.segments:
+        if seg.end <= start:
+            continue  # already computed (prefix cache)
+        kv = fetch(seg.key)
+        if kv is None or kv.num_tokens != seg.num_tokens:
+            raise MissingKVError(f"KV {seg.key} is not in the pool" if kv is None else
+                                 f"KV {seg.key} has {kv.num_tokens} tokens, planned {seg.num_tokens}")
+        lo = max(start, seg.start) - seg.start
+        parts_k.append(kv.keys[:, lo:])
+        parts_v.append(kv.values[:, lo:])
+        positions.append(torch.arange(seg.start + lo, seg.end))
+    if not positions:
+        return None
+    keys = torch.cat(parts_k, dim=1)
+    return StagedKV(keys, torch.cat(parts_v, dim=1), torch.cat(positions).to(keys.device))
+
+
+def slot_mapping(positions: torch.Tensor, block_ids: Sequence[int], block_size: int) -> torch.Tensor:
+    """Paged-cache slot of each prompt position: ``block_ids[pos // block_size] * block_size + pos % block_size``.
+
+    Args:
+        positions: ``[N]`` int64 prompt positions (tokens).
+        block_ids: the request's block ids, in prompt order.
+        block_size: tokens per block.
+
+    Returns:
+        ``[N]`` int64 slots, on the CPU.
+
+    Raises:
+        ValueError: a position falls past the request's last block.
+    """
+    pos = positions.cpu()
+    if pos.numel() and int(pos.max()) // block_size >= len(block_ids):
+        raise ValueError(f"position {int(pos.max())} is past the request's {len(block_ids)} blocks of {block_size}")
+    blocks = torch.tensor(list(block_ids), dtype=torch.long)
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
+def blocks_to_recompute(start: int, memory_end: int, block_ids: Sequence[int], block_size: int) -> list[int]:
+    """The claimed blocks covering positions ``[start, memory_end)``: reported to vLLM when a load fails."""
+    first, last = start // block_size, (memory_end - 1) // block_size
+    return list(block_ids[first : last + 1])
+
+
+@dataclass(frozen=True)
+class LayerWriter:
+    """Where one attention layer's injected KV goes.
+
+    Attributes:
+        layer: index into the staged KV's first dimension.
+        device: the layer's cache device; dtype: its cache dtype.
+        write: ``write(keys, values, slots)`` with keys/values ``[N, H, D]`` (rotated keys,
+            on ``device`` in ``dtype``) and slots ``[N]`` int64 on ``device``.
+    """
+
+    layer: int
+    device: torch.device
+    dtype: torch.dtype
+    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def write_layers(staged: StagedKV, slots: torch.Tensor, rotator: RopeRotator, writers: Iterable[LayerWriter]) -> None:
+    """Rotate each layer's keys to their positions and write them, with the values, one layer at a time.
+
+    cos/sin are computed once per call; one layer's rotated keys (``[N, H, D]``, ~1.1 MiB
+    in fp32 at k=50 for SmolLM2) stay in cache between rotation and write, instead of a
+    rotated copy of every layer going through memory first (docs/decisions.md).
+
+    Args:
+        staged: from :func:`stage`. slots: from :func:`slot_mapping` (any device).
+        rotator: the served model's rotary embedding. writers: one per attention layer.
+    """
+    tables = rotator.cos_sin(staged.positions)
+    slots_on: dict[torch.device, torch.Tensor] = {}
+    for w in writers:
+        layer_slots = slots_on.get(w.device)
+        if layer_slots is None:
+            layer_slots = slots_on[w.device] = slots.to(w.device)
+        keys = rotator.rotate(staged.keys[w.layer], staged.positions, tables)
+        w.write(keys.to(w.device, w.dtype), staged.values[w.layer].to(w.device, w.dtype), layer_slots)

@@ -1,0 +1,158 @@
+"""The serve path: retrieval, prompt layout, KV readiness, and running the request.
+
+:meth:`ServePath.prepare` turns a query into a :class:`PreparedRequest` (token ids, the
+:class:`~inferscale.kv.injection.InjectionPlan` in inject mode, the retrieved facts);
+:func:`run` sends it to an engine and yields the answer as it grows. Both are typed:
+Mem0's result dicts are made by the facade (:class:`inferscale.Memory`) only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Protocol, Sequence
+
+from inferscale.facts import FactService
+from inferscale.kv.injection import InjectionPlan
+from inferscale.kv.manager import KVManager
+from inferscale.options import GenerationOptions
+from inferscale.prompt import PromptBuilder
+from inferscale.store import FactRecord, Scope
+from inferscale.turns import TurnLog
+from inferscale.types import UnknownScopeError, require_text
+
+
+class EngineLike(Protocol):
+    """What :func:`run` needs of an engine (:class:`inferscale.serving.engine.Engine`)."""
+
+    def stream(self, prompt_token_ids: Sequence[int], **options) -> Iterator: ...
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """One request, ready for the engine.
+
+    Attributes:
+        prompt_token_ids: the whole prompt (tokens).
+        plan: what the connector injects (``None`` in text mode).
+        hits: the retrieved facts and their scores, best first.
+        retrieval_s: query embedding plus search (seconds).
+        memory_tokens: preamble plus fact lines (tokens).
+        options: the generation's options, with k and w resolved.
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    plan: InjectionPlan | None
+    hits: tuple[tuple[FactRecord, float], ...]
+    retrieval_s: float
+    memory_tokens: int
+    options: GenerationOptions
+
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        return None if self.plan is None else self.plan.to_params()
+
+    @property
+    def cache_salt(self) -> str | None:
+        return None if self.plan is None else self.plan.cache_salt()
+
+
+def check_history(history: Sequence[dict] | None) -> tuple[dict, ...]:
+    """Validate a conversation history: ``{"role": "user" | "assistant", "content": str}`` dicts.
+
+    Raises:
+        TypeError / ValueError: naming the first bad message.
+    """
+    if history is None:
+        return ()
+    if isinstance(history, (str, bytes, dict)) or not isinstance(history, Sequence):
+        raise TypeError(f"history must be a list of message dicts, got {type(history).__name__}")
+    out = []
+    for i, m in enumerate(history):
+        if not isinstance(m, dict):
+            raise TypeError(f"history message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if m.get("role") not in ("user", "assistant"):
+            raise ValueError(f"history message {i} has role {m.get('role')!r}: use 'user' or 'assistant' (give system "
+                             "text as instructions=...)")
+        out.append({"role": m["role"], "content": require_text(m.get("content"), f"history message {i} content")})
+    return tuple(out)
+
+
+class ServePath:
+    """Builds requests for one memory store.
+
+    Args:
+        facts: retrieval. prompts: the prompt scaffold. kv: KV naming and encoding.
+        turns: the conversation log (a scope with turns but no facts is known).
+        max_model_len: the engine's context (tokens); longer prompts are refused.
+    """
+
+    def __init__(self, facts: FactService, prompts: PromptBuilder, kv: KVManager, turns: TurnLog,
+                 max_model_len: int) -> None:
+        self.facts, self.prompts, self.kv, self.turns = facts, prompts, kv, turns
+        self.max_model_len = max_model_len
+
+    def prepare(self, scope: Scope, query: str, options: GenerationOptions, *, history: Sequence[dict] | None = None,
+                instructions: str | None = None, allow_unknown_scope: bool = False) -> PreparedRequest:
+        """Retrieve the top ``options.k`` facts, lay out the prompt (best-ranked last) and, in
+        inject mode, encode any missing KV and plan the injection.
+
+        Args:
+            options: with ``k`` and ``context_window`` resolved (not ``None``).
+
+        Raises:
+            UnknownScopeError: the scope has no facts and no turns (unless ``allow_unknown_scope``).
+            ValueError: the prompt plus ``max_tokens`` exceeds ``max_model_len``; a bad history.
+        """
+        history = check_history(history)
+        if instructions is not None:
+            require_text(instructions, "instructions")
+        if not allow_unknown_scope and not self.facts.has_facts(scope) and self.turns.count(scope.key) == 0:
+            field = next(iter(scope.as_dict()))
+            raise UnknownScopeError(
+                f"no memories for {scope.as_dict()}: add some with Memory.add(..., {field}=...) first"
+            )
+        t0 = time.perf_counter()
+        hits = self.facts.search(scope, query, options.k)
+        retrieval = time.perf_counter() - t0
+        layout = self.prompts.build(query, [(r.id, r.text) for r, _ in hits[::-1]], history, instructions)
+        if len(layout.token_ids) + options.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(layout.token_ids)} tokens with k={options.k} memories; with "
+                f"{options.max_tokens} answer tokens it exceeds max_model_len={self.max_model_len}: lower k or "
+                "shorten the question"
+            )
+        plan = None
+        if options.mode == "inject":
+            spans = [self.kv.preamble_span(), *self.kv.fact_spans(scope.key, [r for r, _ in hits[::-1]],
+                                                                   options.context_window)]
+            self.kv.ensure(spans)
+            plan = InjectionPlan.of((s.key, seg.start, len(seg.token_ids)) for s, seg in zip(spans, layout.segments))
+        return PreparedRequest(layout.token_ids, plan, tuple(hits), retrieval, layout.memory_end, options)
+
+
+@dataclass(frozen=True)
+class ServedChunk:
+    """A piece of an answer: ``delta`` (new text) and, on the last piece, the engine's output."""
+
+    delta: str
+    text: str
+    output: object | None = None
+
+
+def run(engine: EngineLike, request: PreparedRequest) -> Iterator[ServedChunk]:
+    """Send ``request`` to ``engine`` and yield the answer as it grows.
+
+    The answer is the stripped text: leading and trailing whitespace is held back, so the
+    deltas joined equal the final text. Closing the iterator early aborts the request.
+    """
+    o = request.options
+    emitted = ""
+    for chunk in engine.stream(request.prompt_token_ids, kv_transfer_params=request.kv_transfer_params,
+                               cache_salt=request.cache_salt, max_tokens=o.max_tokens, temperature=o.temperature,
+                               stop=o.stop, logprobs=o.logprobs):
+        visible = chunk.text.strip()
+        delta = visible[len(emitted):] if visible.startswith(emitted) else ""
+        emitted += delta
+        if chunk.output is not None or delta:
+            yield ServedChunk(delta, visible, chunk.output)

