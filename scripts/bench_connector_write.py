@@ -2,9 +2,10 @@
 
 ``all-layers``: rotate every layer's keys at once (``[L, N, H, D]``), then write
 layer by layer (the connector before "rotate one layer at a time", docs/decisions.md).
-``per-layer``: compute cos/sin once, then rotate and write one layer at a time (now).
-The paged cache write is ``index_copy_`` into a ``[num_slots, H, D]`` view, standing in
-for the attention backend's ``do_kv_cache_update``. Shapes are SmolLM2-135M's (30
+``per-layer``: :func:`inferscale.kv.injection.write_layers`, the connector's own code
+(cos/sin once, then rotate and write one layer at a time). The paged cache write is
+``index_copy_`` into a ``[num_slots, H, D]`` view, standing in for the attention
+backend's ``do_kv_cache_update``. Shapes are SmolLM2-135M's (30
 layers, 3 KV heads, head_dim 64) at k=50 facts (~1,560 tokens), fp32.
 
 Reproduce: ``.venv/bin/python scripts/bench_connector_write.py [--tokens 1560] [--repeats 30]``.
@@ -20,6 +21,7 @@ import time
 import torch
 from transformers import AutoConfig
 
+from inferscale.kv.injection import LayerWriter, StagedKV, write_layers
 from inferscale.kv.rope import RopeRotator
 from inferscale.models import resolve_llm
 
@@ -45,11 +47,19 @@ def main() -> None:
             kc.index_copy_(0, slots, rotated[i])
             vc.index_copy_(0, slots, values[i])
 
+    def writer(i: int) -> LayerWriter:
+        kc, vc = caches[i]
+
+        def write(k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
+            kc.index_copy_(0, s, k)
+            vc.index_copy_(0, s, v)
+        return LayerWriter(i, kc.device, kc.dtype, write)
+
+    writers = [writer(i) for i in range(layers)]
+    staged = StagedKV(keys, values, pos)
+
     def per_layer() -> None:
-        tables = rot.cos_sin(pos)
-        for i, (kc, vc) in enumerate(caches):
-            kc.index_copy_(0, slots, rot.rotate(keys[i], pos, tables))
-            vc.index_copy_(0, slots, values[i])
+        write_layers(staged, slots, rot, writers)
 
     # both ways write the same keys
     assert torch.equal(rot.rotate(keys, pos)[layers // 2], rot.rotate(keys[layers // 2], pos, rot.cos_sin(pos)))

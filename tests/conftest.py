@@ -1,15 +1,14 @@
-"""Shared fixtures: the real default model, one fp32 encoder and one in-process vLLM engine.
+"""Shared fixtures: the real default model, one fp32 encoder and one vLLM engine.
 
-vLLM's engine is started once per test session (in-process,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``); every test that serves requests shares it and the
-KV pool folder its connector reads.
+vLLM's engine (``AsyncLLM``, its engine core in a process of its own) is started once per
+test session; every test that serves requests shares it and the KV pool folder its
+connector reads.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from pathlib import Path
@@ -48,7 +47,9 @@ def serving_dir(tmp_path_factory) -> Path:
 def engine(model_path, serving_dir):
     from inferscale.serving.engine import Engine
 
-    return Engine(model_path, dtype="float32", kv_dir=serving_dir / "kv", max_model_len=4096, kv_cache_memory_bytes=1 << 30)
+    with Engine(model_path, dtype="float32", kv_dir=serving_dir / "kv", max_model_len=4096,
+                kv_cache_memory_bytes=1 << 30) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="session")

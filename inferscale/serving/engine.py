@@ -130,11 +130,23 @@ class Engine:
                                kv_cache_memory_bytes=kv_cache_memory_bytes, device_budget_bytes=device_budget_bytes,
                                max_num_seqs=max_num_seqs)
         try:
-            self.llm = self.run_coroutine(self._start(kwargs))
+            self._holder = [self.run_coroutine(self._start(kwargs))]
         except BaseException:
             self._stop_loop()
             raise
-        self._finalizer = weakref.finalize(self, _shutdown, self.llm, self._loop, self._thread)
+        # the finalizer owns the only other reference, so AsyncLLM is gone once it ran
+        self._finalizer = weakref.finalize(self, _shutdown, self._holder, self._loop, self._thread)
+
+    @property
+    def llm(self):
+        """vLLM's ``AsyncLLM`` (its methods run on this engine's loop: see :meth:`run_coroutine`).
+
+        Raises:
+            RuntimeError: the engine was closed.
+        """
+        if not self._holder:
+            raise RuntimeError("this Engine was closed; start a new one")
+        return self._holder[0]
 
     async def _start(self, kwargs: dict):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -287,12 +299,27 @@ def _defaults(options: dict) -> dict:
     return {**_OPTIONS, **options}
 
 
-def _shutdown(llm, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-    """Stop the engine-core process, then the loop (the finalizer of :class:`Engine`)."""
+def _shutdown(holder: list, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Stop the engine-core process, then the loop (the finalizer of :class:`Engine`).
+
+    ``AsyncLLM.shutdown`` runs on the engine's loop, so its output handler is not running
+    while the engine core goes away (it would report the engine dead).
+    """
+    if not holder:
+        return
+    llm = holder.pop()
     try:
-        llm.shutdown()
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(_shutdown_on_loop(llm), loop).result(timeout=120)
+        else:
+            llm.shutdown()
     except Exception as exc:  # noqa: BLE001 - shutting down must not raise at interpreter exit
         logger.warning("vLLM engine shutdown: %s", exc)
+    del llm
     if loop.is_running():
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+
+
+async def _shutdown_on_loop(llm) -> None:
+    llm.shutdown()

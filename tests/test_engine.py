@@ -1,0 +1,69 @@
+"""The one engine: concurrent requests from threads and event loops are batched by vLLM,
+each caller gets its own answer, and the injected-token count crosses the process
+boundary through vLLM's own return path."""
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from inferscale import Memory
+
+PETS = ["Biscuit", "Pepper", "Mochi", "Rusty", "Juniper", "Noodle", "Ziggy", "Clover"]
+
+
+@pytest.fixture(scope="module")
+def memory(serving_dir, engine):
+    mem = Memory(data_dir=serving_dir, dtype="float32", engine=engine, max_model_len=4096)
+    for i, pet in enumerate(PETS):
+        mem.add(f"My dog is called {pet}.", user_id=f"batch-user-{i}")
+        mem.add(f"I work as employee number {100 + i}.", user_id=f"batch-user-{i}")
+    return mem
+
+
+def test_generate_from_8_threads_is_batched_and_each_gets_its_own_answer(memory, engine):
+    question = "What is my dog called?"
+    engine.batch_stats.max_running = 0
+
+    def ask(i: int):
+        return memory.generate(question, user_id=f"batch-user-{i}", k=2, max_tokens=24)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    assert engine.batch_stats.max_running > 1, "vLLM never ran two of the 8 requests in one step"
+    for i, g in enumerate(answers):
+        own = {m["id"] for m in memory.get_all(user_id=f"batch-user-{i}")["results"]}
+        assert {m["id"] for m in g.memories} == own  # its own memories, no one else's
+        assert g.num_generated_tokens > 0 and g.text
+        assert g.num_injected_tokens > 0
+        assert g.num_prompt_tokens == len(memory.prepare(question, user_id=f"batch-user-{i}", k=2).prompt_token_ids)
+    assert sum(PETS[i] in g.text for i, g in enumerate(answers)) >= 4  # answers follow each user's own memory
+
+
+def test_async_callers_on_their_own_loop_share_the_engine(memory, engine):
+    reqs = [memory.inject("What is my dog called?", user_id=f"batch-user-{i}", k=2) for i in range(4)]
+
+    async def ask_all():
+        return await asyncio.gather(*(engine.agenerate(r.prompt_token_ids, kv_transfer_params=r.kv_transfer_params,
+                                                       cache_salt=r.cache_salt, max_tokens=8) for r in reqs))
+
+    outs = asyncio.run(ask_all())
+    assert [o.num_prompt_tokens for o in outs] == [len(r.prompt_token_ids) for r in reqs]
+    assert all(o.num_injected_tokens > 0 and o.num_output_tokens > 0 for o in outs)
+
+
+def test_async_stream_joins_to_the_sync_answer(memory, engine):
+    req = memory.inject("What is my dog called?", user_id="batch-user-0", k=2)
+    kwargs = dict(kv_transfer_params=req.kv_transfer_params, cache_salt=req.cache_salt, max_tokens=12)
+
+    async def collect():
+        return [c async for c in engine.astream(req.prompt_token_ids, **kwargs)]
+
+    chunks = asyncio.run(collect())
+    assert chunks[-1].output is not None and all(c.output is None for c in chunks[:-1])
+    assert chunks[-1].output.text == engine.generate(req.prompt_token_ids, **kwargs).text
+
+
+def test_unknown_engine_options_are_refused(engine):
+    with pytest.raises(TypeError, match="unknown engine options"):
+        engine.generate([1, 2, 3], top_k=3)
