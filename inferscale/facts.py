@@ -180,6 +180,11 @@ class FactService:
 
     # ------------------------------------------------------------------ reads
 
+    def find_texts(self, scope: Scope, texts: Sequence[str]) -> dict[str, str]:
+        """Map each of ``texts`` that ``scope`` already stores to its memory id."""
+        by_hash = self.store.find_hashes(scope, [text_hash(t) for t in texts])
+        return {t: by_hash[text_hash(t)] for t in texts if text_hash(t) in by_hash}
+
     def has_facts(self, scope: Scope) -> bool:
         """Whether ``scope`` holds at least one memory."""
         return self.index.size(scope.key) > 0

@@ -34,7 +34,8 @@ from inferscale.history import HistoryLog
 from inferscale.index import VectorIndex
 from inferscale.kv.encoder import best_device
 from inferscale.kv.manager import KVManager
-from inferscale.kv.pool import KVPool
+from inferscale.kv.pool import FactKV, KVPool
+from inferscale.kv.reference import ReferenceModel
 from inferscale.models import model_fingerprint, resolve_embedder, resolve_llm
 from inferscale.options import GenerationOptions
 from inferscale.prompt import PromptBuilder
@@ -261,6 +262,49 @@ class Memory:
                                            or context_window < 0):
             raise ValueError(f"context_window must be a non-negative integer, got {context_window!r}")
         return _results(self.facts.add(scope, inputs, encode_kv=encode_kv, context_window=context_window))
+
+    def find_texts(self, texts: Sequence[str], *, user_id: str | None = None, agent_id: str | None = None,
+                   run_id: str | None = None) -> dict[str, str]:
+        """Map each of ``texts`` that the scope already stores (exact text) to its memory id."""
+        return self.facts.find_texts(Scope.of(user_id, agent_id, run_id), list(texts))
+
+    def count_turns(self, *, user_id: str | None = None, agent_id: str | None = None,
+                    run_id: str | None = None) -> int:
+        """How many turns the scope's conversation log holds."""
+        return self.turns.count(Scope.of(user_id, agent_id, run_id).key)
+
+    def fact_tokens(self, text: str) -> int:
+        """Tokens a memory with this text occupies in a prompt (its ``"- <text>\\n"`` line)."""
+        return self.kv.fact_tokens(text)
+
+    def kv_footprint(self) -> dict[str, int]:
+        """Bytes of fact KV held by this process's pool: ``{"device": ..., "disk": ...}``."""
+        return self.pool.footprint()
+
+    def encode_preamble(self) -> None:
+        """Encode the prompt preamble's KV now (it is otherwise encoded with the first fact)."""
+        self.kv.ensure([self.kv.preamble_span()])
+
+    def injected_kv(self, injection: Injection) -> list[tuple[int, FactKV]]:
+        """The KV an injection supplies, as ``(start position, FactKV)`` per segment, for the
+        transformers reference path (:class:`~inferscale.kv.reference.ReferenceModel`).
+
+        Raises:
+            ValueError: a text-mode injection (no plan), or a segment no longer in the pool.
+        """
+        if injection.plan is None:
+            raise ValueError("a text-mode request injects no KV")
+        out = []
+        for seg in injection.plan.segments:
+            kv = self.pool.get(seg.key)
+            if kv is None:
+                raise ValueError(f"KV {seg.key} is no longer in the pool (its memory changed): prepare the request again")
+            out.append((seg.start, kv))
+        return out
+
+    def reference_model(self) -> ReferenceModel:
+        """The transformers reference path over this memory's KV encoder (loaded on first use)."""
+        return ReferenceModel(self.kv.encoder)
 
     def check_fact_length(self, text: str, what: str = "fact") -> None:
         """Refuse a fact longer than ``config.max_fact_tokens`` (raises ``ValueError`` with the fix)."""

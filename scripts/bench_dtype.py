@@ -1,4 +1,4 @@
-"""TTFT of SmolLM2 in vLLM (in-process) and KV-encoding time in transformers, fp32 vs bf16.
+"""TTFT of SmolLM2 in vLLM and KV-encoding time in transformers, fp32 vs bf16.
 
 One script, both dtypes, same prompts: each dtype runs in a child process (one vLLM
 engine per process), the parent prints the ratios. Reproduce with:

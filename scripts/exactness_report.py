@@ -2,7 +2,7 @@
 
 For k LoCoMo facts: next-token logprobs of a full prefill vs KV injection where each
 segment was encoded after exactly the tokens before it but at positions offset by 1,000
-("exact"), and vs facts encoded after the preamble only ("w=0"). fp32, SmolLM2, in-process
+("exact"), and vs facts encoded after the preamble only ("w=0"). fp32, SmolLM2,
 vLLM, plus the transformers reference path. Reproduce with:
 
     .venv/bin/python scripts/exactness_report.py

@@ -100,7 +100,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, samples: Sequence[int] | 
         ensure_conversation(memory, conv)
         stored = memory.get_all(user_id=scope_of(conv), limit=100_000)["results"]
         fact_ids[conv.sample_id] = {f["id"] for f in stored}
-        tokens = [len(memory.prompts.fact_line_ids(f["memory"])) for f in stored]
+        tokens = [memory.fact_tokens(f["memory"]) for f in stored]
         rows.append({"sample": conv.sample_id, "facts": len(tokens), "fact_tokens": sum(tokens),
                      "tokens_per_fact": sum(tokens) / len(tokens), "kv_bytes": sum(tokens) * per_token,
                      "kv_mib": sum(tokens) * per_token / MIB})

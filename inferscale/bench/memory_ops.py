@@ -64,7 +64,7 @@ def run(data: Path, out_dir: Path, *, stored: int = 2500, timed_adds: int = 20, 
 
     results = []
     held_out = facts[stored:]
-    mem.kv.ensure([mem.kv.preamble_span()])
+    mem.encode_preamble()
     for w, chunk in ((0, held_out[:timed_adds]), (20, held_out[timed_adds : 2 * timed_adds])):
         times = []
         for user, f in tqdm(chunk, desc=f"add with KV encoding, w={w}"):
@@ -82,7 +82,7 @@ def run(data: Path, out_dir: Path, *, stored: int = 2500, timed_adds: int = 20, 
     results.append(_summary("search (limit 10)", times))
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"stored_facts": mem.store.count(), "bulk_store_s": bulk_s, "dtype": mem.config.resolved_dtype,
+    meta = {"stored_facts": sum(mem.count(user_id=u) for u in {u for u, _ in facts}), "bulk_store_s": bulk_s, "dtype": mem.config.resolved_dtype,
             "device": str(mem.device)}
     (out_dir / "memory_ops.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]},
                                                         indent=2))

@@ -51,8 +51,7 @@ def answer_nll(memory: Memory, ref: ReferenceModel, user_id: str, question: str,
     req = memory.prepare(question, user_id=user_id, k=k, context_window=w, mode=mode)
     if req.plan is None:
         return ref.answer_nll(req.prompt_token_ids, answer_ids)
-    segments = [(seg.start, memory.pool.get(seg.key)) for seg in req.plan.segments]
-    return ref.answer_nll(req.prompt_token_ids, answer_ids, segments)
+    return ref.answer_nll(req.prompt_token_ids, answer_ids, memory.injected_kv(req))
 
 
 def run(data: Path, out_dir: Path, store_dir: Path, *, samples: Sequence[int] = (0, 1, 8),
@@ -106,7 +105,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, samples: Sequence[int] = 
             t0 = time.perf_counter()
             g = memory.generate(qa.question, user_id=user_id, k=k, context_window=w, mode=mode,
                                 max_tokens=max_tokens)
-            ref = ref or ReferenceModel(memory.kv.encoder)
+            ref = ref or memory.reference_model()
             log.add(_key(conv.sample_id, qi, k, name), {
                 "sample": conv.sample_id, "question": qi, "category": qa.category, "k": k, "mode": name,
                 "answer": g.text, "gold": gold, "f1": token_f1(g.text, gold),

@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Sequence
 
 from tqdm import tqdm
 
-from inferscale.facts import text_hash
-from inferscale.store import Scope
 from inferscale.types import FactInput
 
 if TYPE_CHECKING:
@@ -178,8 +176,7 @@ def store_conversation(memory: Memory, sample: LocomoSample, user_id: str, *,
     Returns:
         The number of facts newly added.
     """
-    scope = Scope(user_id).key
-    if memory.turns.count(scope) == 0:
+    if memory.count_turns(user_id=user_id) == 0:
         memory.log_turns(
             [{"id": t.dia_id, "role": "user", "name": t.speaker, "content": t.text,
               "metadata": {"session": t.session, "date": t.session_date}} for t in sample.turns],
@@ -187,8 +184,8 @@ def store_conversation(memory: Memory, sample: LocomoSample, user_id: str, *,
         )
     chosen = sample.facts if facts is None else facts
     inputs = [FactInput(f.dated_text(), f.dia_ids, {"speaker": f.speaker, "session": f.session}) for f in chosen]
-    hashes = {text_hash(f.text) for f in inputs}
-    if memory.count(user_id=user_id) >= len(hashes) and len(memory.store.find_hashes(Scope(user_id), hashes)) == len(hashes):
+    texts = {f.text for f in inputs}
+    if memory.count(user_id=user_id) >= len(texts) and len(memory.find_texts(list(texts), user_id=user_id)) == len(texts):
         return 0
     added = 0
     for start in tqdm(range(0, len(inputs), batch), desc=progress, unit="batch", disable=progress is None,

@@ -11,9 +11,9 @@ Keys (:func:`kv_key`) are ``"<owner>/<variant>"``: ``owner`` is the fact id (or
 dtype, context window w, template, the fact's text and its context tokens). The disk
 tier stores ``<root>/<owner>/<variant>.safetensors``, so invalidating a fact removes one
 folder. Writes go to a temporary file renamed into place: a crash leaves no partial
-entry. One pool object exists per root folder and process (:meth:`KVPool.shared`), so an
-in-process vLLM worker and the :class:`~inferscale.Memory` that wrote the KV share the
-device tier; another process reads the disk tier.
+entry. One pool object exists per root folder and process (:meth:`KVPool.shared`), so
+every user of a folder in a process shares its device tier; another process (vLLM's
+engine core, where the connector runs) reads the disk tier and keeps a device tier of its own.
 """
 
 from __future__ import annotations
