@@ -106,3 +106,21 @@ def test_jobs_pending_at_a_crash_are_encoded_on_restart(tmp_path):
         assert mem.wait_for_kv(timeout=600) and mem.pending_kv() == 0
         inj = mem.inject("What about my garden?", user_id="crash", k=6)
         assert len(inj.kv_memory_ids) == 6 and inj.text_memory_ids == []
+
+
+def test_a_fact_added_and_asked_at_once_is_answered_as_text_then_injected(serving_dir, engine):
+    mem = Memory(data_dir=serving_dir, dtype="float32", engine=engine, context_window=0)
+    user = "bg-hamster"
+    mem.kv.background.pause()
+    fid = mem.add("My hamster is called Pickles.", user_id=user)["results"][0]["id"]
+    first = mem.generate("What is my hamster called?", user_id=user, k=1, max_tokens=12)  # no waiting
+    preamble = len(mem.prompts.preamble_ids)
+    assert first.text_memory_ids == [fid] and first.kv_memory_ids == []
+    assert first.num_injected_tokens == preamble  # the fact was prefilled as text
+    assert "Pickles" in first.text
+    mem.kv.background.resume()
+    assert mem.wait_for_kv(timeout=600)
+    later = mem.generate("What is my hamster called?", user_id=user, k=1, max_tokens=12)
+    assert later.kv_memory_ids == [fid] and later.text_memory_ids == []
+    assert later.num_injected_tokens == preamble + len(mem.prompts.fact_line_ids("My hamster is called Pickles."))
+    assert later.text == first.text  # the same tokens, the same greedy answer
