@@ -2,9 +2,11 @@
 the history consistent.
 
 Order of every write: Chroma (the system of record) first, then the device index, then
-the KV pool, then the history. KV keys hash the fact's tokens, so a fact whose text
-changed can never be served its old KV even if a crash skipped the invalidation.
-Writes are serialised by one lock per process; reads run concurrently.
+the KV invalidation, then the history; the write is acknowledged there. The fact's KV is
+then queued (durably) for the background encoder (:meth:`KVManager.schedule`). KV keys
+hash the fact's tokens, so a fact whose text changed can never be served its old KV even
+if a crash skipped the invalidation. Writes are serialised by one lock per process;
+reads run concurrently.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class FactService:
     Args:
         store, index, embedder, kv, history: the components kept consistent.
         default_w: context window (turns) KV is encoded at on write.
-        precompute_kv: encode KV on write (else on first injection).
+        precompute_kv: queue KV encoding on write (else on first injection).
         max_fact_tokens: longest fact accepted (tokens of its memory line).
     """
 
@@ -80,7 +82,7 @@ class FactService:
         """Store new facts; duplicates of stored or earlier texts are ``NOOP`` events.
 
         Args:
-            encode_kv: encode the new facts' KV now (when ``precompute_kv``).
+            encode_kv: queue the new facts' KV for the background encoder (when ``precompute_kv``).
             context_window: w to encode at (default ``default_w``).
 
         Returns:
@@ -107,13 +109,8 @@ class FactService:
                 self.index.add(scope.key, [r.id for r in records], emb)
                 self.history.record(scope.key, [(r.id, "ADD", None, r.text) for r in records])
         if records and encode_kv and self.precompute_kv:
-            self.encode(scope, records, context_window)
+            self.kv.schedule(scope.key, records, self.default_w if context_window is None else context_window)
         return results
-
-    def encode(self, scope: Scope, records: Sequence[FactRecord], context_window: int | None = None) -> None:
-        """Encode the records' KV at ``context_window`` (default ``default_w``; skips what the pool has)."""
-        w = self.default_w if context_window is None else context_window
-        self.kv.ensure([self.kv.preamble_span(), *self.kv.fact_spans(scope.key, records, w)])
 
     def update(self, scope: Scope, memory_id: str, text: str, metadata: dict | None = None) -> FactRecord:
         """Replace a memory's text (and metadata when given); invalidates its KV everywhere.
@@ -139,7 +136,7 @@ class FactService:
             self.kv.invalidate(memory_id)
             self.history.record(scope.key, [(memory_id, "UPDATE", old.text, text)])
         if self.precompute_kv:
-            self.encode(scope, [new])
+            self.kv.schedule(scope.key, [new], self.default_w)
         return new
 
     def delete(self, scope: Scope, memory_ids: Sequence[str]) -> list[FactRecord]:
@@ -154,6 +151,7 @@ class FactService:
                 return []
             self.store.delete([r.id for r in records])
             self.index.remove(scope.key, {r.id for r in records})
+            self.kv.unschedule([r.id for r in records])
             for r in records:
                 self.kv.invalidate(r.id)
             self.history.record(scope.key, [(r.id, "DELETE", r.text, None) for r in records])

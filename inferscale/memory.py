@@ -33,6 +33,7 @@ from inferscale.facts import FactService
 from inferscale.history import HistoryLog
 from inferscale.index import VectorIndex
 from inferscale.kv.encoder import best_device
+from inferscale.kv.jobs import KVJobQueue
 from inferscale.kv.manager import KVManager
 from inferscale.kv.pool import FactKV, KVPool
 from inferscale.kv.reference import ReferenceModel
@@ -100,6 +101,7 @@ class Memory:
             self.store = FactStore(data / "chroma")
             self.turns = TurnLog(data / "turns.sqlite")
             self.history_log = HistoryLog(data / "history.sqlite")
+            self.kv_jobs = KVJobQueue(data / "kv_jobs.sqlite")
             self.pool = KVPool.shared(self.kv_dir, self.device, self.config.device_kv_budget_bytes)
             ids, scopes, emb = self.store.load_all()
         except StoreError:
@@ -114,6 +116,7 @@ class Memory:
         self.kv = KVManager(
             self.model_path, model_fingerprint(self.model_path), self.config.resolved_dtype, self.prompts, self.pool,
             self.turns, self.config.encode_batch_tokens, self.config.max_model_len,
+            jobs=self.kv_jobs, store=self.store,
         )
         self.facts = FactService(self.store, self.index, self.embedder, self.kv, self.history_log,
                                  self.config.context_window, self.config.precompute_kv, self.config.max_fact_tokens)
@@ -123,6 +126,7 @@ class Memory:
         self._engine_lock = threading.Lock()
         self._owns_engine = engine is None
         self.serve = ServePath(self.facts, self.prompts, self.kv, self.turns, self.config.max_model_len)
+        self.kv.start()  # jobs an earlier process left queued (a crash) are encoded now
 
     def _check_data_dir(self, data: Path) -> dict | None:
         """Create the data dir, check it is writable and check its manifest (schema version,
@@ -179,7 +183,10 @@ class Memory:
         """Remember ``messages`` (Mem0's ``add``).
 
         The messages are appended to the scope's turn log; with ``infer=False`` each
-        message's content is stored as a fact whose provenance is its own turn.
+        message's content is stored as a fact whose provenance is its own turn. The call
+        returns once Chroma, the index and the history hold the write; the facts' KV is
+        queued (durably) and encoded in the background: until it is, a request prefills
+        the fact as text. :meth:`wait_for_kv` waits for it.
 
         Args:
             messages: a string, a message dict (``{"role", "content"}``) or a list of them.
@@ -429,8 +436,26 @@ class Memory:
                 )
             return self._engine
 
+    def wait_for_kv(self, timeout: float | None = None) -> bool:
+        """Block until the background encoder has encoded every queued KV (writes return
+        before their KV exists: see :meth:`add`).
+
+        Args:
+            timeout: most seconds to wait (``None``: no limit).
+
+        Returns:
+            ``True`` when nothing is pending, ``False`` if ``timeout`` passed first.
+        """
+        return self.kv.wait(timeout)
+
+    def pending_kv(self) -> int:
+        """How many ``(memory, context window)`` KV encodings are queued."""
+        return self.kv.pending()
+
     def close(self) -> None:
-        """Stop the engine this memory started (an engine given to the constructor is left running)."""
+        """Stop the background encoder (queued encodes stay queued for the next start) and the
+        engine this memory started (an engine given to the constructor is left running)."""
+        self.kv.close()
         with self._engine_lock:
             if self._owns_engine and self._engine is not None:
                 self._engine.close()
@@ -467,24 +492,28 @@ class Memory:
                             self.options(options, **overrides))
         return Injection(prompt_token_ids=req.prompt_token_ids, plan=req.plan,
                          memories=[self._item(r, s) for r, s in req.hits], memory_tokens=req.memory_tokens,
-                         retrieval_s=req.retrieval_s)
+                         retrieval_s=req.retrieval_s, kv_memory_ids=list(req.kv_memory_ids),
+                         text_memory_ids=list(req.text_memory_ids))
 
     def inject(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
-               run_id: str | None = None, k: int | None = None, context_window: int | None = None) -> Injection:
+               run_id: str | None = None, k: int | None = None, context_window: int | None = None,
+               wait_for_kv: bool = False) -> Injection:
         """Retrieve the scope's top-``k`` facts and prepare one vLLM request that injects their KV.
 
-        Encodes (and stores) any missing KV first, so the request never falls back.
+        Facts whose KV is not encoded yet are placed as text after the injected ones (see
+        ``kv_memory_ids`` / ``text_memory_ids``) and queued for the background encoder.
 
         Args:
             k: facts to retrieve (default ``config.top_k``).
             context_window: w, in turns (default ``config.context_window``).
+            wait_for_kv: encode missing KV first, so every fact is injected.
 
         Raises:
             UnknownScopeError: the scope has no memories and no turns.
             ValueError: empty query, negative k or w.
         """
         return self.prepare(query, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k,
-                            context_window=context_window, mode="inject", max_tokens=1)
+                            context_window=context_window, mode="inject", max_tokens=1, wait_for_kv=wait_for_kv)
 
     def _prepare(self, query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
                  options: GenerationOptions) -> PreparedRequest:
@@ -555,6 +584,7 @@ class Memory:
                 num_injected_tokens=out.num_injected_tokens,
                 num_prefilled_tokens=out.num_prompt_tokens - out.num_cached_tokens, memories=memories,
                 first_logprobs=out.first_logprobs, num_generated_tokens=out.num_output_tokens,
+                kv_memory_ids=list(req.kv_memory_ids), text_memory_ids=list(req.text_memory_ids),
             ))
 
     # ------------------------------------------------------------------ turns

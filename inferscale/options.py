@@ -24,6 +24,9 @@ class GenerationOptions(BaseModel):
         temperature: sampling temperature; 0 is greedy.
         stop: strings that end the answer (not included in it).
         logprobs: also return the top-N logprobs of the first answer token (0..20).
+        wait_for_kv: in inject mode, encode the KV of retrieved facts that have none yet
+            before answering (every fact injected); by default such facts are prefilled as
+            text and their KV is encoded in the background.
 
     Raises:
         pydantic.ValidationError: (a ``ValueError``) naming the bad field and why.
@@ -36,6 +39,7 @@ class GenerationOptions(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     stop: list[str] | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, strict=True)
+    wait_for_kv: bool = Field(default=False, strict=True)
 
     @field_validator("temperature", mode="before")
     @classmethod

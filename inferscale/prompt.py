@@ -18,6 +18,7 @@ same tokens in every prompt it appears in (its KV can be reused).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -81,6 +82,8 @@ class PromptBuilder:
         self.system_prompt = system_prompt
         before, self._after_template = self._split_template()
         self.preamble_ids = tuple(self._tok(before))
+        # a fact's line is tokenized once per process, not on every request that retrieves it
+        self._line_ids = functools.lru_cache(maxsize=65_536)(self._fact_line_ids)
 
     def _tok(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
@@ -104,7 +107,10 @@ class PromptBuilder:
         return before, after
 
     def fact_line_ids(self, text: str) -> tuple[int, ...]:
-        """Token ids of one memory line, ``"- <text>\\n"``."""
+        """Token ids of one memory line, ``"- <text>\\n"`` (cached by text)."""
+        return self._line_ids(text)
+
+    def _fact_line_ids(self, text: str) -> tuple[int, ...]:
         return tuple(self._tok(f"- {text}\n"))
 
     def build(self, question: str, facts: Sequence[tuple[str, str]], history: Sequence[dict] = (),

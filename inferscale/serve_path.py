@@ -37,8 +37,12 @@ class PreparedRequest:
         plan: what the connector injects (``None`` in text mode).
         hits: the retrieved facts and their scores, best first.
         retrieval_s: query embedding plus search (seconds).
-        memory_tokens: preamble plus fact lines (tokens).
+        memory_tokens: tokens supplied as KV in inject mode (the preamble and the injected
+            fact lines); in text mode, the preamble and every fact line.
         options: the generation's options, with k and w resolved.
+        kv_memory_ids: facts whose KV the plan injects (in inject mode).
+        text_memory_ids: facts placed as text, to be prefilled (all of them in text mode;
+            in inject mode those whose KV is not encoded yet).
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -47,6 +51,8 @@ class PreparedRequest:
     retrieval_s: float
     memory_tokens: int
     options: GenerationOptions
+    kv_memory_ids: tuple[str, ...] = ()
+    text_memory_ids: tuple[str, ...] = ()
 
     @property
     def kv_transfer_params(self) -> dict | None:
@@ -94,8 +100,13 @@ class ServePath:
 
     def prepare(self, scope: Scope, query: str, options: GenerationOptions, *, history: Sequence[dict] | None = None,
                 instructions: str | None = None, allow_unknown_scope: bool = False) -> PreparedRequest:
-        """Retrieve the top ``options.k`` facts, lay out the prompt (best-ranked last) and, in
-        inject mode, encode any missing KV and plan the injection.
+        """Retrieve the top ``options.k`` facts, lay out the prompt and, in inject mode, plan the injection.
+
+        Text mode: the facts best-ranked last. Inject mode never waits for encoding unless
+        ``options.wait_for_kv``: the facts whose KV is in the pool come first (injected,
+        best-ranked last among them), then those without KV as text (prefilled, likewise),
+        then the question; the missing KV is queued for the background encoder, so a
+        later request injects it.
 
         Args:
             options: with ``k`` and ``context_window`` resolved (not ``None``).
@@ -115,20 +126,37 @@ class ServePath:
         t0 = time.perf_counter()
         hits = self.facts.search(scope, query, options.k)
         retrieval = time.perf_counter() - t0
-        layout = self.prompts.build(query, [(r.id, r.text) for r, _ in hits[::-1]], history, instructions)
+        ranked = [r for r, _ in hits[::-1]]  # best last
+        plan, kv_ids, text_ids = None, (), tuple(r.id for r in ranked)
+        if options.mode == "inject":
+            w = options.context_window
+            preamble = self.kv.preamble_span()
+            keys = self.kv.fact_keys(scope.key, ranked, w)
+            ready = [self.kv.stored(k) for k in keys]
+            missing = [r for r, ok in zip(ranked, ready) if not ok]
+            if options.wait_for_kv and missing:
+                self.kv.ensure(self.kv.fact_spans(scope.key, missing, w))
+                ready = [True] * len(ranked)
+            self.kv.ensure([preamble])
+            order = [i for i, ok in enumerate(ready) if ok] + [i for i, ok in enumerate(ready) if not ok]
+            ranked, keys = [ranked[i] for i in order], [keys[i] for i in order]
+            n_kv = sum(ready)
+            kv_ids, text_ids = tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:])
+            if text_ids:
+                self.kv.schedule(scope.key, ranked[n_kv:], options.context_window)
+        layout = self.prompts.build(query, [(r.id, r.text) for r in ranked], history, instructions)
         if len(layout.token_ids) + options.max_tokens > self.max_model_len:
             raise ValueError(
                 f"the prompt is {len(layout.token_ids)} tokens with k={options.k} memories; with "
                 f"{options.max_tokens} answer tokens it exceeds max_model_len={self.max_model_len}: lower k or "
                 "shorten the question"
             )
-        plan = None
         if options.mode == "inject":
-            spans = [self.kv.preamble_span(), *self.kv.fact_spans(scope.key, [r for r, _ in hits[::-1]],
-                                                                   options.context_window)]
-            self.kv.ensure(spans)
-            plan = InjectionPlan.of((s.key, seg.start, len(seg.token_ids)) for s, seg in zip(spans, layout.segments))
-        return PreparedRequest(layout.token_ids, plan, tuple(hits), retrieval, layout.memory_end, options)
+            plan = InjectionPlan.of((key, seg.start, len(seg.token_ids))
+                                    for key, seg in zip([preamble.key, *keys[:len(kv_ids)]], layout.segments))
+        memory_tokens = plan.memory_end if plan is not None else layout.memory_end
+        return PreparedRequest(layout.token_ids, plan, tuple(hits), retrieval, memory_tokens, options,
+                               kv_ids, text_ids)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,12 @@ class Scope:
             raise ValueError("one of user_id, agent_id or run_id is required, e.g. memory.add(..., user_id='alice')")
         return cls(user_id, agent_id, run_id)
 
+    @classmethod
+    def from_key(cls, key: str) -> "Scope":
+        """The scope whose :attr:`key` is ``key``."""
+        user_id, agent_id, run_id = json.loads(key)
+        return cls(user_id, agent_id, run_id)
+
     def as_dict(self) -> dict[str, str]:
         return {k: v for k, v in (("user_id", self.user_id), ("agent_id", self.agent_id), ("run_id", self.run_id)) if v}
 

@@ -56,6 +56,9 @@ class TurnLog:
                 " role TEXT NOT NULL, name TEXT, content TEXT NOT NULL, metadata TEXT NOT NULL, created_at TEXT NOT NULL,"
                 " PRIMARY KEY (scope, seq), UNIQUE (scope, turn_id))"
             )
+            # bumped by every change that can alter an earlier turn's window (delete, clear);
+            # appends only add turns after every existing one, so they change no fact's window
+            con.execute("CREATE TABLE IF NOT EXISTS scope_versions (scope TEXT PRIMARY KEY, version INTEGER NOT NULL)")
 
     def _conn(self) -> sqlite3.Connection:
         con = getattr(self._local, "con", None)
@@ -127,7 +130,24 @@ class TurnLog:
     def clear(self) -> None:
         """Delete every turn of every scope."""
         with self._write_lock:
-            self._conn().execute("DELETE FROM turns")
+            con = self._conn()
+            con.execute("BEGIN IMMEDIATE")
+            con.execute("DELETE FROM turns")
+            self._bump(con, "*")
+            con.execute("COMMIT")
+
+    @staticmethod
+    def _bump(con: sqlite3.Connection, scope: str) -> None:
+        con.execute("INSERT INTO scope_versions VALUES (?, 1) ON CONFLICT(scope) DO UPDATE SET version = version + 1",
+                    (scope,))
+
+    def version(self, scope: str) -> int:
+        """A number that changes whenever a turn of ``scope`` that may precede a fact's source
+        turn is deleted (in any process sharing the file); appends leave it as it is."""
+        (v,) = self._conn().execute(
+            "SELECT COALESCE(SUM(version), 0) FROM scope_versions WHERE scope IN (?, '*')", (scope,)
+        ).fetchone()
+        return int(v)
 
     def count(self, scope: str) -> int:
         (n,) = self._conn().execute("SELECT COUNT(*) FROM turns WHERE scope = ?", (scope,)).fetchone()
@@ -151,5 +171,14 @@ class TurnLog:
             return 0
         marks = ",".join("?" * len(turn_ids))
         with self._write_lock:
-            cur = self._conn().execute(f"DELETE FROM turns WHERE scope = ? AND turn_id IN ({marks})", (scope, *turn_ids))
+            con = self._conn()
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                cur = con.execute(f"DELETE FROM turns WHERE scope = ? AND turn_id IN ({marks})", (scope, *turn_ids))
+                if cur.rowcount:
+                    self._bump(con, scope)
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
         return int(cur.rowcount)

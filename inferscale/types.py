@@ -71,8 +71,11 @@ class Injection:
         plan: what the connector injects (:class:`~inferscale.kv.injection.InjectionPlan`);
             ``None`` for a text-mode request.
         memories: the retrieved facts, best first (Mem0's search result items).
-        memory_tokens: preamble plus fact lines (tokens); supplied as KV in inject mode.
+        memory_tokens: tokens supplied as KV in inject mode (preamble plus the injected
+            fact lines); in text mode, the preamble and every fact line.
         retrieval_s: time to embed the query and search (seconds).
+        kv_memory_ids: memories whose KV the plan injects.
+        text_memory_ids: memories placed as prompt text (in inject mode: not encoded yet).
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -80,6 +83,8 @@ class Injection:
     memories: list[dict]
     memory_tokens: int
     retrieval_s: float
+    kv_memory_ids: list[str] = field(default_factory=list)
+    text_memory_ids: list[str] = field(default_factory=list)
 
     @property
     def kv_transfer_params(self) -> dict | None:
@@ -116,6 +121,9 @@ class Generation:
         memories: the facts used, best first.
         first_logprobs: ``{token_id: logprob}`` of the first answer position (when asked).
         num_generated_tokens: answer length (tokens).
+        kv_memory_ids: memories whose KV was injected.
+        text_memory_ids: memories prefilled as text (in inject mode: their KV was not
+            encoded yet; it is being encoded in the background).
     """
 
     text: str
@@ -129,6 +137,8 @@ class Generation:
     memories: list[dict]
     first_logprobs: dict[int, float] = field(default_factory=dict)
     num_generated_tokens: int = 0
+    kv_memory_ids: list[str] = field(default_factory=list)
+    text_memory_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

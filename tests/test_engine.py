@@ -18,6 +18,7 @@ def memory(serving_dir, engine):
     for i, pet in enumerate(PETS):
         mem.add(f"My dog is called {pet}.", user_id=f"batch-user-{i}")
         mem.add(f"I work as employee number {100 + i}.", user_id=f"batch-user-{i}")
+    assert mem.wait_for_kv(timeout=600)
     return mem
 
 

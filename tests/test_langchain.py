@@ -46,6 +46,7 @@ def test_public_names():
 
 def test_fact_told_in_one_session_is_injected_in_the_next(memory, agent, user):
     agent.invoke({"question": FACT, "user_id": user, "session_id": "monday"})
+    assert memory.wait_for_kv(timeout=600)  # the fact's KV, encoded in the background
     (fact,) = memory.get_all(user_id=user)["results"]
     assert fact["memory"] == FACT and fact["metadata"] == {"session_id": "monday"}
     expected = memory.inject(QUESTION, user_id=user, k=5)  # what the next request must carry as KV

@@ -81,14 +81,14 @@ def test_same_fact_twice_is_stored_once_and_never_deleted(mem):
 
 def test_update_and_delete_invalidate_kv_everywhere(mem):
     mid = mem.add("My favourite colour is teal.", user_id="u")["results"][0]["id"]
-    mem.inject("What is my favourite colour?", user_id="u", k=1)
+    mem.inject("What is my favourite colour?", user_id="u", k=1, wait_for_kv=True)
     owners = {p.name for p in mem.kv_dir.iterdir()}
     assert mid in owners
     old_keys = [k for k in mem.pool._hot if k.startswith(mid)]
     assert old_keys
     mem.update(mid, "My favourite colour is amber.", user_id="u")
     assert not (mem.kv_dir / mid).exists() and not any(k.startswith(mid) for k in mem.pool._hot)
-    req = mem.inject("What is my favourite colour?", user_id="u", k=1)
+    req = mem.inject("What is my favourite colour?", user_id="u", k=1, wait_for_kv=True)
     new_key = req.kv_transfer_params["inferscale"]["segments"][1][0]
     assert new_key not in old_keys  # new text, new KV
     mem.delete(mid, user_id="u")
@@ -187,7 +187,7 @@ def test_fifty_scopes_with_overlapping_facts_never_cross(tmp_path):
             mem.get(foreign, user_id=u)
         with pytest.raises(MemoryNotFoundError):
             mem.delete(foreign, user_id=u)
-        req = mem.inject("What is my locker number?", user_id=u, k=6)
+        req = mem.inject("What is my locker number?", user_id=u, k=6, wait_for_kv=True)
         owners = {seg[0].split("/")[0] for seg in req.kv_transfer_params["inferscale"]["segments"]}
         assert owners == {"_preamble"} | ids[u]
     mem.delete_all(user_id=users[0])

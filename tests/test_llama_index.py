@@ -68,6 +68,7 @@ def test_simple_chat_engine_over_the_chat_store_remembers_across_sessions(memory
         return SimpleChatEngine.from_defaults(llm=llm, memory=buffer)
 
     engine("monday").chat(FACT)
+    assert memory.wait_for_kv(timeout=600)  # the fact's KV, encoded in the background
     answer = engine("tuesday").chat(QUESTION)
     response = chat_ends.responses[-1]
     assert "Biscuit" in answer.response and response.message.content == answer.response

@@ -34,6 +34,7 @@ def memory(serving_dir, engine, sample):
     mem = Memory(data_dir=serving_dir, dtype="float32", context_window=3, engine=engine)
     added = store_conversation(mem, sample, USER)
     assert added == len({f.dated_text() for f in sample.facts})
+    assert mem.wait_for_kv(timeout=1200)
     return mem
 
 

@@ -62,7 +62,7 @@ def warm_kv(memory: Memory, user_id: str, questions: Sequence[str], k: int, wind
     """
     jobs = [(q, w) for w in windows for q in questions]
     for q, w in tqdm(jobs, desc=f"encode + load KV (top {k})", unit="question"):
-        inj = memory.inject(q, user_id=user_id, k=k, context_window=w)
+        inj = memory.inject(q, user_id=user_id, k=k, context_window=w, wait_for_kv=True)
         memory.engine.generate(inj.prompt_token_ids, kv_transfer_params=inj.kv_transfer_params,
                                cache_salt=f"warm-{inj.cache_salt}", max_tokens=1)
 
@@ -103,14 +103,15 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, sample: int = 0, question
     warm_kv(memory, user_id, [q.question for q in picked], max(ks), windows)
     for mode, w in parsed:  # engine start-up and first-request costs, on a question not measured
         memory.generate("What do you remember about me?", user_id=user_id, k=1, context_window=w, mode=mode,
-                        max_tokens=1)
+                        max_tokens=1, wait_for_kv=True)
     # question-major: each question is asked at every k in every mode back to back, so
     # drift on a shared machine hits every (mode, k) cell alike
     todo = [(k, qi, m) for qi in range(len(picked)) for k in ks for m in modes if not log.done(_key(m, k, qi))]
     for k, qi, name in tqdm(todo, desc="TTFT", unit="request"):
         mode, w = parse_mode(name)
         t0 = time.perf_counter()
-        g = memory.generate(picked[qi].question, user_id=user_id, k=k, context_window=w, mode=mode, max_tokens=1)
+        g = memory.generate(picked[qi].question, user_id=user_id, k=k, context_window=w, mode=mode, max_tokens=1,
+                            wait_for_kv=True)
         e2e = time.perf_counter() - t0
         log.add(_key(name, k, qi), {
             "mode": name, "k": k, "question": qi, "ttft_s": g.ttft_s, "retrieval_s": g.retrieval_s, "e2e_s": e2e,

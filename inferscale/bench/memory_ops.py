@@ -1,9 +1,13 @@
-"""Per-call cost of ``add`` (with KV encoding at w=0 and w=20) and ``search`` at ~2,500 facts.
+"""Per-call cost of ``add``, KV readiness, ``search`` and ``inject()`` at ~2,500 facts.
 
 All 10 LoCoMo conversations are loaded (5,882 turns, one scope per conversation); the
-first 2,500 observations are stored without KV; then single-fact adds of held-out
-observations are timed with KV encoding at w=0 and at w=20, and ``search`` (limit 10) is
-timed over LoCoMo questions. Reproduce with ``inferscale bench memory-ops``.
+first 2,500 observations are stored without KV. Then, per w in (0, 20), single-fact adds
+of held-out observations are timed twice: until ``add`` returns (acknowledged: Chroma,
+index, history and the durable KV job hold it) and until the fact's KV is encoded by the
+background encoder (``wait_for_kv``). ``search`` (limit 10) is timed over LoCoMo
+questions, and ``inject()`` (retrieval, layout, KV naming; no engine) over conv-26's
+questions at k = 10 / 50 and w = 5 / 20 with every fact's KV encoded (steady state).
+Reproduce with ``inferscale bench memory-ops``.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def _summary(op: str, seconds: list[float]) -> OpTiming:
 
 
 def run(data: Path, out_dir: Path, *, stored: int = 2500, timed_adds: int = 20, searches: int = 100,
-        dtype: str = "auto") -> list[OpTiming]:
+        inject_questions: int = 12, dtype: str = "auto") -> list[OpTiming]:
     """Run the benchmark; writes ``memory_ops.json`` and ``memory_ops.md`` to ``out_dir``."""
     samples = load_locomo(data)
     facts = [(f"locomo-{s.sample_id}", f) for s in samples for f in s.facts]
@@ -66,12 +70,15 @@ def run(data: Path, out_dir: Path, *, stored: int = 2500, timed_adds: int = 20, 
     held_out = facts[stored:]
     mem.encode_preamble()
     for w, chunk in ((0, held_out[:timed_adds]), (20, held_out[timed_adds : 2 * timed_adds])):
-        times = []
-        for user, f in tqdm(chunk, desc=f"add with KV encoding, w={w}"):
+        acked, ready = [], []
+        for user, f in tqdm(chunk, desc=f"add, then KV ready, w={w}"):
             t = time.perf_counter()
             mem.add_facts([FactInput(f.dated_text(), f.dia_ids)], user_id=user, context_window=w)
-            times.append(time.perf_counter() - t)
-        results.append(_summary(f"add (KV encoding, w={w})", times))
+            acked.append(time.perf_counter() - t)
+            mem.wait_for_kv()
+            ready.append(time.perf_counter() - t)
+        results.append(_summary(f"add, acknowledged (w={w})", acked))
+        results.append(_summary(f"add, until its KV is ready (w={w})", ready))
     questions = [(f"locomo-{s.sample_id}", q.question) for s in samples for q in s.qa]
     mem.search("warm-up", user_id=questions[0][0], limit=10)
     times = []
@@ -80,6 +87,21 @@ def run(data: Path, out_dir: Path, *, stored: int = 2500, timed_adds: int = 20, 
         mem.search(q, user_id=user, limit=10)
         times.append(time.perf_counter() - t)
     results.append(_summary("search (limit 10)", times))
+
+    conv = next(s for s in samples if s.sample_id == "conv-26")
+    user = f"locomo-{conv.sample_id}"
+    asked = [q.question for q in conv.qa[:inject_questions]]
+    for w in (5, 20):
+        for k in (10, 50):
+            for q in tqdm(asked, desc=f"encode KV for inject(), k={k}, w={w}"):
+                mem.inject(q, user_id=user, k=k, context_window=w, wait_for_kv=True)
+            times = []
+            for q in asked:
+                t = time.perf_counter()
+                inj = mem.inject(q, user_id=user, k=k, context_window=w)
+                times.append(time.perf_counter() - t)
+                assert not inj.text_memory_ids, "steady state: every fact's KV is encoded"
+            results.append(_summary(f"inject() (k={k}, w={w})", times))
 
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"stored_facts": sum(mem.count(user_id=u) for u in {u for u, _ in facts}), "bulk_store_s": bulk_s, "dtype": mem.config.resolved_dtype,

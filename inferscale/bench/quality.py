@@ -48,7 +48,7 @@ def answer_nll(memory: Memory, ref: ReferenceModel, user_id: str, question: str,
                mode: str, w: int) -> float:
     """Mean NLL (nats per token) of ``answer`` after the prompt served in ``mode`` with top-``k`` facts."""
     answer_ids = memory.tokenizer(answer, add_special_tokens=False).input_ids
-    req = memory.prepare(question, user_id=user_id, k=k, context_window=w, mode=mode)
+    req = memory.prepare(question, user_id=user_id, k=k, context_window=w, mode=mode, wait_for_kv=True)
     if req.plan is None:
         return ref.answer_nll(req.prompt_token_ids, answer_ids)
     return ref.answer_nll(req.prompt_token_ids, answer_ids, memory.injected_kv(req))
@@ -104,7 +104,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, samples: Sequence[int] = 
             gold = str(qa.answer)
             t0 = time.perf_counter()
             g = memory.generate(qa.question, user_id=user_id, k=k, context_window=w, mode=mode,
-                                max_tokens=max_tokens)
+                                max_tokens=max_tokens, wait_for_kv=True)
             ref = ref or memory.reference_model()
             log.add(_key(conv.sample_id, qi, k, name), {
                 "sample": conv.sample_id, "question": qi, "category": qa.category, "k": k, "mode": name,

@@ -112,7 +112,7 @@ def _requests(memory: Memory, plan, users: int, mode: str, k: int, w: int, salt:
     for user_id, _conv, _facts, questions in plan[:users]:
         reqs = []
         for q in questions:
-            req = memory.prepare(q, user_id=user_id, k=k, context_window=w, mode=mode)
+            req = memory.prepare(q, user_id=user_id, k=k, context_window=w, mode=mode, wait_for_kv=True)
             reqs.append({"prompt_token_ids": req.prompt_token_ids, "kv_transfer_params": req.kv_transfer_params,
                          "cache_salt": f"{req.cache_salt or 'text'}-{salt}"})
         out.append(reqs)

@@ -2,21 +2,35 @@
 
 Owns the naming of KV (:func:`inferscale.kv.pool.kv_key` over the model fingerprint,
 dtype, w, and the exact context and fact tokens), the building of Context-Window
-Encoding contexts from the turn log, and the lazy encoder.
+Encoding contexts from the turn log, the lazy encoder, and the scheduling of encodes:
+:meth:`KVManager.schedule` queues ``(fact, w)`` jobs durably and returns; the
+:class:`~inferscale.kv.background.BackgroundEncoder` encodes them (:meth:`run_jobs`).
+
+A job encodes the fact's *current* text (read from the store when the job runs), and
+its key hashes those tokens, so an update racing an in-flight encode can never have the
+old text's KV served for the new text; the old KV written after the update is removed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from inferscale.kv.background import BackgroundEncoder
 from inferscale.kv.encoder import EncodeItem, KVEncoder
+from inferscale.kv.jobs import KVJob, KVJobQueue
 from inferscale.kv.pool import KVPool, kv_key
 from inferscale.prompt import PromptBuilder
-from inferscale.store import FactRecord
+from inferscale.store import FactRecord, FactStore, Scope
 from inferscale.turns import TurnLog
+
+
+#: Fact KV keys kept by :meth:`KVManager.fact_keys` (~200 bytes each: ~40 MB when full).
+_KEY_CACHE_SIZE = 200_000
 
 
 def _digest(ids: Sequence[int]) -> str:
@@ -44,6 +58,9 @@ class KVManager:
         batch_tokens: encoder batch budget (tokens).
         max_tokens: longest encoding (context plus fact, tokens); the oldest window turns
             are dropped to fit.
+        jobs: the durable queue of pending encodes (default: none; :meth:`schedule` then
+            encodes at once).
+        store: where a job's fact is read when the job runs (required with ``jobs``).
     """
 
     def __init__(
@@ -56,6 +73,8 @@ class KVManager:
         turns: TurnLog,
         batch_tokens: int,
         max_tokens: int = 8192,
+        jobs: KVJobQueue | None = None,
+        store: FactStore | None = None,
     ) -> None:
         self.model_path = model_path
         self.fingerprint = fingerprint
@@ -66,6 +85,15 @@ class KVManager:
         self.batch_tokens = batch_tokens
         self.max_tokens = max_tokens
         self._encoder: KVEncoder | None = None
+        self._preamble: FactSpan | None = None
+        # fact KV keys by (scope, turn-log version, fact id, text hash, sources, w): the hot
+        # path names a retrieved fact's KV without SQL, tokenizing or hashing (bounded LRU)
+        self._keys: OrderedDict[tuple, str] = OrderedDict()
+        self._keys_lock = threading.Lock()
+        self._encode_lock = threading.Lock()  # one encode at a time: the caller's or the background's
+        self.jobs = jobs
+        self.store = store
+        self.background = BackgroundEncoder(jobs, self.run_jobs) if jobs is not None else None
 
     @property
     def encoder(self) -> KVEncoder:
@@ -83,16 +111,48 @@ class KVManager:
         self.pool.invalidate_owner(fact_id)
 
     def clear(self) -> None:
-        """Drop all stored KV."""
+        """Drop all stored KV and every queued encode."""
+        if self.jobs is not None:
+            self.jobs.clear()
         self.pool.clear()
 
     def preamble_span(self) -> FactSpan:
-        ids = self.prompts.preamble_ids
-        key = kv_key("_preamble", fp=self.fingerprint, dtype=self.dtype, ids=_digest(ids))
-        return FactSpan(key, EncodeItem((), ids))
+        """The prompt preamble's KV request (computed once)."""
+        if self._preamble is None:
+            ids = self.prompts.preamble_ids
+            key = kv_key("_preamble", fp=self.fingerprint, dtype=self.dtype, ids=_digest(ids))
+            self._preamble = FactSpan(key, EncodeItem((), ids))
+        return self._preamble
 
-    def fact_spans(self, scope_key: str, facts: Sequence[FactRecord], w: int) -> list[FactSpan]:
-        """The KV request of each fact at context window ``w`` (turns)."""
+    def fact_keys(self, scope_key: str, facts: Sequence[FactRecord], w: int) -> list[str]:
+        """The pool key of each fact's KV at context window ``w``, from the cache where it can.
+
+        A cached key is reused while the fact's text and sources, w and the scope's turn-log
+        version (:meth:`TurnLog.version`, shared by every process over the data dir) are the
+        same; anything else recomputes it through :meth:`fact_spans`.
+        """
+        version = self.turns.version(scope_key)
+        keys: list[str | None] = []
+        with self._keys_lock:
+            for f in facts:
+                key = self._keys.get((scope_key, version, f.id, f.hash, f.source_turn_ids, w))
+                if key is not None:
+                    self._keys.move_to_end((scope_key, version, f.id, f.hash, f.source_turn_ids, w))
+                keys.append(key)
+        missing = [i for i, k in enumerate(keys) if k is None]
+        if missing:
+            for i, span in zip(missing, self.fact_spans(scope_key, [facts[i] for i in missing], w, version)):
+                keys[i] = span.key
+        return keys  # type: ignore[return-value]
+
+    def fact_spans(self, scope_key: str, facts: Sequence[FactRecord], w: int,
+                   version: int | None = None) -> list[FactSpan]:
+        """The KV request of each fact at context window ``w`` (turns): its key and what to encode.
+
+        Args:
+            version: the scope's turn-log version read before the turns (default: read now).
+        """
+        version = self.turns.version(scope_key) if version is None else version
         spans = []
         sources = self.turns.get(scope_key, sorted({t for f in facts for t in f.source_turn_ids}))
         for fact in facts:
@@ -110,14 +170,80 @@ class KVManager:
                 fact.id, fp=self.fingerprint, dtype=self.dtype, w=w, ctx=_digest(context), span=_digest(span)
             )
             spans.append(FactSpan(key, EncodeItem(tuple(context), span)))
+        with self._keys_lock:
+            for fact, s in zip(facts, spans):
+                self._keys[(scope_key, version, fact.id, fact.hash, fact.source_turn_ids, w)] = s.key
+            while len(self._keys) > _KEY_CACHE_SIZE:
+                self._keys.popitem(last=False)
         return spans
 
+    def stored(self, key: str) -> bool:
+        """Whether the KV of ``key`` is in the pool (no load)."""
+        return self.pool.contains(key)
+
     def ensure(self, spans: Sequence[FactSpan]) -> int:
-        """Encode and store every span whose KV is not in the pool; returns how many were encoded."""
-        missing = {s.key: s for s in spans if not self.pool.contains(s.key)}
-        if not missing:
-            return 0
-        todo = list(missing.values())
-        for span, kv in zip(todo, self.encoder.encode([s.item for s in todo])):
-            self.pool.put(span.key, kv)
-        return len(todo)
+        """Encode and store every span whose KV is not in the pool, now; returns how many were encoded."""
+        with self._encode_lock:
+            missing = {s.key: s for s in spans if not self.pool.contains(s.key)}
+            if not missing:
+                return 0
+            todo = list(missing.values())
+            for span, kv in zip(todo, self.encoder.encode([s.item for s in todo])):
+                self.pool.put(span.key, kv)
+            return len(todo)
+
+    # ------------------------------------------------------------------ background encoding
+
+    def schedule(self, scope_key: str, facts: Sequence[FactRecord], w: int) -> None:
+        """Queue the facts' KV at context window ``w`` (durable when this returns) and wake the
+        background encoder; without a job queue, encode now."""
+        if not facts:
+            return
+        if self.jobs is None or self.background is None:
+            self.ensure([self.preamble_span(), *self.fact_spans(scope_key, facts, w)])
+            return
+        self.jobs.add((f.id, scope_key, w) for f in facts)
+        self.background.notify()
+
+    def unschedule(self, fact_ids: Sequence[str]) -> None:
+        """Forget queued jobs of deleted facts."""
+        if self.jobs is not None:
+            self.jobs.drop_facts(fact_ids)
+
+    def run_jobs(self, jobs: Sequence[KVJob]) -> None:
+        """Encode a batch of jobs with each fact's current text (run by the background encoder)."""
+        groups: dict[tuple[str, int], list[str]] = defaultdict(list)
+        for job in jobs:
+            groups[(job.scope, job.w)].append(job.fact_id)
+        spans: list[tuple[FactRecord, FactSpan]] = []
+        for (scope_key, w), ids in groups.items():
+            assert self.store is not None, "a KVManager with a job queue needs the store"
+            records = self.store.get(Scope.from_key(scope_key), ids)  # deleted facts are absent
+            spans += list(zip(records, self.fact_spans(scope_key, records, w)))
+        self.ensure([self.preamble_span(), *(s for _, s in spans)])
+        # an update or delete that landed during the encode: drop the KV of the old text
+        by_scope: dict[str, list[str]] = defaultdict(list)
+        for record, _ in spans:
+            by_scope[record.scope.key].append(record.id)
+        now = {r.id: r.hash for key, ids in by_scope.items() for r in self.store.get(Scope.from_key(key), ids)}
+        for record, span in spans:
+            if now.get(record.id) != record.hash:
+                self.pool.remove(span.key)
+
+    def pending(self, fact_ids: Sequence[str] | None = None) -> int:
+        """Queued encodes (of ``fact_ids`` only, when given)."""
+        return 0 if self.jobs is None else self.jobs.pending(fact_ids)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every queued encode is done; ``False`` if ``timeout`` (seconds) passed first."""
+        return True if self.background is None else self.background.wait(timeout)
+
+    def start(self) -> None:
+        """Resume jobs left queued by an earlier process (a crash, or a close with work pending)."""
+        if self.background is not None and self.pending() > 0:
+            self.background.notify()
+
+    def close(self) -> None:
+        """Stop the background encoder after its current batch (queued jobs stay queued)."""
+        if self.background is not None:
+            self.background.close()

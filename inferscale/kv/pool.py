@@ -200,6 +200,14 @@ class KVPool:
                 return True
         return self._path(key).exists()
 
+    def remove(self, key: str) -> None:
+        """Drop one entry from the device tier and disk (absent is fine)."""
+        with self._lock:
+            old = self._hot.pop(key, None)
+            if old is not None:
+                self._hot_bytes -= old.nbytes
+        self._path(key).unlink(missing_ok=True)
+
     def invalidate_owner(self, owner: str) -> None:
         """Drop every entry of ``owner`` (a fact id) from the device tier and disk."""
         prefix = f"{owner}/"
