@@ -22,7 +22,7 @@ def memory(serving_dir, engine):
 def user(memory) -> str:
     name = f"st-{uuid.uuid4().hex[:8]}"
     memory.add(FACT, user_id=name)
-    assert memory.wait_for_kv(timeout=600)  # these tests are about the injected path
+    assert memory.wait_for_kv(timeout=120), memory.kv.background.last_error  # the injected path is tested
     return name
 
 

@@ -4,8 +4,9 @@ Writes return once Chroma, the index, the history and the job queue hold them; t
 thread then encodes what is pending, oldest first, in batches of at most ``batch_jobs``
 jobs (the encoder packs them by tokens), and removes each batch's rows when its KV is in
 the pool. :meth:`BackgroundEncoder.wait` blocks until the queue is empty. A batch that
-fails is logged and retried after ``retry_s`` seconds, doubling up to a minute while
-failures repeat; its jobs stay queued.
+fails is retried job by job after ``retry_s`` seconds; a job that fails ``max_attempts``
+times is dropped from the queue with an error log (its fact is queued again, and
+prefilled as text meanwhile, the next time a request retrieves it).
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ class BackgroundEncoder:
         run_batch: encodes and stores the KV of a batch of jobs (called on the thread).
         batch_jobs: most jobs per batch.
         retry_s: pause after a failed batch (seconds).
+        max_attempts: tries of one job before it is dropped.
+
+    Attributes:
+        last_error: the last failure, ``"<job>: <exception>"`` (``None`` if none).
     """
 
     def __init__(self, queue: KVJobQueue, run_batch: Callable[[Sequence[KVJob]], None], *, batch_jobs: int = 64,
-                 retry_s: float = 1.0) -> None:
+                 retry_s: float = 1.0, max_attempts: int = 3) -> None:
         self.queue = queue
         self._run_batch = run_batch
         self.batch_jobs = batch_jobs
@@ -44,8 +49,11 @@ class BackgroundEncoder:
         self._running.set()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self.max_attempts = max_attempts
         self.batches = 0
         self.failures = 0
+        self.last_error: str | None = None
+        self._attempts: dict[int, int] = {}
 
     def notify(self) -> None:
         """New jobs were queued: start the thread if needed and wake it."""
@@ -67,7 +75,6 @@ class BackgroundEncoder:
         self._wake.set()
 
     def _loop(self) -> None:
-        failed_in_a_row = 0
         while not self._closed:
             self._running.wait()
             self._wake.clear()
@@ -84,17 +91,32 @@ class BackgroundEncoder:
                 continue
             with self._idle:
                 self._busy = True
-            try:
-                self._run_batch(jobs)
-                self.queue.done(jobs)
-                self.batches += 1
-                failed_in_a_row = 0
-            except Exception:  # noqa: BLE001 - the thread must survive a bad batch; jobs stay queued
-                self.failures += 1
-                failed_in_a_row += 1
-                pause = min(60.0, self.retry_s * 2 ** (failed_in_a_row - 1))
-                logger.exception("KV encoding of %d job(s) failed; retrying in %.1f s", len(jobs), pause)
-                time.sleep(pause)
+            if self._run(jobs):
+                continue
+            time.sleep(self.retry_s)
+            for job in jobs if len(jobs) > 1 else ():  # find the job that fails
+                self._run([job])
+
+    def _run(self, jobs: Sequence[KVJob]) -> bool:
+        """Encode ``jobs``; on failure count an attempt per job and drop those out of attempts."""
+        try:
+            self._run_batch(jobs)
+            self.queue.done(jobs)
+            self.batches += 1
+            for job in jobs:
+                self._attempts.pop(job.job_id, None)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the thread must survive a bad batch; jobs stay queued
+            self.failures += 1
+            self.last_error = f"{jobs[0] if len(jobs) == 1 else f'{len(jobs)} jobs'}: {type(exc).__name__}: {exc}"
+            logger.exception("KV encoding of %d job(s) failed", len(jobs))
+            if len(jobs) == 1:
+                n = self._attempts[jobs[0].job_id] = self._attempts.get(jobs[0].job_id, 0) + 1
+                if n >= self.max_attempts:
+                    logger.error("giving up on %s after %d attempts: %s", jobs[0], n, self.last_error)
+                    self.queue.done(jobs)
+                    self._attempts.pop(jobs[0].job_id, None)
+            return False
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until no job is queued; returns ``False`` if ``timeout`` (seconds) passed first."""

@@ -47,7 +47,9 @@ class ChatInferScale(MemoryScope, GenerationOptions, BaseChatModel):
 
     ``response_metadata`` of the answer carries the engine's counters: ``ttft_s``,
     ``num_prompt_tokens``, ``num_injected_tokens`` (supplied as KV), ``num_prefilled_tokens``
-    and ``memory_ids`` (the memories used, best first).
+    ``memory_ids`` (the memories used, best first), and ``kv_memory_ids`` /
+    ``text_memory_ids`` (which came as KV, and which as text because their KV was still
+    being encoded).
 
     Example:
         >>> model = ChatInferScale(memory=Memory(), user_id="alice", k=5, max_tokens=64)
@@ -108,6 +110,7 @@ def _metadata(gen: Generation, model_name: str) -> dict:
         "retrieval_s": gen.retrieval_s, "num_prompt_tokens": gen.num_prompt_tokens,
         "num_injected_tokens": gen.num_injected_tokens, "num_prefilled_tokens": gen.num_prefilled_tokens,
         "memory_ids": [m["id"] for m in gen.memories],
+        "kv_memory_ids": gen.kv_memory_ids, "text_memory_ids": gen.text_memory_ids,
     }
 
 

@@ -41,7 +41,9 @@ class InferScaleLLM(GenerationOptions, CustomLLM):
 
     Each response's ``additional_kwargs`` carry the engine's counters: ``ttft_s``,
     ``num_prompt_tokens``, ``num_injected_tokens`` (supplied as KV),
-    ``num_prefilled_tokens``, ``num_generated_tokens`` and ``memory_ids``.
+    ``num_prefilled_tokens``, ``num_generated_tokens``, ``memory_ids``, and ``kv_memory_ids`` /
+    ``text_memory_ids`` (which memories came as KV, and which as text because their KV was
+    still being encoded).
 
     Attributes:
         memory: the InferScale memory (its engine starts on first use).
@@ -169,4 +171,5 @@ def _counters(gen: Generation) -> dict:
         "num_prompt_tokens": gen.num_prompt_tokens, "num_injected_tokens": gen.num_injected_tokens,
         "num_prefilled_tokens": gen.num_prefilled_tokens, "num_generated_tokens": gen.num_generated_tokens,
         "memory_ids": [m["id"] for m in gen.memories],
+        "kv_memory_ids": gen.kv_memory_ids, "text_memory_ids": gen.text_memory_ids,
     }
