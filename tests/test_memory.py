@@ -135,7 +135,9 @@ def test_restart_rebuilds_index_from_chroma_and_reuses_kv(memory, serving_dir, s
     question = sample.qa[2].question
     hits = [[h["id"], h["score"]] for h in memory.search(question, user_id=USER, limit=10)["results"]]
     answer = memory.generate(question, user_id=USER, k=10, max_tokens=24).text
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    # nothing queued in the shared data dir (other tests' writes), or the new process would encode it
+    assert memory.wait_for_kv(timeout=600), memory.kv.background.last_error
+    env = dict(os.environ)
     proc = subprocess.run(
         [sys.executable, "-c", RESTART, question, USER, str(serving_dir)],
         capture_output=True, text=True, timeout=600, env=env,
