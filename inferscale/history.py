@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sqlite3
-import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+from inferscale.sqlite import ThreadConnections
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class HistoryLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._local = threading.local()
+        self._db = ThreadConnections(path)
         self._conn().execute(
             "CREATE TABLE IF NOT EXISTS history (seq INTEGER PRIMARY KEY AUTOINCREMENT, scope TEXT NOT NULL,"
             " memory_id TEXT NOT NULL, event TEXT NOT NULL, old_memory TEXT, new_memory TEXT, created_at TEXT NOT NULL)"
@@ -50,29 +51,18 @@ class HistoryLog:
         self._conn().execute("CREATE INDEX IF NOT EXISTS history_memory ON history (scope, memory_id)")
 
     def _conn(self) -> sqlite3.Connection:
-        con = getattr(self._local, "con", None)
-        if con is None:
-            con = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-            con.execute("PRAGMA journal_mode=WAL")
-            self._local.con = con
-        return con
+        return self._db.get()
 
     def record(self, scope: str, events: list[tuple[str, str, str | None, str | None]]) -> None:
         """Append ``(memory_id, event, old_memory, new_memory)`` tuples atomically."""
         if not events:
             return
         now = datetime.now(timezone.utc).isoformat()
-        con = self._conn()
-        con.execute("BEGIN IMMEDIATE")
-        try:
+        with self._db.transaction() as con:
             con.executemany(
                 "INSERT INTO history (scope, memory_id, event, old_memory, new_memory, created_at) VALUES (?, ?, ?, ?, ?, ?)",
                 [(scope, m, e, o, n, now) for m, e, o, n in events],
             )
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
 
     def events(self, scope: str, memory_id: str) -> list[HistoryEvent]:
         """The events of ``memory_id`` in ``scope``, oldest first."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from inferscale.sqlite import ThreadConnections
+
 
 @dataclass(frozen=True)
 class Turn:
@@ -48,7 +50,7 @@ class TurnLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._local = threading.local()
+        self._db = ThreadConnections(path)
         self._write_lock = threading.Lock()
         with self._conn() as con:
             con.execute(
@@ -61,13 +63,7 @@ class TurnLog:
             con.execute("CREATE TABLE IF NOT EXISTS scope_versions (scope TEXT PRIMARY KEY, version INTEGER NOT NULL)")
 
     def _conn(self) -> sqlite3.Connection:
-        con = getattr(self._local, "con", None)
-        if con is None:
-            con = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-            con.execute("PRAGMA journal_mode=WAL")
-            con.execute("PRAGMA synchronous=NORMAL")
-            self._local.con = con
-        return con
+        return self._db.get()
 
     def append(self, scope: str, turns: list[Turn]) -> list[Turn]:
         """Append ``turns`` atomically; returns them with ``seq`` and ``turn_id`` filled.

@@ -9,13 +9,12 @@ later removes only the row it took, so a job for newer text is never lost.
 
 from __future__ import annotations
 
-import contextlib
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
+
+from inferscale.sqlite import ThreadConnections
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv_jobs (
@@ -55,65 +54,44 @@ class KVJobQueue:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._local = threading.local()
-        self._conn().executescript(_SCHEMA)
-
-    def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            self._local.conn = conn
-        return conn
-
-    @contextlib.contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """One transaction (all rows or none)."""
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+        self._db = ThreadConnections(self.path, timeout=30)
+        self._db.get().executescript(_SCHEMA)
 
     def add(self, jobs: Iterable[tuple[str, str, int]]) -> None:
         """Enqueue ``(fact_id, scope_key, w)`` triples (durable when this returns)."""
         now = time.time()
         rows = [(f, s, int(w), now) for f, s, w in jobs]
         if rows:
-            with self._write() as conn:
+            with self._db.transaction() as conn:
                 conn.executemany("INSERT INTO kv_jobs (fact_id, scope, w, enqueued_at) VALUES (?, ?, ?, ?)", rows)
 
     def take(self, limit: int) -> list[KVJob]:
         """The oldest ``limit`` jobs (they stay queued until :meth:`done`)."""
-        rows = self._conn().execute(
+        rows = self._db.get().execute(
             "SELECT job_id, fact_id, scope, w, enqueued_at FROM kv_jobs ORDER BY job_id LIMIT ?", (limit,)
         ).fetchall()
         return [KVJob(*r) for r in rows]
 
     def done(self, jobs: Sequence[KVJob]) -> None:
         """Remove exactly these rows (a fact enqueued again meanwhile has a new row and stays)."""
-        with self._write() as conn:
+        with self._db.transaction() as conn:
             conn.executemany("DELETE FROM kv_jobs WHERE job_id = ?", [(j.job_id,) for j in jobs])
 
     def drop_facts(self, fact_ids: Iterable[str]) -> None:
         """Remove every job of these facts (they were deleted)."""
-        with self._write() as conn:
+        with self._db.transaction() as conn:
             conn.executemany("DELETE FROM kv_jobs WHERE fact_id = ?", [(f,) for f in fact_ids])
 
     def pending(self, fact_ids: Sequence[str] | None = None) -> int:
         """How many jobs are queued (of ``fact_ids`` only, when given)."""
         if fact_ids is None:
-            (n,) = self._conn().execute("SELECT COUNT(*) FROM kv_jobs").fetchone()
+            (n,) = self._db.get().execute("SELECT COUNT(*) FROM kv_jobs").fetchone()
             return int(n)
         n = 0
         ids = list(fact_ids)
         for i in range(0, len(ids), 500):
             chunk = ids[i : i + 500]
-            (c,) = self._conn().execute(
+            (c,) = self._db.get().execute(
                 f"SELECT COUNT(*) FROM kv_jobs WHERE fact_id IN ({','.join('?' * len(chunk))})", chunk
             ).fetchone()
             n += int(c)
@@ -121,5 +99,5 @@ class KVJobQueue:
 
     def clear(self) -> None:
         """Remove every job."""
-        with self._write() as conn:
+        with self._db.transaction() as conn:
             conn.execute("DELETE FROM kv_jobs")
