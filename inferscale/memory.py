@@ -125,6 +125,7 @@ class Memory:
         self.reconciler = reconciler or SimilarityReconciler()
         self._engine_lock = threading.Lock()
         self._owns_engine = engine is None
+        self._closed = False
         self.serve = ServePath(self.facts, self.prompts, self.kv, self.turns, self.config.max_model_len)
         self.kv.start()  # jobs an earlier process left queued (a crash) are encoded now
 
@@ -265,9 +266,12 @@ class Memory:
         if len(known) != len(wanted):
             missing = [t for t in wanted if t not in known]
             raise ValueError(f"source turn ids {missing[:5]} are not in this scope's log: log them with log_turns first")
-        if context_window is not None and (isinstance(context_window, bool) or not isinstance(context_window, int)
-                                           or context_window < 0):
-            raise ValueError(f"context_window must be a non-negative integer, got {context_window!r}")
+        if not isinstance(encode_kv, bool):
+            raise TypeError(f"encode_kv must be True or False, got {encode_kv!r}")
+        if context_window is not None and (isinstance(context_window, bool) or not isinstance(context_window, int)):
+            raise TypeError(f"context_window must be an integer (turns) or None, got {context_window!r}")
+        if context_window is not None and context_window < 0:
+            raise ValueError(f"context_window must be >= 0 (turns), got {context_window}")
         return _results(self.facts.add(scope, inputs, encode_kv=encode_kv, context_window=context_window))
 
     def find_texts(self, texts: Sequence[str], *, user_id: str | None = None, agent_id: str | None = None,
@@ -424,8 +428,14 @@ class Memory:
     @property
     def engine(self):
         """The vLLM engine with InferScale's connector (:class:`~inferscale.serving.engine.Engine`,
-        started on first use; stopped by :meth:`close`)."""
+        started on first use; stopped by :meth:`close`).
+
+        Raises:
+            RuntimeError: this memory was closed.
+        """
         with self._engine_lock:
+            if self._closed:
+                raise RuntimeError("this Memory was closed: open a new Memory(...) over the same data_dir")
             if self._engine is None:
                 from inferscale.serving.engine import Engine
 
@@ -444,8 +454,16 @@ class Memory:
             timeout: most seconds to wait (``None``: no limit).
 
         Returns:
-            ``True`` when nothing is pending, ``False`` if ``timeout`` passed first.
+            ``True`` when nothing is pending, ``False`` if ``timeout`` passed first (or at
+            once when this memory was closed: the queued encodes wait for the next start).
+
+        Raises:
+            TypeError / ValueError: ``timeout`` is not ``None`` or a finite number >= 0.
         """
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+            raise TypeError(f"timeout must be seconds (a number) or None, got {timeout!r}")
+        if timeout is not None and not 0 <= timeout < float("inf"):
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
         return self.kv.wait(timeout)
 
     def pending_kv(self) -> int:
@@ -457,6 +475,7 @@ class Memory:
         engine this memory started (an engine given to the constructor is left running)."""
         self.kv.close()
         with self._engine_lock:
+            self._closed = True
             if self._owns_engine and self._engine is not None:
                 self._engine.close()
                 self._engine = None
@@ -474,6 +493,9 @@ class Memory:
         Raises:
             TypeError: an override is not an option. ValueError: a bad value.
         """
+        if options is not None and not isinstance(options, GenerationOptions):
+            raise TypeError(f"options must be a GenerationOptions, got {type(options).__name__}: pass fields as "
+                            "keyword arguments (k=5) or options=GenerationOptions(k=5)")
         o = (options or GenerationOptions()).merged(**overrides)
         return o.merged(k=self.config.top_k if o.k is None else o.k,
                         context_window=self.config.context_window if o.context_window is None else o.context_window)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 #: Most top logprobs a request may ask for (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
+#: Highest temperature vLLM accepts (``SamplingParams._verify_args`` in vLLM 0.32: "[0, 2]").
+MAX_TEMPERATURE = 2.0
 
 
 class GenerationOptions(BaseModel):
@@ -21,7 +23,7 @@ class GenerationOptions(BaseModel):
         mode: ``"inject"`` supplies the memory block as precomputed KV; ``"text"`` prefills
             the same tokens (Mem0-style prompt injection).
         max_tokens: answer budget (tokens, at least 1).
-        temperature: sampling temperature; 0 is greedy.
+        temperature: sampling temperature, 0 (greedy) to 2 (vLLM's limit).
         stop: strings that end the answer (not included in it).
         logprobs: also return the top-N logprobs of the first answer token (0..20).
         wait_for_kv: in inject mode, encode the KV of retrieved facts that have none yet
@@ -29,14 +31,20 @@ class GenerationOptions(BaseModel):
             text and their KV is encoded in the background.
 
     Raises:
-        pydantic.ValidationError: (a ``ValueError``) naming the bad field and why.
+        pydantic.ValidationError: (a ``ValueError``) naming the bad field and why; an
+            unknown field is refused too. :meth:`merged` raises plain ``TypeError`` /
+            ``ValueError`` instead.
     """
+
+    # unknown fields are refused (a typo such as max_token=3 must not be ignored); the
+    # adapters that inherit these fields get the same strictness
+    model_config = ConfigDict(extra="forbid")
 
     k: int | None = Field(default=None, ge=0, strict=True)
     context_window: int | None = Field(default=None, ge=0, strict=True)
     mode: Literal["inject", "text"] = "inject"
     max_tokens: int = Field(default=64, ge=1, strict=True)
-    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     stop: list[str] | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, strict=True)
     wait_for_kv: bool = Field(default=False, strict=True)
@@ -45,7 +53,7 @@ class GenerationOptions(BaseModel):
     @classmethod
     def _number(cls, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"temperature must be a number >= 0, got {value!r}")
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {value!r}")
         return value
 
     @field_validator("stop", mode="before")
@@ -77,4 +85,19 @@ class GenerationOptions(BaseModel):
         unknown = sorted(set(overrides) - set(self.option_names()))
         if unknown:
             raise TypeError(f"unknown generation option(s) {unknown}: use {list(self.option_names())}")
-        return GenerationOptions(**{**{n: getattr(self, n) for n in self.option_names()}, **overrides})
+        try:
+            return GenerationOptions(**{**{n: getattr(self, n) for n in self.option_names()}, **overrides})
+        except ValidationError as exc:
+            raise plain_error(exc) from None
+
+
+def plain_error(exc: ValidationError) -> TypeError | ValueError:
+    """One line naming the first bad field, what it got and what is accepted: a ``TypeError``
+    for a value of the wrong type, a ``ValueError`` for a wrong value."""
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "options"
+    msg = err["msg"].removeprefix("Value error, ")
+    wrong_type = err["type"].endswith("_type") or err["type"] in ("is_instance_of", "bool_parsing", "int_parsing",
+                                                                   "float_parsing")
+    text = f"{field}: {msg[0].lower() + msg[1:]}, got {err.get('input')!r}" if msg else f"{field} is invalid"
+    return TypeError(text) if wrong_type else ValueError(text)

@@ -8,7 +8,7 @@ from inferscale import FactInput, Memory
 from inferscale.datasets.locomo import LocomoFormatError, load_locomo
 from inferscale.kv.pool import kv_key, validate_key
 from inferscale.models import ModelNotFoundError
-from inferscale.serving.connector import InjectionPlan
+from inferscale.kv.injection import InjectionPlan
 from inferscale.store import Scope, StoreError
 
 
@@ -148,3 +148,46 @@ def test_malformed_locomo_samples_are_named(tmp_path, locomo_path, mutate):
     bad.write_text(json.dumps([sample]))
     with pytest.raises(LocomoFormatError, match="sample 0"):
         load_locomo(bad)
+
+
+def test_generation_options_are_checked_by_us_before_anything_runs(mem):
+    from inferscale import GenerationOptions
+
+    before = state(mem, "u")
+    cases = [
+        (dict(temperature=2.5), ValueError, "temperature"),  # vLLM's limit is 2: refused here, not by vLLM
+        (dict(max_tokens=0), ValueError, "max_tokens"),
+        (dict(max_tokens="5"), TypeError, "max_tokens"),
+        (dict(k=-1), ValueError, "k"),
+        (dict(mode="xx"), ValueError, "mode"),
+        (dict(wait_for_kv="yes"), TypeError, "wait_for_kv"),
+        (dict(max_token=3), TypeError, "max_token"),
+        (dict(options="x"), TypeError, "options must be a GenerationOptions"),
+    ]
+    for kwargs, error, name in cases:
+        with pytest.raises(error, match=name):
+            mem.generate("dog?", user_id="u", **kwargs)
+        with pytest.raises(error, match=name):
+            mem.prepare("dog?", user_id="u", **kwargs)
+    with pytest.raises(ValueError, match="max_token"):  # a typo'd field is never ignored
+        GenerationOptions(max_token=3)
+    with pytest.raises(TypeError, match="encode_kv"):
+        mem.add_facts(["A fact."], user_id="u", encode_kv="no")
+    with pytest.raises(TypeError, match="context_window"):
+        mem.add_facts(["A fact."], user_id="u", context_window="2")
+    with pytest.raises(TypeError, match="timeout"):
+        mem.wait_for_kv(timeout="1")
+    with pytest.raises(ValueError, match="timeout"):
+        mem.wait_for_kv(timeout=-1)
+    assert state(mem, "u") == before
+
+
+def test_a_closed_memory_says_so(tmp_path):
+    mem = Memory(data_dir=tmp_path / "store", dtype="float32", context_window=0)
+    mem.close()
+    mem.add("I like tea.", user_id="u")  # durable: the next Memory over the data dir encodes it
+    assert mem.pending_kv() == 1 and mem.wait_for_kv(timeout=600) is False  # at once, not after the timeout
+    with pytest.raises(RuntimeError, match="closed"):
+        mem.generate("What do I like?", user_id="u")
+    with Memory(data_dir=tmp_path / "store", dtype="float32", context_window=0) as again:
+        assert again.wait_for_kv(timeout=600) and again.pending_kv() == 0

@@ -10,7 +10,7 @@ from inferscale.datasets.locomo import LocomoFormatError, load_locomo, token_f1
 from inferscale.index import VectorIndex
 from inferscale.kv.pool import FactKV, KVPool, kv_key, validate_key
 from inferscale.models import ModelNotFoundError, model_fingerprint, resolve_llm
-from inferscale.serving.connector import InjectionPlan
+from inferscale.kv.injection import InjectionPlan
 from inferscale.prompt import PromptBuilder
 
 

@@ -119,7 +119,10 @@ class BackgroundEncoder:
             return False
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until no job is queued; returns ``False`` if ``timeout`` (seconds) passed first."""
+        """Block until no job is queued; returns ``False`` if ``timeout`` (seconds) passed first,
+        or at once when the encoder was closed with jobs queued."""
+        if self._closed:
+            return self.queue.pending() == 0
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.queue.pending() == 0:
             return True
@@ -130,7 +133,7 @@ class BackgroundEncoder:
                 self._idle.wait(timeout=0.2 if left is None else min(0.2, left))
             if self.queue.pending() == 0:
                 return True
-            if deadline is not None and time.monotonic() >= deadline:
+            if self._closed or (deadline is not None and time.monotonic() >= deadline):
                 return False
 
     def close(self) -> None:
