@@ -135,9 +135,10 @@ class KVManager:
         keys: list[str | None] = []
         with self._keys_lock:
             for f in facts:
-                key = self._keys.get((scope_key, version, f.id, f.hash, f.source_turn_ids, w))
+                cache_key = (scope_key, version, f.id, f.hash, f.source_turn_ids, w)
+                key = self._keys.get(cache_key)
                 if key is not None:
-                    self._keys.move_to_end((scope_key, version, f.id, f.hash, f.source_turn_ids, w))
+                    self._keys.move_to_end(cache_key)
                 keys.append(key)
         missing = [i for i, k in enumerate(keys) if k is None]
         if missing:
@@ -183,6 +184,8 @@ class KVManager:
 
     def ensure(self, spans: Sequence[FactSpan]) -> int:
         """Encode and store every span whose KV is not in the pool, now; returns how many were encoded."""
+        if all(self.pool.contains(s.key) for s in spans):
+            return 0  # the common case on the serve path: never wait for an encode in flight
         with self._encode_lock:
             missing = {s.key: s for s in spans if not self.pool.contains(s.key)}
             if not missing:
