@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Iterator, Sequence
 
 from inferscale.embedding import Embedder
-from inferscale.filters import matches, validate_filters
+from inferscale.filters import compile_filter
 from inferscale.history import HistoryLog
 from inferscale.index import VectorIndex
 from inferscale.kv.manager import KVManager
@@ -106,7 +106,7 @@ class FactService:
             if records:
                 emb = self.embedder.encode([r.text for r in records])
                 self.store.add(records, emb.numpy())
-                self.index.add(scope.key, [r.id for r in records], emb)
+                self.index.add(scope.key, records, emb)
                 self.history.record(scope.key, [(r.id, "ADD", None, r.text) for r in records])
         if records and encode_kv and self.precompute_kv:
             self.kv.schedule(scope.key, records, self.default_w if context_window is None else context_window)
@@ -131,8 +131,7 @@ class FactService:
                           updated_at=_now())
             emb = self.embedder.encode([text])
             self.store.update(new, emb.numpy())
-            self.index.remove(scope.key, {memory_id})
-            self.index.add(scope.key, [memory_id], emb)
+            self.index.add(scope.key, [new], emb)  # replaces the row of memory_id
             self.kv.invalidate(memory_id)
             self.history.record(scope.key, [(memory_id, "UPDATE", old.text, text)])
         if self.precompute_kv:
@@ -160,7 +159,7 @@ class FactService:
     def delete_all(self, scope: Scope) -> list[FactRecord]:
         """Delete every memory of ``scope``; returns the deleted records."""
         with self._lock:
-            return self.delete(scope, [r.id for r in self.store.list(scope)])
+            return self.delete(scope, [r.id for r in self.index.records(scope.key)])
 
     def delete_turns(self, scope: Scope, turns: TurnLog, turn_ids: Sequence[str]) -> int:
         """Delete turns of the scope's log (ordered with fact writes); returns how many existed."""
@@ -205,15 +204,14 @@ class FactService:
         return found[0]
 
     def list(self, scope: Scope, filters: dict | None = None) -> list[FactRecord]:
-        """The scope's memories matching ``filters``, oldest first."""
-        records = self.store.list(scope)
-        if filters is not None:
-            if not records:
-                validate_filters(filters, known_fields=None)  # shape only: an empty scope has no fields yet
-                return []
-            validate_filters(filters, {k for r in records for k in r.metadata})
-            records = [r for r in records if matches(filters, r.filter_fields())]
-        return records
+        """The scope's memories matching ``filters``, oldest first (from the scope's index
+        partition; a filter on a field no memory has matches nothing).
+
+        Raises:
+            ValueError: malformed ``filters``.
+        """
+        where = None if filters is None else compile_filter(filters)
+        return self.index.records(scope.key, where)
 
     def search(
         self, scope: Scope, query: str, limit: int, threshold: float | None = None, filters: dict | None = None
@@ -222,11 +220,12 @@ class FactService:
 
         Args:
             threshold: drop results scoring below it (cosine, -1..1).
-            filters: metadata filters (:mod:`inferscale.filters`); the search runs over the
-                matching memories only, so ``limit`` results come back when that many match.
+            filters: metadata filters (:mod:`inferscale.filters`), applied as a mask inside
+                the scope's index partition: the search runs over the matching memories
+                only, so ``limit`` results come back when that many match.
 
         Raises:
-            ValueError: empty query, bad limit / threshold / filters.
+            ValueError: empty query, bad limit / threshold, malformed filters.
         """
         require_text(query, "query")
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
@@ -234,13 +233,10 @@ class FactService:
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                       or not -1.0 <= threshold <= 1.0):
             raise ValueError(f"threshold must be a cosine similarity in [-1, 1], got {threshold!r}")
-        allowed = None
-        if filters is not None:
-            allowed = {r.id for r in self.list(scope, filters)}
-        if limit == 0 or self.index.size(scope.key) == 0 or allowed == set():
+        where = None if filters is None else compile_filter(filters)
+        if limit == 0 or self.index.size(scope.key) == 0:
             return []
-        hits = self.index.search(scope.key, self.embedder.encode([query])[0], limit, allowed=allowed)
+        hits = self.index.search(scope.key, self.embedder.encode([query])[0], limit, where=where)
         if threshold is not None:
-            hits = [(i, s) for i, s in hits if s >= threshold]
-        records = {r.id: r for r in self.store.get(scope, [i for i, _ in hits])}
-        return [(records[i], s) for i, s in hits if i in records]
+            hits = [(r, s) for r, s in hits if s >= threshold]
+        return hits

@@ -1,118 +1,185 @@
-"""Device-resident exact cosine top-k index, partitioned by scope.
+"""Device-resident exact cosine top-k index, partitioned by scope, loaded per scope.
 
-Each scope owns a ``[capacity, dim]`` float32 tensor of L2-normalised embeddings on
-the best device (CUDA when present, else CPU), grown by doubling. A query is one
-matrix-vector product over its scope's rows only, so one scope can never see another
-scope's facts. Rebuilt from Chroma on start-up (:meth:`VectorIndex.from_rows`).
+Each scope owns a partition: a ``[capacity, dim]`` float32 tensor of L2-normalised
+embeddings on the best device (CUDA when present, else CPU), grown by doubling, beside
+the scope's records and their filter fields. A query is one matrix-vector product over
+its scope's rows only, so one scope can never see another scope's facts; a metadata
+filter is a mask over the partition's rows (:func:`inferscale.filters.compile_filter`),
+never a listing of the store.
+
+Partitions are loaded from Chroma, the system of record, on a scope's first use (the
+``loader``), so opening a store costs the same at 30 or 300,000 facts and memory holds
+only the scopes in use. A write to a scope loads its partition first and is applied
+after, so a load racing a write can neither lose nor duplicate it (rows are keyed by id).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+from inferscale.filters import Predicate
+from inferscale.store import FactRecord
+
+Loader = Callable[[str], "tuple[list[FactRecord], object]"]
 
 
 @dataclass
 class _Partition:
-    ids: list[str] = field(default_factory=list)
+    records: list[FactRecord] = field(default_factory=list)
+    fields: list[dict] = field(default_factory=list)
+    pos: dict[str, int] = field(default_factory=dict)
     rows: torch.Tensor | None = None  # [capacity, dim]
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 class VectorIndex:
-    """Exact top-k by cosine similarity within a scope.
+    """Exact top-k by cosine similarity within a scope, with in-partition filters.
 
     Args:
         device: where the embeddings live.
+        loader: ``loader(scope_key) -> (records, embeddings [n, dim])``, the scope's stored
+            facts (:meth:`inferscale.store.FactStore.load_scope`); ``None``: scopes start empty.
 
-    Thread-safe.
+    Thread-safe: one lock per partition, so a slow first load of one scope does not
+    stall searches of others.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, loader: Loader | None = None) -> None:
         self.device = torch.device(device)
         self.dim: int | None = None
+        self._loader = loader
         self._parts: dict[str, _Partition] = {}
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._loading: dict[str, threading.Lock] = {}
+        self.num_loaded_scopes = 0
 
-    @classmethod
-    def from_rows(cls, device, ids: list[str], scopes: list[str], embeddings) -> "VectorIndex":
-        """Build from stored rows: ``embeddings`` is ``[n, dim]`` (numpy or tensor)."""
-        index = cls(device)
-        by_scope: dict[str, list[int]] = {}
-        for i, s in enumerate(scopes):
-            by_scope.setdefault(s, []).append(i)
-        emb = torch.as_tensor(embeddings, dtype=torch.float32)
-        for scope, rows in by_scope.items():
-            index.add(scope, [ids[r] for r in rows], emb[rows])
-        return index
+    # ------------------------------------------------------------------ partitions
 
-    def add(self, scope: str, ids: list[str], embeddings: torch.Tensor) -> None:
-        """Append ``ids`` with ``embeddings`` ``[n, dim]`` to ``scope``.
+    def _partition(self, scope: str) -> _Partition:
+        with self._lock:
+            part = self._parts.get(scope)
+            if part is not None:
+                return part
+            gate = self._loading.setdefault(scope, threading.Lock())
+        with gate:
+            with self._lock:
+                part = self._parts.get(scope)
+            if part is not None:
+                return part
+            part = _Partition()
+            if self._loader is not None:
+                records, embeddings = self._loader(scope)
+                if records:
+                    self._put(part, records, torch.as_tensor(embeddings, dtype=torch.float32))
+            with self._lock:
+                self._parts[scope] = part
+                self._loading.pop(scope, None)
+                self.num_loaded_scopes += 1
+            return part
 
-        Raises:
-            ValueError: the dimension differs from the index's.
-        """
-        if not ids:
-            return
+    def loaded(self, scope: str) -> bool:
+        """Whether ``scope``'s partition is in memory."""
+        with self._lock:
+            return scope in self._parts
+
+    def _put(self, part: _Partition, records: list[FactRecord], embeddings: torch.Tensor) -> None:
         emb = torch.nn.functional.normalize(embeddings.to(self.device, torch.float32), dim=-1)
         with self._lock:
             if self.dim is None:
                 self.dim = int(emb.shape[1])
             elif emb.shape[1] != self.dim:
                 raise ValueError(f"embedding dimension {emb.shape[1]} does not match the index's {self.dim}")
-            part = self._parts.setdefault(scope, _Partition())
-            n, need = len(part.ids), len(part.ids) + len(ids)
+        with part.lock:
+            fresh = [i for i, r in enumerate(records) if r.id not in part.pos]
+            for i, r in enumerate(records):
+                if r.id in part.pos:  # a load already brought it: replace in place
+                    j = part.pos[r.id]
+                    part.records[j], part.fields[j] = r, r.filter_fields()
+                    part.rows[j] = emb[i]
+            if not fresh:
+                return
+            n, need = len(part.records), len(part.records) + len(fresh)
             if part.rows is None or part.rows.shape[0] < need:
                 cap = max(need, 2 * (part.rows.shape[0] if part.rows is not None else 16))
                 rows = torch.zeros((cap, self.dim), device=self.device)
                 if part.rows is not None:
                     rows[:n] = part.rows[:n]
                 part.rows = rows
-            part.rows[n:need] = emb
-            part.ids.extend(ids)
+            part.rows[n:need] = emb[fresh]
+            for j, i in enumerate(fresh):
+                part.pos[records[i].id] = n + j
+                part.records.append(records[i])
+                part.fields.append(records[i].filter_fields())
+
+    # ------------------------------------------------------------------ writes
+
+    def add(self, scope: str, records: list[FactRecord], embeddings: torch.Tensor) -> None:
+        """Put ``records`` with their ``embeddings`` ``[n, dim]`` in ``scope`` (an id already
+        there is replaced).
+
+        Raises:
+            ValueError: the dimension differs from the index's.
+        """
+        if records:
+            self._put(self._partition(scope), records, embeddings)
 
     def remove(self, scope: str, ids: set[str]) -> None:
         """Drop ``ids`` from ``scope`` (unknown ids are ignored)."""
-        with self._lock:
-            part = self._parts.get(scope)
-            if part is None or part.rows is None:
+        part = self._partition(scope)
+        with part.lock:
+            keep = [i for i, r in enumerate(part.records) if r.id not in ids]
+            if len(keep) == len(part.records):
                 return
-            keep = [i for i, x in enumerate(part.ids) if x not in ids]
             part.rows = part.rows[keep].clone() if keep else None
-            part.ids = [part.ids[i] for i in keep]
-
-    def search(
-        self, scope: str, query: torch.Tensor, k: int, allowed: set[str] | None = None
-    ) -> list[tuple[str, float]]:
-        """Top ``k`` of ``scope`` for ``query`` ``[dim]``: ``(id, cosine)`` pairs, best first.
-
-        ``allowed``: when given, only these ids can be returned.
-        """
-        with self._lock:
-            part = self._parts.get(scope)
-            if part is None or part.rows is None or k <= 0:
-                return []
-            n = len(part.ids)
-            q = torch.nn.functional.normalize(query.to(self.device, torch.float32), dim=-1)
-            scores = part.rows[:n] @ q
-            if allowed is not None:
-                mask = torch.tensor([i in allowed for i in part.ids], device=self.device)
-                scores = scores.masked_fill(~mask, float("-inf"))
-                n = int(mask.sum())
-            if n == 0:
-                return []
-            top = torch.topk(scores, min(k, n))
-            return [(part.ids[i], float(s)) for s, i in zip(top.values.tolist(), top.indices.tolist())]
+            part.records = [part.records[i] for i in keep]
+            part.fields = [part.fields[i] for i in keep]
+            part.pos = {r.id: j for j, r in enumerate(part.records)}
 
     def clear(self) -> None:
-        """Forget every row."""
+        """Forget every partition (they reload from the loader on next use)."""
         with self._lock:
             self._parts.clear()
 
+    # ------------------------------------------------------------------ reads
+
+    def search(
+        self, scope: str, query: torch.Tensor, k: int, where: Predicate | None = None
+    ) -> list[tuple[FactRecord, float]]:
+        """Top ``k`` of ``scope`` for ``query`` ``[dim]``: ``(record, cosine)`` pairs, best first.
+
+        Args:
+            where: when given, only records whose filter fields satisfy it can be returned.
+        """
+        part = self._partition(scope)
+        with part.lock:
+            n = len(part.records)
+            if n == 0 or k <= 0:
+                return []
+            q = torch.nn.functional.normalize(query.to(self.device, torch.float32), dim=-1)
+            scores = part.rows[:n] @ q
+            if where is not None:
+                mask = torch.tensor([where(f) for f in part.fields], dtype=torch.bool, device=self.device)
+                scores = scores.masked_fill(~mask, float("-inf"))
+                n = int(mask.sum())
+                if n == 0:
+                    return []
+            top = torch.topk(scores, min(k, n))
+            return [(part.records[i], float(s)) for s, i in zip(top.values.tolist(), top.indices.tolist())]
+
+    def records(self, scope: str, where: Predicate | None = None) -> list[FactRecord]:
+        """The records of ``scope`` satisfying ``where`` (all when ``None``), oldest first."""
+        part = self._partition(scope)
+        with part.lock:
+            found = [r for r, f in zip(part.records, part.fields) if where is None or where(f)]
+        return sorted(found, key=lambda r: (r.created_at, r.id))
+
     def size(self, scope: str | None = None) -> int:
-        """Rows in ``scope``, or in all scopes."""
+        """Rows in ``scope`` (loading it), or in all loaded scopes."""
+        if scope is not None:
+            return len(self._partition(scope).records)
         with self._lock:
-            if scope is not None:
-                return len(self._parts[scope].ids) if scope in self._parts else 0
-            return sum(len(p.ids) for p in self._parts.values())
+            return sum(len(p.records) for p in self._parts.values())

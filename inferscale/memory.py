@@ -103,7 +103,7 @@ class Memory:
             self.history_log = HistoryLog(data / "history.sqlite")
             self.kv_jobs = KVJobQueue(data / "kv_jobs.sqlite")
             self.pool = KVPool.shared(self.kv_dir, self.device, self.config.device_kv_budget_bytes)
-            ids, scopes, emb = self.store.load_all()
+            self.store.count()  # opens Chroma's files: a damaged store fails here
         except StoreError:
             raise
         except Exception as exc:  # sqlite, chromadb and OS errors on a damaged store
@@ -112,7 +112,7 @@ class Memory:
         if manifest is not None:
             (data / _MANIFEST).write_text(json.dumps(manifest, indent=2))
         self.embedder = Embedder(self.config.embedder, self.device, source=embedder_source)
-        self.index = VectorIndex.from_rows(self.device, ids, scopes, emb)
+        self.index = VectorIndex(self.device, loader=self.store.load_scope)  # partitions load on first use
         self.kv = KVManager(
             self.model_path, model_fingerprint(self.model_path), self.config.resolved_dtype, self.prompts, self.pool,
             self.turns, self.config.encode_batch_tokens, self.config.max_model_len,
@@ -389,14 +389,15 @@ class Memory:
 
         Args:
             threshold: minimum cosine similarity of a result.
-            filters: metadata filters (:mod:`inferscale.filters`).
+            filters: metadata filters (:mod:`inferscale.filters`); a field no memory has
+                matches nothing.
 
         Returns:
             ``{"results": [{"id", "memory", "score", "metadata", ...}]}``, best first; empty
             for a scope with no facts.
 
         Raises:
-            ValueError: empty query, bad ``limit`` / ``threshold``, unknown filter field.
+            ValueError: empty query, bad ``limit`` / ``threshold``, malformed filters.
         """
         scope = Scope.of(user_id, agent_id, run_id)
         hits = self.facts.search(scope, query, limit, threshold, filters)

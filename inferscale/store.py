@@ -2,7 +2,7 @@
 
 Every acknowledged fact is in Chroma (``chromadb.PersistentClient`` under
 ``<data_dir>/chroma``) before it is anywhere else; the device index and the KV pool are
-rebuilt from it (:meth:`FactStore.load_all`). Records carry the fact text, its
+rebuilt from it, one scope at a time (:meth:`FactStore.load_scope`). Records carry the fact text, its
 embedding and flat metadata: the scope fields, the text hash, the provenance (source
 turn ids, JSON) and the user's metadata (JSON).
 """
@@ -208,13 +208,15 @@ class FactStore:
         records = [FactRecord.from_chroma(i, d, m) for i, d, m in zip(got["ids"], got["documents"], got["metadatas"])]
         return sorted(records, key=lambda r: (r.created_at, r.id))
 
-    def load_all(self) -> tuple[list[str], list[str], np.ndarray]:
-        """Every record's id, scope key and embedding (``[n, dim]`` float32), for the index rebuild."""
-        got = self._col.get(include=["embeddings", "metadatas"])
+    def load_scope(self, scope_key: str) -> tuple[list[FactRecord], np.ndarray]:
+        """The records of one scope (by :attr:`Scope.key`) and their embeddings
+        (``[n, dim]`` float32), for the index partition; one Chroma query on the scope field."""
+        got = self._col.get(where={"scope": scope_key}, include=["embeddings", "documents", "metadatas"])
         emb = got["embeddings"]
         if emb is None or len(got["ids"]) == 0:
-            return [], [], np.zeros((0, 0), dtype=np.float32)
-        return list(got["ids"]), [m["scope"] for m in got["metadatas"]], np.asarray(emb, dtype=np.float32)
+            return [], np.zeros((0, 0), dtype=np.float32)
+        records = [FactRecord.from_chroma(i, d, m) for i, d, m in zip(got["ids"], got["documents"], got["metadatas"])]
+        return records, np.asarray(emb, dtype=np.float32)
 
     def count(self) -> int:
         return self._col.count()

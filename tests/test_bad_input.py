@@ -18,7 +18,7 @@ def new_memory(path, **kw) -> Memory:
 
 def state(mem: Memory, user: str) -> tuple:
     return (sorted(r["memory"] for r in mem.get_all(user_id=user)["results"]), mem.turns.count(Scope(user).key),
-            mem.store.count(), mem.index.size())
+            mem.store.count(), mem.facts.count(Scope(user)))
 
 
 @pytest.fixture

@@ -7,11 +7,13 @@ import torch
 
 from inferscale.config import MemoryConfig, cache_dir
 from inferscale.datasets.locomo import LocomoFormatError, load_locomo, token_f1
+from inferscale.filters import compile_filter
 from inferscale.index import VectorIndex
 from inferscale.kv.pool import FactKV, KVPool, kv_key, validate_key
 from inferscale.models import ModelNotFoundError, model_fingerprint, resolve_llm
 from inferscale.kv.injection import InjectionPlan
 from inferscale.prompt import PromptBuilder
+from inferscale.store import FactRecord, Scope
 
 
 def kv(tokens: int, fill: float = 1.0) -> FactKV:
@@ -71,23 +73,53 @@ def test_injection_plan_rejects_gaps():
 
 # ---------------------------------------------------------------- index
 
+def _records(prefix: str, n: int, start: int = 0, **metadata) -> list[FactRecord]:
+    return [FactRecord(f"{prefix}{i}", f"text {i}", "h", Scope(prefix), metadata=dict(metadata, n=i))
+            for i in range(start, start + n)]
+
+
 def test_index_top_k_is_exact_and_partitioned():
     torch.manual_seed(0)
     index = VectorIndex("cpu")
     a, b = torch.randn(300, 16), torch.randn(50, 16)
-    index.add("A", [f"a{i}" for i in range(150)], a[:150])
-    index.add("A", [f"a{i}" for i in range(150, 300)], a[150:])  # grows past its capacity
-    index.add("B", [f"b{i}" for i in range(50)], b)
+    index.add("A", _records("a", 150), a[:150])
+    index.add("A", _records("a", 150, start=150), a[150:])  # grows past its capacity
+    index.add("B", _records("b", 50), b)
     q = torch.randn(16)
     expected = torch.nn.functional.normalize(a, dim=-1) @ torch.nn.functional.normalize(q, dim=0)
     top = torch.topk(expected, 10)
     got = index.search("A", q, 10)
-    assert [g[0] for g in got] == [f"a{i}" for i in top.indices.tolist()]
-    assert all(g[0].startswith("b") for g in index.search("B", q, 100))
-    index.remove("A", {got[0][0]})
-    assert got[0][0] not in [g[0] for g in index.search("A", q, 10)]
+    assert [g[0].id for g in got] == [f"a{i}" for i in top.indices.tolist()]
+    assert all(g[0].id.startswith("b") for g in index.search("B", q, 100))
+    index.remove("A", {got[0][0].id})
+    assert got[0][0].id not in [g[0].id for g in index.search("A", q, 10)]
+    # a filter is a mask inside the partition: top-k among the matching rows only
+    even = index.search("A", q, 5, where=compile_filter({"n": {"in": list(range(0, 300, 2))}}))
+    removed = int(top.indices[0])
+    best_even = sorted((i for i in range(0, 300, 2) if i != removed), key=lambda i: -float(expected[i]))[:5]
+    assert [g[0].id for g in even] == [f"a{i}" for i in best_even]
+    # adding an id that is already there replaces its row (a load racing a write)
+    index.add("B", _records("b", 1), a[:1])
+    assert index.size("B") == 50 and index.search("B", a[0], 1)[0][0].id == "b0"
     with pytest.raises(ValueError, match="dimension"):
-        index.add("C", ["c"], torch.randn(1, 8))
+        index.add("C", _records("c", 1), torch.randn(1, 8))
+
+
+def test_index_partitions_load_on_first_use():
+    torch.manual_seed(0)
+    emb = torch.randn(20, 8)
+    calls = []
+
+    def loader(scope):
+        calls.append(scope)
+        return (_records(scope, 20), emb.numpy()) if scope == "A" else ([], None)
+
+    index = VectorIndex("cpu", loader=loader)
+    assert calls == [] and not index.loaded("A")
+    assert index.size("A") == 20 and calls == ["A"]
+    index.add("A", _records("A", 1, start=20), torch.randn(1, 8))
+    assert index.size("A") == 21 and calls == ["A"]  # loaded once
+    assert index.size("Z") == 0 and calls == ["A", "Z"]
 
 
 # ---------------------------------------------------------------- prompt

@@ -52,10 +52,20 @@ def test_search_filters_threshold_and_limit(mem):
     assert len(mem.search("tea", user_id="u", limit=1)["results"]) == 1
     strict = mem.search("What is my sister's name?", user_id="u", threshold=0.5)["results"]
     assert [r["memory"] for r in strict] == ["My sister is called Ana."]
-    with pytest.raises(ValueError, match="unknown filter field 'colour'"):
-        mem.search("tea", user_id="u", filters={"colour": "red"})
+    # a field no memory has matches nothing (as in Mem0 and Chroma), also under ne / nin
+    assert mem.search("tea", user_id="u", filters={"colour": "red"})["results"] == []
+    assert mem.get_all(user_id="u", filters={"colour": {"ne": "red"}})["results"] == []
+    # Chroma's / MongoDB's spelling, NOT, contains
+    assert mem.get_all(user_id="u", filters={"priority": {"$gte": 2}})["results"] == urgent
+    spelled = mem.get_all(user_id="u", filters={"$or": [{"topic": {"$eq": "family"}}, {"priority": {"$in": [1]}}]})
+    assert spelled["results"] == either
+    not_food = mem.get_all(user_id="u", filters={"NOT": [{"topic": "food"}]})["results"]
+    assert {r["metadata"]["topic"] for r in not_food} == {"family"}
+    assert len(mem.get_all(user_id="u", filters={"topic": {"icontains": "FOO"}})["results"]) == 2
     with pytest.raises(ValueError, match="operator"):
         mem.get_all(user_id="u", filters={"priority": {"between": [1, 2]}})
+    with pytest.raises(ValueError, match="non-empty list"):
+        mem.search("tea", user_id="u", filters={"$and": {"topic": "food"}})
 
 
 def test_scopes_by_agent_and_run(mem):

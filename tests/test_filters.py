@@ -1,0 +1,133 @@
+"""Filtered search and get_all return exactly what a brute-force filter over the scope
+returns, on the live index and after a restart (partitions reloaded from Chroma)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from inferscale import Memory
+from inferscale.store import Scope
+
+TOPICS = ["food", "home", "work"]
+QUERIES = ["What do I like to eat?", "Where do I live?", "What is my job?", "Tell me about my family.",
+           "Which sports do I play?"]
+SUBJECTS = ["pasta", "a flat in Porto", "a job as a nurse", "my sister Ana", "tennis on Sundays", "green tea",
+            "a garden with roses", "night shifts", "my brother Rui", "running by the river"]
+
+
+def _metadata(rng: random.Random) -> dict:
+    meta = {}
+    if rng.random() < 0.8:
+        meta["topic"] = rng.choice(TOPICS)
+    if rng.random() < 0.7:
+        meta["n"] = rng.choice([0, 1, 2, 3, 4, "3"])  # a string among ints: incomparable, not a match
+    if rng.random() < 0.5:
+        meta["flag"] = rng.random() < 0.5
+    return meta
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("filters") / "store"
+    mem = Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False)
+    rng = random.Random(7)
+    for scope, count in (("alice", 80), ("bob", 30)):  # bob shares every field and value
+        for i in range(count):
+            mem.add(f"Fact {i} of {scope}: I like {rng.choice(SUBJECTS)}.", user_id=scope, metadata=_metadata(rng))
+    yield path, mem
+    mem.close()
+
+
+def _reference(flt: dict, fields: dict) -> bool:
+    """The filter semantics written out plainly, independently of inferscale.filters."""
+    for key, cond in flt.items():
+        name = key.lstrip("$").upper()
+        if name in ("AND", "OR", "NOT"):
+            results = [_reference(sub, fields) for sub in cond]
+            ok = all(results) if name == "AND" else any(results) if name == "OR" else not any(results)
+        else:
+            conds = cond if isinstance(cond, dict) else {"eq": cond}
+            ok = key in fields and all(_compare(op.lstrip("$"), fields[key], arg) for op, arg in conds.items())
+        if not ok:
+            return False
+    return True
+
+
+def _compare(op: str, value, arg) -> bool:
+    try:
+        return {"eq": lambda: value == arg, "ne": lambda: value != arg, "gt": lambda: value > arg,
+                "gte": lambda: value >= arg, "lt": lambda: value < arg, "lte": lambda: value <= arg,
+                "in": lambda: value in arg, "nin": lambda: value not in arg}[op]()
+    except TypeError:
+        return False
+
+
+FIELDS = st.sampled_from(["topic", "n", "flag", "nowhere"])  # nobody has "nowhere"
+VALUES = st.one_of(st.sampled_from(TOPICS), st.integers(-1, 5), st.booleans(), st.just("3"))
+OPS = st.sampled_from(["eq", "ne", "gt", "gte", "lt", "lte", "$eq", "$ne", "$gt", "$lte"])
+LEAF = st.one_of(
+    st.builds(lambda k, v: {k: v}, FIELDS, VALUES),
+    st.builds(lambda k, op, v: {k: {op: v}}, FIELDS, OPS, VALUES),
+    st.builds(lambda k, op, vs: {k: {op: vs}}, FIELDS, st.sampled_from(["in", "nin", "$in", "$nin"]),
+              st.lists(VALUES, max_size=3)),
+)
+FILTERS = st.recursive(
+    LEAF,
+    lambda inner: st.one_of(
+        st.builds(lambda c, subs: {c: subs}, st.sampled_from(["AND", "OR", "NOT", "$and", "$or", "$not"]),
+                  st.lists(inner, min_size=1, max_size=3)),
+        st.builds(lambda a, b: {**a, **b}, inner, inner),  # several keys in one dict: all must hold
+    ),
+    max_leaves=5,
+)
+
+
+def _brute_force(mem: Memory, scope: str, query: str, flt: dict, limit: int) -> list[tuple[str, float]]:
+    got = mem.store._col.get(where={"scope": Scope(scope).key}, include=["embeddings", "metadatas"])
+    q = mem.embedder.encode([query])[0].numpy()
+    rows = []
+    for mid, emb, meta in zip(got["ids"], got["embeddings"], got["metadatas"]):
+        fields = {**json.loads(meta["metadata"]), "created_at": meta["created_at"], "updated_at": meta["updated_at"]}
+        if _reference(flt, fields):
+            e = np.asarray(emb, dtype=np.float64)
+            rows.append((mid, float(e @ q / np.linalg.norm(e) / np.linalg.norm(q))))
+    return sorted(rows, key=lambda r: -r[1])[:limit + 1]
+
+
+def _check(mem: Memory, scope: str, query: str, flt: dict, limit: int) -> None:
+    expected = _brute_force(mem, scope, query, flt, limit)
+    got = [(r["id"], r["score"]) for r in mem.search(query, user_id=scope, filters=flt, limit=limit)["results"]]
+    assert len(got) == min(limit, len(expected))
+    assert [s for _, s in got] == pytest.approx([s for _, s in expected[:limit]], abs=1e-5)
+    tie_at_cut = len(expected) > limit and abs(expected[limit - 1][1] - expected[limit][1]) < 1e-5
+    if not tie_at_cut:
+        assert {i for i, _ in got} == {i for i, _ in expected[:limit]}
+    listed = {r["id"] for r in mem.get_all(user_id=scope, filters=flt, limit=10_000)["results"]}
+    every = _brute_force(mem, scope, query, flt, 10_000)
+    assert listed == {i for i, _ in every}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flt=FILTERS, query=st.sampled_from(QUERIES), limit=st.integers(1, 30), scope=st.sampled_from(["alice", "bob"]))
+def test_filtered_search_equals_brute_force(store, flt, query, limit, scope):
+    _check(store[1], scope, query, flt, limit)
+
+
+def test_filtered_search_after_restart_equals_brute_force(store):
+    path, _ = store
+    reopened = Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False)
+    try:
+        assert not reopened.index.loaded(Scope("alice").key)  # nothing is loaded before first use
+        for flt in ({"topic": "food"}, {"n": {"$gte": 2}}, {"OR": [{"flag": True}, {"NOT": [{"topic": "home"}]}]},
+                    {"nowhere": {"ne": 1}}):
+            _check(reopened, "alice", QUERIES[0], flt, 10)
+        assert reopened.search(QUERIES[1], user_id="alice", filters={"nowhere": 1})["results"] == []
+    finally:
+        reopened.close()
