@@ -40,8 +40,12 @@ def models_prepare() -> None:
     from inferscale.config import DEFAULT_EMBEDDER
     from inferscale.models import prepare_smollm2, resolve_embedder
 
+    from inferscale.embedding import Embedder
+
     console.print(f"LLM: {prepare_smollm2()}")
-    console.print(f"embedder: {resolve_embedder(DEFAULT_EMBEDDER)}")
+    embedder = Embedder(DEFAULT_EMBEDDER, "cpu")
+    embedder.encode(["prepare"])  # exports the ONNX graph once (cached)
+    console.print(f"embedder: {resolve_embedder(DEFAULT_EMBEDDER)} ({embedder.backend_in_use} backend on the CPU)")
 
 
 @app.command()

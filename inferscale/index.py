@@ -19,9 +19,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
-from inferscale.filters import Predicate
+from inferscale.filters import MISSING, Filter
 from inferscale.store import FactRecord
 
 Loader = Callable[[str], "tuple[list[FactRecord], object]"]
@@ -31,9 +32,19 @@ Loader = Callable[[str], "tuple[list[FactRecord], object]"]
 class _Partition:
     records: list[FactRecord] = field(default_factory=list)
     fields: list[dict] = field(default_factory=list)
-    pos: dict[str, int] = field(default_factory=dict)
+    pos: dict[str, int] = field(default_factory=dict)  # id -> row
+    by_hash: dict[str, str] = field(default_factory=dict)  # text hash -> id
     rows: torch.Tensor | None = None  # [capacity, dim]
     lock: threading.RLock = field(default_factory=threading.RLock)
+    columns: dict[str, np.ndarray] = field(default_factory=dict)  # field -> [n] object values, MISSING if absent
+
+    def column(self, key: str) -> np.ndarray:
+        """The values of filter field ``key`` down the rows (built once per change)."""
+        col = self.columns.get(key)
+        if col is None:
+            col = np.fromiter((f.get(key, MISSING) for f in self.fields), dtype=object, count=len(self.fields))
+            self.columns[key] = col
+        return col
 
 
 class VectorIndex:
@@ -94,10 +105,14 @@ class VectorIndex:
             elif emb.shape[1] != self.dim:
                 raise ValueError(f"embedding dimension {emb.shape[1]} does not match the index's {self.dim}")
         with part.lock:
+            part.columns.clear()
             fresh = [i for i, r in enumerate(records) if r.id not in part.pos]
             for i, r in enumerate(records):
                 if r.id in part.pos:  # a load already brought it: replace in place
                     j = part.pos[r.id]
+                    if part.by_hash.get(part.records[j].hash) == r.id:
+                        del part.by_hash[part.records[j].hash]
+                    part.by_hash[r.hash] = r.id
                     part.records[j], part.fields[j] = r, r.filter_fields()
                     part.rows[j] = emb[i]
             if not fresh:
@@ -112,6 +127,7 @@ class VectorIndex:
             part.rows[n:need] = emb[fresh]
             for j, i in enumerate(fresh):
                 part.pos[records[i].id] = n + j
+                part.by_hash[records[i].hash] = records[i].id
                 part.records.append(records[i])
                 part.fields.append(records[i].filter_fields())
 
@@ -134,10 +150,12 @@ class VectorIndex:
             keep = [i for i, r in enumerate(part.records) if r.id not in ids]
             if len(keep) == len(part.records):
                 return
+            part.columns.clear()
             part.rows = part.rows[keep].clone() if keep else None
             part.records = [part.records[i] for i in keep]
             part.fields = [part.fields[i] for i in keep]
             part.pos = {r.id: j for j, r in enumerate(part.records)}
+            part.by_hash = {r.hash: r.id for r in part.records}
 
     def clear(self) -> None:
         """Forget every partition (they reload from the loader on next use)."""
@@ -147,12 +165,13 @@ class VectorIndex:
     # ------------------------------------------------------------------ reads
 
     def search(
-        self, scope: str, query: torch.Tensor, k: int, where: Predicate | None = None
+        self, scope: str, query: torch.Tensor, k: int, where: Filter | None = None
     ) -> list[tuple[FactRecord, float]]:
         """Top ``k`` of ``scope`` for ``query`` ``[dim]``: ``(record, cosine)`` pairs, best first.
 
         Args:
-            where: when given, only records whose filter fields satisfy it can be returned.
+            where: when given, only records whose filter fields satisfy it can be returned;
+                it is evaluated as a mask over the partition's columns.
         """
         part = self._partition(scope)
         with part.lock:
@@ -162,7 +181,7 @@ class VectorIndex:
             q = torch.nn.functional.normalize(query.to(self.device, torch.float32), dim=-1)
             scores = part.rows[:n] @ q
             if where is not None:
-                mask = torch.tensor([where(f) for f in part.fields], dtype=torch.bool, device=self.device)
+                mask = torch.from_numpy(where.mask(part.column, n)).to(self.device)
                 scores = scores.masked_fill(~mask, float("-inf"))
                 n = int(mask.sum())
                 if n == 0:
@@ -170,11 +189,21 @@ class VectorIndex:
             top = torch.topk(scores, min(k, n))
             return [(part.records[i], float(s)) for s, i in zip(top.values.tolist(), top.indices.tolist())]
 
-    def records(self, scope: str, where: Predicate | None = None) -> list[FactRecord]:
+    def find_hashes(self, scope: str, hashes) -> dict[str, str]:
+        """Map each of ``hashes`` (sha256 of a fact text) held in ``scope`` to its id."""
+        part = self._partition(scope)
+        with part.lock:
+            return {h: part.by_hash[h] for h in hashes if h in part.by_hash}
+
+    def records(self, scope: str, where: Filter | None = None) -> list[FactRecord]:
         """The records of ``scope`` satisfying ``where`` (all when ``None``), oldest first."""
         part = self._partition(scope)
         with part.lock:
-            found = [r for r, f in zip(part.records, part.fields) if where is None or where(f)]
+            if where is None:
+                found = list(part.records)
+            else:
+                keep = where.mask(part.column, len(part.records))
+                found = [r for r, ok in zip(part.records, keep) if ok]
         return sorted(found, key=lambda r: (r.created_at, r.id))
 
     def size(self, scope: str | None = None) -> int:

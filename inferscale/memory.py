@@ -111,7 +111,8 @@ class Memory:
                              "file aside or choose another data_dir") from exc
         if manifest is not None:
             (data / _MANIFEST).write_text(json.dumps(manifest, indent=2))
-        self.embedder = Embedder(self.config.embedder, self.device, source=embedder_source)
+        self.embedder = Embedder(self.config.embedder, self.device, source=embedder_source,
+                                 backend=self.config.embedder_backend)
         self.index = VectorIndex(self.device, loader=self.store.load_scope)  # partitions load on first use
         self.kv = KVManager(
             self.model_path, model_fingerprint(self.model_path), self.config.resolved_dtype, self.prompts, self.pool,

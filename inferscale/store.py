@@ -182,14 +182,6 @@ class FactStore:
             for start in range(0, len(ids), 5000):
                 self._col.delete(ids=ids[start : start + 5000])
 
-    def find_hashes(self, scope: Scope, hashes: Iterable[str]) -> dict[str, str]:
-        """Map each of ``hashes`` already stored in ``scope`` to its fact id."""
-        hashes = list(set(hashes))
-        if not hashes:
-            return {}
-        got = self._col.get(where={"$and": [{"scope": scope.key}, {"hash": {"$in": hashes}}]}, include=["metadatas"])
-        return {m["hash"]: i for i, m in zip(got["ids"], got["metadatas"])}
-
     def get(self, scope: Scope, ids: list[str]) -> list[FactRecord]:
         """The records of ``ids`` that belong to ``scope`` (others are absent), in ``ids`` order."""
         if not ids:
