@@ -89,12 +89,21 @@ def bench_memory_ops(
     stored: int = typer.Option(2500, min=1, help="Facts stored before timing."),
     timed_adds: int = typer.Option(20, min=1, help="Timed single-fact adds per w."),
     searches: int = typer.Option(100, min=1, help="Timed searches."),
+    scale: str = typer.Option("30000,300000", help="Synthetic store sizes for reopen and filtered search "
+                              "(comma-separated, each >= 20000; empty: skip)."),
 ) -> None:
-    """Per-call time of add (KV encoding at w=0 and w=20) and search at ~2,500 LoCoMo facts."""
+    """Per-call time of add (acknowledged, KV ready), search and inject() at ~2,500 LoCoMo facts; the
+    embedder backends side by side; reopen and filtered search on large synthetic stores."""
     from inferscale.bench.memory_ops import run
     from inferscale.datasets.locomo import default_locomo_path
 
-    run(data or default_locomo_path(), out, stored=stored, timed_adds=timed_adds, searches=searches)
+    sizes = _ints(scale, "scale") if scale.strip() else []
+    if any(s < 20_000 for s in sizes):
+        _fail(f"--scale sizes must each be at least 20000 (the big scope's size), got {scale!r}")
+    data = data or default_locomo_path()
+    if not data.exists():
+        _fail(f"LoCoMo data not found at {data}: pass --data path/to/locomo10.json")
+    run(data, out, stored=stored, timed_adds=timed_adds, searches=searches, scale_sizes=tuple(sizes))
     console.print((out / "memory_ops.md").read_text())
 
 

@@ -216,3 +216,25 @@ def test_report_fills_the_readme_section_from_the_summaries(tmp_path):
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
     assert "**1.25x**" in text and "**16.00x**" in text and "test cpu" in text
+
+
+# ---------------------------------------------------------------- synthetic stores
+
+def test_synthetic_store_grows_and_reopens_lazily(tmp_path):
+    from inferscale.bench.store_scale import BIG_SCOPE, probe, write_synthetic
+
+    assert write_synthetic(tmp_path, 250, big=200) == 250
+    assert write_synthetic(tmp_path, 350, big=200) == 100  # grows, keeps what is there
+    res = probe(tmp_path)  # a fresh process reopens the store and searches it
+    assert res["facts"] == 350
+    assert res["reopen_s"] > 0 and res["rss_after_reopen_bytes"] > 0
+    assert any(k.startswith("filtered search big scope") for k in res)
+    with pytest.raises(ValueError, match="at least the big scope"):
+        write_synthetic(tmp_path, 10, big=200)
+    from inferscale import Memory
+
+    mem = Memory(data_dir=tmp_path, dtype="float32", precompute_kv=False)
+    assert mem.count(user_id=BIG_SCOPE) == 200 and mem.count(user_id="synthetic-1") == 100
+    topic3 = mem.get_all(user_id=BIG_SCOPE, filters={"topic": "t3"}, limit=1000)["results"]
+    assert len(topic3) == 20 and all(r["metadata"]["topic"] == "t3" for r in topic3)
+    mem.close()

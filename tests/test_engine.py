@@ -3,6 +3,7 @@ each caller gets its own answer, and the injected-token count crosses the proces
 boundary through vLLM's own return path."""
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -68,3 +69,23 @@ def test_async_stream_joins_to_the_sync_answer(memory, engine):
 def test_unknown_engine_options_are_refused(engine):
     with pytest.raises(TypeError, match="unknown engine options"):
         engine.generate([1, 2, 3], top_k=3)
+
+
+def test_connector_counters_reach_the_stat_logger(memory, engine):
+    """vLLM carries the connector's worker and scheduler counters (KVConnectorStats) to the
+    engine's stat logger; a segment seen on disk once is not looked up on disk again."""
+    before = dict(engine.batch_stats.connector)
+    req = memory.inject("Which employee number am I?", user_id="batch-user-3", k=2)
+    for salt in ("counters-a", "counters-b"):  # two salts: the second is no prefix-cache hit, so it loads again
+        out = engine.generate(req.prompt_token_ids, kv_transfer_params=req.kv_transfer_params, cache_salt=salt,
+                              max_tokens=2)
+        assert out.num_injected_tokens > 0
+    deadline = time.monotonic() + 10
+    while True:  # the stat logger runs on the engine's output loop, just after the outputs
+        got = {k: engine.batch_stats.connector.get(k, 0) - before.get(k, 0) for k in engine.batch_stats.connector}
+        if got.get("loads", 0) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert got["loads"] >= 2 and got["injected_tokens"] >= 2 * out.num_injected_tokens
+    assert got["stage_s"] > 0 and got["write_s"] > 0 and got.get("load_errors", 0) == 0
+    assert got["lookups_cached"] >= len(req.plan.segments)  # the second request found every segment in memory

@@ -30,17 +30,21 @@ class BackgroundEncoder:
         batch_jobs: most jobs per batch.
         retry_s: pause after a failed batch (seconds).
         max_attempts: tries of one job before it is dropped.
+        gather_s: how long the thread waits after being woken before it takes a batch
+            (seconds): writes arriving together are encoded in one batch, and the writer
+            that woke it returns without the encoder competing for the interpreter.
 
     Attributes:
         last_error: the last failure, ``"<job>: <exception>"`` (``None`` if none).
     """
 
     def __init__(self, queue: KVJobQueue, run_batch: Callable[[Sequence[KVJob]], None], *, batch_jobs: int = 64,
-                 retry_s: float = 1.0, max_attempts: int = 3) -> None:
+                 retry_s: float = 1.0, max_attempts: int = 3, gather_s: float = 0.02) -> None:
         self.queue = queue
         self._run_batch = run_batch
         self.batch_jobs = batch_jobs
         self.retry_s = retry_s
+        self.gather_s = gather_s
         self._wake = threading.Event()
         self._idle = threading.Condition()
         self._busy = False
@@ -78,6 +82,8 @@ class BackgroundEncoder:
         while not self._closed:
             self._running.wait()
             self._wake.clear()
+            if self.gather_s and not self._closed and self.queue.pending() < self.batch_jobs:
+                time.sleep(self.gather_s)
             jobs = self.queue.take(self.batch_jobs)
             if not jobs:
                 with self._idle:

@@ -30,6 +30,7 @@ The connector never saves KV (``save_kv_layer`` is a no-op): fact KV is produced
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from inferscale.config import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.kv.encoder import best_device
@@ -81,6 +83,51 @@ class InferScaleConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
+#: counters of :class:`InjectionStats` (sums over the interval; seconds are wall time)
+STAT_FIELDS = (
+    "loads",            # requests whose KV was written into the paged cache (worker)
+    "injected_tokens",  # tokens written (worker)
+    "stage_s",          # gathering the segments from the pool, disk reads included (worker)
+    "write_s",          # rotating keys and writing every layer (worker)
+    "disk_reads",       # segments read from the disk tier, not the device tier (worker)
+    "load_errors",      # requests whose KV could not be read at load time; vLLM recomputed them (worker)
+    "lookups",          # segment existence checks that touched the file system (scheduler)
+    "lookups_cached",   # segment existence checks answered from memory (scheduler)
+)
+
+
+@dataclass
+class InjectionStats(KVConnectorStats):
+    """The connector's counters (:data:`STAT_FIELDS`), sent by vLLM from the worker and the
+    scheduler to its stat loggers (``SchedulerStats.kv_connector_stats``), summed."""
+
+    def __post_init__(self) -> None:
+        for name in STAT_FIELDS:
+            self.data.setdefault(name, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_FIELDS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> "InjectionStats":
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def take(self) -> "InjectionStats | None":
+        """A copy of the counters, or ``None`` when all are zero; the counters restart at zero."""
+        if self.is_empty():
+            return None
+        out = InjectionStats(data=dict(self.data))
+        self.reset()
+        return out
+
+
 class InferScaleConnector(KVConnectorBase_V1):
     """vLLM KV connector serving InferScale's fact KV; see the module docstring.
 
@@ -104,6 +151,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._pending: dict[str, tuple[InjectionPlan, int]] = {}
         self._to_load: dict[str, tuple[InjectionPlan, int]] = {}
         self._injected: dict[str, int] = {}
+        # segments seen on disk: a key names immutable content, so it is never re-checked; one
+        # deleted since is caught at load time and recomputed (get_block_ids_with_load_errors)
+        self._known: set[str] = set()
+        self._stats = InjectionStats()
         # worker side
         self._rotator = RopeRotator(vllm_config.model_config.hf_config) if role == KVConnectorRole.WORKER else None
         self._failed_blocks: set[int] = set()
@@ -121,12 +172,24 @@ class InferScaleConnector(KVConnectorBase_V1):
         if plan.memory_end >= request.num_prompt_tokens:
             logger.warning("request %s: memory block covers the whole prompt; prefilling", request.request_id)
             return 0, False
-        missing = [key for key in plan.keys if not self._pool.contains(key)]
+        missing = [key for key in plan.keys if not self._exists(key)]
         if missing:
             logger.warning("request %s: %d segment(s) not in the KV pool; prefilling", request.request_id, len(missing))
             return 0, False
         self._pending[request.request_id] = (plan, num_computed_tokens)
         return plan.memory_end - num_computed_tokens, False
+
+    def _exists(self, key: str) -> bool:
+        if key in self._known:
+            self._stats.data["lookups_cached"] += 1
+            return True
+        self._stats.data["lookups"] += 1
+        if not self._pool.contains(key):
+            return False
+        if len(self._known) >= 1_000_000:  # bound the memory: start over
+            self._known.clear()
+        self._known.add(key)
+        return True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         pending = self._pending.pop(request.request_id, None)
@@ -166,17 +229,34 @@ class InferScaleConnector(KVConnectorBase_V1):
             if getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl")
         ]
         assert self._rotator is not None, "start_load_kv runs on the worker side only"
+        stats = self._stats.data
         for load in meta.loads:
+            t0, disk_before = time.perf_counter(), self._pool.stats["disk_hits"]
             try:
                 staged = stage(load.plan, load.start, self._pool.get)
             except MissingKVError as exc:
                 logger.error("request %s: %s at load time; recomputing", load.req_id, exc)
                 self._failed_blocks.update(
                     blocks_to_recompute(load.start, load.plan.memory_end, load.block_ids, self._block_size))
+                stats["load_errors"] += 1
                 continue
+            t1 = time.perf_counter()
+            stats["stage_s"] += t1 - t0
+            stats["disk_reads"] += self._pool.stats["disk_hits"] - disk_before
             if staged is not None:
                 slots = slot_mapping(staged.positions, load.block_ids, self._block_size)
                 write_layers(staged, slots, self._rotator, writers)
+                stats["write_s"] += time.perf_counter() - t1
+                stats["loads"] += 1
+                stats["injected_tokens"] += staged.num_tokens
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's counters since the last call (vLLM sums worker and scheduler sides)."""
+        return self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return InjectionStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

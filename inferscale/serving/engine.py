@@ -82,16 +82,26 @@ class EngineChunk:
 
 
 class BatchStats(StatLoggerBase):
-    """vLLM stat logger that keeps the largest number of requests the scheduler ran in one step."""
+    """vLLM stat logger: the largest number of requests the scheduler ran in one step, and
+    the connector's counters summed since the engine started.
+
+    Attributes:
+        max_running: most requests in one step. steps: scheduler steps seen.
+        connector: sums of :data:`inferscale.serving.connector.STAT_FIELDS` (counts, seconds).
+    """
 
     def __init__(self, vllm_config: Any = None, engine_index: int = 0) -> None:
         self.max_running = 0
         self.steps = 0
+        self.connector: dict[str, float] = {}
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         if scheduler_stats is not None:
             self.steps += 1
             self.max_running = max(self.max_running, scheduler_stats.num_running_reqs)
+            for name, value in (scheduler_stats.kv_connector_stats or {}).items():
+                if isinstance(value, (int, float)):
+                    self.connector[name] = self.connector.get(name, 0) + value
 
     def log_engine_initialized(self) -> None:
         return
