@@ -116,12 +116,34 @@ class _Leaf(Filter):
         if not n:
             return np.zeros(0, dtype=bool)
         col = column(self.key)
-        if self.op in (_OPS["eq"], _OPS["ne"]) and isinstance(self.arg, _SCALARS):
-            # numpy compares object arrays element by element with Python's == (no frame
-            # per row); a MISSING row compares unequal to every value
-            equal = np.asarray(col == self.arg, dtype=bool)
-            return equal if self.op is _OPS["eq"] else ~equal & ~np.asarray(col == MISSING, dtype=bool)
+        # numpy compares object arrays element by element with Python's own operators (no
+        # interpreter frame per row); a MISSING row compares unequal to every value
+        op = self.op
+        if op in (_OPS["eq"], _OPS["ne"]) and isinstance(self.arg, _SCALARS):
+            equal = _equal(col, self.arg)
+            return equal if op is _OPS["eq"] else ~equal & _present(col)
+        if op in (_OPS["in"], _OPS["nin"]) and all(isinstance(v, _SCALARS) for v in self.arg):
+            hit = np.zeros(n, dtype=bool)
+            for v in self.arg:
+                hit |= _equal(col, v)
+            return hit if op is _OPS["in"] else ~hit & _present(col)
+        if op in (_OPS["gt"], _OPS["gte"], _OPS["lt"], _OPS["lte"]) and isinstance(self.arg, _SCALARS):
+            present = _present(col)
+            try:  # raises TypeError when some present value is incomparable with the argument
+                out = np.zeros(n, dtype=bool)
+                out[present] = np.asarray(op(col[present], self.arg), dtype=bool)
+                return out
+            except TypeError:
+                pass  # mixed types: row by row below, where an incomparable row is no match
         return self._vector(col).astype(bool)
+
+
+def _equal(col: np.ndarray, value: Any) -> np.ndarray:
+    return np.asarray(col == value, dtype=bool)
+
+
+def _present(col: np.ndarray) -> np.ndarray:
+    return ~np.asarray(col == MISSING, dtype=bool)
 
 
 class _Everything(Filter):

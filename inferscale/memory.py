@@ -103,7 +103,6 @@ class Memory:
             self.history_log = HistoryLog(data / "history.sqlite")
             self.kv_jobs = KVJobQueue(data / "kv_jobs.sqlite")
             self.pool = KVPool.shared(self.kv_dir, self.device, self.config.device_kv_budget_bytes)
-            self.store.count()  # opens Chroma's files: a damaged store fails here
         except StoreError:
             raise
         except Exception as exc:  # sqlite, chromadb and OS errors on a damaged store
