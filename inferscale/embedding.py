@@ -78,7 +78,12 @@ class Embedder:
         try:
             if not path.exists():
                 export(plan, path)
-            encoder = OnnxEncoder(plan, path)
+            try:
+                encoder = OnnxEncoder(plan, path)
+            except Exception as exc:  # a damaged cached export: export again, once
+                log.warning("re-exporting the ONNX embedder: %s did not load (%s)", path, exc)
+                path.unlink(missing_ok=True)
+                encoder = OnnxEncoder(plan, export(plan, path))
         except Exception as exc:
             if required:
                 raise
