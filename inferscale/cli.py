@@ -85,8 +85,9 @@ def _fail(message: str) -> None:
 @bench_app.command("memory-ops")
 def bench_memory_ops(
     data: Optional[Path] = typer.Option(None, help="locomo10.json (default: ../shared/data/locomo)."),
-    out: Path = typer.Option(Path("results/memory-ops"), help="Results folder."),
-    stored: int = typer.Option(2500, min=1, help="Facts stored before timing."),
+    out: Path = typer.Option(Path("results/memory-ops"), help="Results folder; the run's temporary stores are "
+                             "its memory-ops-store/ and synthetic-store/ subfolders, deleted at the end."),
+    stored: int = typer.Option(2500, min=1, help="Facts stored before timing (LoCoMo has 2,541; 2 x timed adds are held out)."),
     timed_adds: int = typer.Option(20, min=1, help="Timed single-fact adds per w."),
     searches: int = typer.Option(100, min=1, help="Timed searches."),
     scale: str = typer.Option("30000,300000", help="Synthetic store sizes for reopen and filtered search "
@@ -100,10 +101,20 @@ def bench_memory_ops(
     sizes = _ints(scale, "scale") if scale.strip() else []
     if any(s < 20_000 for s in sizes):
         _fail(f"--scale sizes must each be at least 20000 (the big scope's size), got {scale!r}")
-    data = data or default_locomo_path()
-    if not data.exists():
-        _fail(f"LoCoMo data not found at {data}: pass --data path/to/locomo10.json")
-    run(data, out, stored=stored, timed_adds=timed_adds, searches=searches, scale_sizes=tuple(sizes))
+    try:
+        data = data or default_locomo_path()
+    except OSError as exc:  # no shared copy and no network (URLError is an OSError)
+        _fail(f"no LoCoMo data: not in ../shared and not downloadable ({exc}); pass --data path/to/locomo10.json")
+    if not data.is_file():
+        _fail(f"LoCoMo data not found at {data} (not a file): pass --data path/to/locomo10.json")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _fail(f"cannot create --out {out}: {exc}")
+    try:
+        run(data, out, stored=stored, timed_adds=timed_adds, searches=searches, scale_sizes=tuple(sizes))
+    except ValueError as exc:
+        _fail(str(exc))
     console.print((out / "memory_ops.md").read_text())
 
 

@@ -26,6 +26,7 @@ _TRANSFORMER = "sentence_transformers.models.Transformer"
 _POOLING = "sentence_transformers.models.Pooling"
 _NORMALIZE = "sentence_transformers.models.Normalize"
 _BATCH = 32  # texts per ONNX Runtime call when embedding many
+_EXPORT_LOCK = threading.Lock()  # torch.onnx.export keeps global state: one export at a time
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,13 @@ def export(plan: OnnxPlan, path: Path) -> Path:
     Raises:
         RuntimeError: the model cannot be exported (the message says which backend to use).
     """
+    with _EXPORT_LOCK:
+        if path.exists():  # another thread exported it while this one waited
+            return path
+        return _export(plan, path)
+
+
+def _export(plan: OnnxPlan, path: Path) -> Path:
     import torch
     from transformers import AutoModel
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import threading
 import uuid
 from dataclasses import replace
@@ -27,6 +28,13 @@ from inferscale.kv.manager import KVManager
 from inferscale.store import FactRecord, FactStore, Scope
 from inferscale.turns import TurnLog
 from inferscale.types import FactInput, MemoryNotFoundError, WriteEvent, require_text
+
+
+def stored_metadata(metadata: dict) -> dict:
+    """``metadata`` as it is stored and read back (a JSON round trip: tuples become lists,
+    keys strings), copied, so filters see the same values before and after a restart and
+    the caller's objects are never shared with the index."""
+    return json.loads(json.dumps(metadata))
 
 
 def text_hash(text: str) -> str:
@@ -99,7 +107,8 @@ class FactService:
                 if h in seen:
                     results.append(WriteEvent(seen[h], f.text, "NOOP"))
                     continue
-                rec = FactRecord(uuid.uuid4().hex, f.text, h, scope, tuple(f.source_turn_ids), dict(f.metadata), now, now)
+                rec = FactRecord(uuid.uuid4().hex, f.text, h, scope, tuple(f.source_turn_ids),
+                                 stored_metadata(f.metadata), now, now)
                 seen[h] = rec.id
                 records.append(rec)
                 results.append(WriteEvent(rec.id, f.text, "ADD"))
@@ -127,7 +136,7 @@ class FactService:
             other = self.index.find_hashes(scope.key, [h]).get(h)
             if other is not None and other != memory_id:
                 raise ValueError(f"memory {other} of this scope already holds this text: update or delete that one")
-            new = replace(old, text=text, hash=h, metadata=dict(old.metadata if metadata is None else metadata),
+            new = replace(old, text=text, hash=h, metadata=old.metadata if metadata is None else stored_metadata(metadata),
                           updated_at=_now())
             emb = self.embedder.encode([text])
             self.store.update(new, emb.numpy())

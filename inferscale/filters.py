@@ -11,7 +11,12 @@ memories' ``metadata`` plus ``created_at`` and ``updated_at``.
 A memory that lacks a field never matches a condition on that field (``ne`` and ``nin``
 included), so a filter on a field no memory has returns nothing, as in Mem0 and Chroma.
 Comparing values of different types (``{"n": {"gt": 2}}`` against ``"n": "x"``) is not a
-match either.
+match either. ``created_at`` / ``updated_at`` are ISO 8601 strings in UTC
+(``"2026-12-01T09:30:00+00:00"``): compare them with strings of the same form. Metadata is
+stored as JSON, so filters see it as JSON gives it back (tuples as lists, keys as strings).
+AND / OR / NOT nest at most 32 deep. ``NOT`` is logical negation: ``{"NOT": [{"n": {"gte":
+2}}]}`` also matches memories without ``n`` (write ``{"n": {"lt": 2}}`` to require it).
+Metadata keys ``created_at`` and ``updated_at`` are reserved for the timestamps.
 
 Example: ``{"category": "food", "priority": {"$gte": 2}, "OR": [{"src": "chat"}, {"src": "email"}]}``
 """
@@ -123,9 +128,13 @@ class _Leaf(Filter):
             equal = _equal(col, self.arg)
             return equal if op is _OPS["eq"] else ~equal & _present(col)
         if op in (_OPS["in"], _OPS["nin"]) and all(isinstance(v, _SCALARS) for v in self.arg):
-            hit = np.zeros(n, dtype=bool)
-            for v in self.arg:
-                hit |= _equal(col, v)
+            if len(self.arg) <= 8:
+                hit = np.zeros(n, dtype=bool)
+                for v in self.arg:
+                    hit |= _equal(col, v)
+            else:  # a long list: one hash lookup per row (hash-equal scalars are == as well)
+                lookup = frozenset(self.arg)
+                hit = np.frompyfunc(lambda v: _member(v, lookup), 1, 1)(col).astype(bool)
             return hit if op is _OPS["in"] else ~hit & _present(col)
         if op in (_OPS["gt"], _OPS["gte"], _OPS["lt"], _OPS["lte"]) and isinstance(self.arg, _SCALARS):
             present = _present(col)
@@ -136,6 +145,13 @@ class _Leaf(Filter):
             except TypeError:
                 pass  # mixed types: row by row below, where an incomparable row is no match
         return self._vector(col).astype(bool)
+
+
+def _member(value: Any, lookup: frozenset) -> bool:
+    try:
+        return value in lookup
+    except TypeError:  # an unhashable value (a list) equals no scalar
+        return False
 
 
 def _equal(col: np.ndarray, value: Any) -> np.ndarray:
@@ -154,7 +170,10 @@ class _Everything(Filter):
         return np.ones(n, dtype=bool)
 
 
-def compile_filter(filters: dict | None) -> Filter:
+MAX_DEPTH = 32  # nesting of AND / OR / NOT accepted
+
+
+def compile_filter(filters: dict | None, _depth: int = 0) -> Filter:
     """Check ``filters`` and compile them.
 
     Args:
@@ -167,20 +186,27 @@ def compile_filter(filters: dict | None) -> Filter:
         whole index partition.
 
     Raises:
-        ValueError: not a dict, an unknown operator, an empty operator dict, a combinator
-            without a non-empty list, ``in``/``nin`` without a list, ``contains`` without a
-            string. The message names the offending key and what is accepted.
+        ValueError: not a dict, an unknown operator or ``$`` key, an empty operator dict, a
+            combinator without a non-empty list of filter dicts, ``in``/``nin`` without a
+            list, ``contains`` without a string, nesting deeper than :data:`MAX_DEPTH`.
+            The message names the offending key and what is accepted.
     """
-    if filters is None:
+    if filters is None and _depth == 0:
         return _Everything()
     if not isinstance(filters, dict):
-        raise ValueError(f"filters must be a dict such as {{'category': 'food'}}, got {type(filters).__name__}")
+        where = "filters" if _depth == 0 else "each filter inside AND / OR / NOT"
+        raise ValueError(f"{where} must be a dict such as {{'category': 'food'}}, got {type(filters).__name__}")
+    if _depth > MAX_DEPTH:
+        raise ValueError(f"filters are nested deeper than {MAX_DEPTH} levels of AND / OR / NOT")
     parts: list[Filter] = []
     for key, cond in filters.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"filter fields are non-empty strings, got {key!r}")
         if key in _COMBINATORS:
-            parts.append(_combinator(_COMBINATORS[key], key, cond))
+            parts.append(_combinator(_COMBINATORS[key], key, cond, _depth))
+        elif key.startswith("$"):
+            raise ValueError(f"unknown filter key {key!r}: the '$' keys are {sorted(k for k in _COMBINATORS if k[0] == '$')}"
+                             " (operators such as '$gte' go inside a field: {'n': {'$gte': 2}})")
         elif isinstance(cond, dict):
             parts.extend(_conditions(key, cond))
         else:
@@ -188,17 +214,19 @@ def compile_filter(filters: dict | None) -> Filter:
     return parts[0] if len(parts) == 1 else _All(parts)
 
 
-def _combinator(kind: str, key: str, cond: Any) -> Filter:
+def _combinator(kind: str, key: str, cond: Any, depth: int) -> Filter:
     if not isinstance(cond, list) or not cond:
         raise ValueError(f"filter {key!r} takes a non-empty list of filters, e.g. {{{key!r}: [{{'a': 1}}, {{'b': 2}}]}}")
-    subs = [compile_filter(sub) for sub in cond]
+    subs = [compile_filter(sub, depth + 1) for sub in cond]
     return {"AND": _All, "OR": _Any, "NOT": _None}[kind](subs)
 
 
 def _conditions(key: str, cond: dict) -> list[Filter]:
     names = {op: _op_name(op) for op in cond}
     bad = sorted(str(op) for op, name in names.items() if name is None)
-    if bad or not cond:
+    if not cond:
+        raise ValueError(f"the operator dict on {key!r} is empty: give one such as {{'eq': value}}")
+    if bad:
         raise ValueError(f"unknown filter operator(s) {bad} on {key!r}: use {sorted(_OPS)} (optionally with a '$')")
     leaves = []
     for op, arg in cond.items():
@@ -207,6 +235,8 @@ def _conditions(key: str, cond: dict) -> list[Filter]:
             raise ValueError(f"filter operator {op!r} on {key!r} takes a list, got {arg!r}")
         if name in ("contains", "icontains") and not isinstance(arg, str):
             raise ValueError(f"filter operator {op!r} on {key!r} takes a string, got {arg!r}")
+        if name in ("in", "nin"):
+            arg = tuple(arg)  # a set and a list mean the same: membership by ==
         leaves.append(_Leaf(key, _OPS[name], arg))
     return leaves
 

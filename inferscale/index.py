@@ -66,31 +66,37 @@ class VectorIndex:
         self._parts: dict[str, _Partition] = {}
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
+        self._generation = 0  # bumped by clear(): a load begun before it is discarded
         self.num_loaded_scopes = 0
 
     # ------------------------------------------------------------------ partitions
 
     def _partition(self, scope: str) -> _Partition:
-        with self._lock:
-            part = self._parts.get(scope)
-            if part is not None:
-                return part
-            gate = self._loading.setdefault(scope, threading.Lock())
-        with gate:
+        while True:
             with self._lock:
                 part = self._parts.get(scope)
-            if part is not None:
-                return part
-            part = _Partition()
-            if self._loader is not None:
-                records, embeddings = self._loader(scope)
-                if records:
-                    self._put(part, records, torch.as_tensor(embeddings, dtype=torch.float32))
-            with self._lock:
-                self._parts[scope] = part
-                self._loading.pop(scope, None)
-                self.num_loaded_scopes += 1
-            return part
+                if part is not None:
+                    return part
+                gate = self._loading.setdefault(scope, threading.Lock())
+            with gate:
+                with self._lock:
+                    part = self._parts.get(scope)
+                    generation = self._generation
+                if part is not None:
+                    return part
+                part = _Partition()
+                if self._loader is not None:
+                    records, embeddings = self._loader(scope)
+                    if records:
+                        self._put(part, records, torch.as_tensor(embeddings, dtype=torch.float32))
+                with self._lock:
+                    if self._loading.get(scope) is gate:
+                        del self._loading[scope]
+                    if generation == self._generation:  # no clear() while loading: publish
+                        self._parts[scope] = part
+                        self.num_loaded_scopes += 1
+                        return part
+            # a clear() ran during the load, which may have read what it deleted: load again
 
     def loaded(self, scope: str) -> bool:
         """Whether ``scope``'s partition is in memory."""
@@ -161,6 +167,7 @@ class VectorIndex:
         """Forget every partition (they reload from the loader on next use)."""
         with self._lock:
             self._parts.clear()
+            self._generation += 1
 
     # ------------------------------------------------------------------ reads
 

@@ -15,6 +15,7 @@ calls included: another scope's memory id is "not found".
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from pathlib import Path
@@ -82,8 +83,10 @@ class Memory:
 
     def __init__(self, config: MemoryConfig | None = None, *, engine=None, extractor: FactExtractor | None = None,
                  reconciler: Reconciler | None = None, **overrides: Any) -> None:
-        base = config or MemoryConfig()
-        self.config = MemoryConfig(**{**base.model_dump(exclude_unset=True), **overrides}) if overrides else base
+        if config is None:  # keywords win over INFERSCALE_* variables, which fill in the rest
+            self.config = MemoryConfig(**overrides)
+        else:
+            self.config = MemoryConfig(**{**config.model_dump(exclude_unset=True), **overrides}) if overrides else config
         data = self.config.data_dir
         # everything that can fail without touching the data dir comes first
         self.model_path = resolve_llm(self.config.llm)
@@ -365,7 +368,7 @@ class Memory:
     @staticmethod
     def _item(rec: FactRecord, score: float | None = None) -> dict:
         item = {
-            "id": rec.id, "memory": rec.text, "hash": rec.hash, "metadata": rec.metadata,
+            "id": rec.id, "memory": rec.text, "hash": rec.hash, "metadata": copy.deepcopy(rec.metadata),
             "source_turn_ids": list(rec.source_turn_ids), "created_at": rec.created_at,
             "updated_at": rec.updated_at, **rec.scope.as_dict(),
         }
@@ -660,4 +663,8 @@ def _check_metadata(metadata: Any) -> dict:
         json.dumps(metadata)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"metadata must be JSON-serialisable: {exc}") from exc
+    reserved = sorted({"created_at", "updated_at"} & {str(k) for k in metadata})
+    if reserved:
+        raise ValueError(f"metadata keys {reserved} are reserved: every memory has them as timestamps (filters "
+                         "read those); rename the keys")
     return dict(metadata)

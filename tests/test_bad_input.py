@@ -72,6 +72,10 @@ def test_malformed_provenance_and_messages(mem):
         mem.log_turns(None, user_id="u")
     with pytest.raises(ValueError, match="Unicode"):
         mem.add("bad \ud800 text", user_id="u")
+    with pytest.raises(ValueError, match="reserved"):
+        mem.add("x", user_id="u", metadata={"created_at": "yesterday"})
+    with pytest.raises(ValueError, match="reserved"):
+        mem.add_facts([FactInput("x", metadata={"updated_at": 1})], user_id="u")
     assert state(mem, "u") == before
 
 

@@ -234,7 +234,7 @@ def test_synthetic_store_grows_and_reopens_lazily(tmp_path):
     from inferscale import Memory
 
     mem = Memory(data_dir=tmp_path, dtype="float32", precompute_kv=False)
-    assert mem.count(user_id=BIG_SCOPE) == 200 and mem.count(user_id="synthetic-1") == 100
+    assert mem.count(user_id=BIG_SCOPE) == 200 and mem.count(user_id="synthetic-0") == 100 and mem.count(user_id="synthetic-1") == 50
     topic3 = mem.get_all(user_id=BIG_SCOPE, filters={"topic": "t3"}, limit=1000)["results"]
     assert len(topic3) == 20 and all(r["metadata"]["topic"] == "t3" for r in topic3)
     mem.close()

@@ -1,6 +1,7 @@
 """Component behaviour: KV pool, vector index, prompt scaffold, LoCoMo loader, config, models."""
 
 import json
+import threading
 
 import pytest
 import torch
@@ -103,6 +104,28 @@ def test_index_top_k_is_exact_and_partitioned():
     assert index.size("B") == 50 and index.search("B", a[0], 1)[0][0].id == "b0"
     with pytest.raises(ValueError, match="dimension"):
         index.add("C", _records("c", 1), torch.randn(1, 8))
+
+
+def test_a_load_racing_clear_is_discarded():
+    """A partition loaded from what a concurrent clear() deleted is not published."""
+    started, release = threading.Event(), threading.Event()
+    stored = {"A": _records("A", 5)}
+
+    def loader(scope):
+        records = list(stored.get(scope, []))  # read before the clear
+        started.set()
+        release.wait(5)
+        return (records, torch.randn(len(records), 8).numpy()) if records else ([], None)
+
+    index = VectorIndex("cpu", loader=loader)
+    reader = threading.Thread(target=index.size, args=("A",))
+    reader.start()
+    assert started.wait(5)
+    stored.clear()  # reset(): the store is emptied, then the index cleared
+    index.clear()
+    release.set()
+    reader.join(5)
+    assert index.size("A") == 0 and index.records("A") == []
 
 
 def test_index_partitions_load_on_first_use():

@@ -131,3 +131,45 @@ def test_filtered_search_after_restart_equals_brute_force(store):
         assert reopened.search(QUERIES[1], user_id="alice", filters={"nowhere": 1})["results"] == []
     finally:
         reopened.close()
+
+
+def test_malformed_filters_raise_and_name_the_problem(store):
+    mem = store[1]
+    cases = [({"AND": [None]}, "inside AND / OR / NOT must be a dict"), ({"$nor": [{"topic": "food"}]}, "unknown filter key '\\$nor'"),
+             ({"$in": [1]}, "unknown filter key"), ({"topic": {}}, "operator dict on 'topic' is empty"),
+             ({"topic": {"$between": [1, 2]}}, "unknown filter operator")]
+    deep: dict = {"topic": "food"}
+    for _ in range(40):
+        deep = {"NOT": [deep]}
+    cases.append((deep, "nested deeper than"))
+    for flt, message in cases:
+        with pytest.raises(ValueError, match=message):
+            mem.search("food", user_id="alice", filters=flt)
+        with pytest.raises(ValueError, match=message):
+            mem.get_all(user_id="alice", filters=flt)
+
+
+def test_stored_metadata_is_a_copy_and_reads_the_same_after_restart(tmp_path):
+    path = tmp_path / "store"
+    mem = Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False)
+    tags = ["a", "b"]
+    mem.add("I like tea.", user_id="u", metadata={"tags": tags, "pair": (1, 2), 7: "seven"})
+    tags.append("c")  # the caller's list is not the stored one
+    got = mem.get_all(user_id="u")["results"][0]
+    got["metadata"]["tags"].append("HACKED")  # nor is the returned one
+    want = {"tags": ["a", "b"], "pair": [1, 2], "7": "seven"}  # as JSON stores it, before and after a restart
+    assert mem.get_all(user_id="u")["results"][0]["metadata"] == want
+    flt = {"pair": [1, 2], "7": "seven", "tags": {"nin": ["x"]}}
+    assert len(mem.get_all(user_id="u", filters=flt)["results"]) == 1
+    mem.close()
+    reopened = Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False)
+    assert reopened.get_all(user_id="u")["results"][0]["metadata"] == want
+    assert len(reopened.get_all(user_id="u", filters=flt)["results"]) == 1
+    reopened.close()
+
+
+def test_keywords_win_over_environment_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERSCALE_EMBEDDER_BACKEND", "bogus")
+    mem = Memory(data_dir=tmp_path / "store", dtype="float32", precompute_kv=False, embedder_backend="torch")
+    assert mem.config.embedder_backend == "torch"
+    mem.close()

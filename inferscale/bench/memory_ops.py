@@ -98,13 +98,15 @@ def run(data: Path, out_dir: Path, *, stored: int = 2500, timed_adds: int = 20, 
         scale_sizes: synthetic store sizes for the reopen / filtered-search part (empty: skip it).
     """
     samples = load_locomo(data)
-    backends = compare_embedders(samples, DEFAULT_EMBEDDER)
     facts = [(f"locomo-{s.sample_id}", f) for s in samples for f in s.facts]
-    if len(facts) < stored + 2 * timed_adds:
-        raise ValueError(f"only {len(facts)} facts; need {stored + 2 * timed_adds}")
+    if len(facts) < stored + 2 * timed_adds:  # checked before the long parts start
+        raise ValueError(f"--stored {stored} and --timed-adds {timed_adds} need {stored + 2 * timed_adds} facts; "
+                         f"LoCoMo has {len(facts)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    backends = compare_embedders(samples, DEFAULT_EMBEDDER)
     rng = random.Random(0)
     rng.shuffle(facts)
-    store_dir = out_dir / "store"
+    store_dir = out_dir / "memory-ops-store"
     shutil.rmtree(store_dir, ignore_errors=True)
     mem = Memory(data_dir=store_dir, dtype=dtype, context_window=0)
     for s in tqdm(samples, desc="log turns"):
