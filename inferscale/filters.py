@@ -54,11 +54,7 @@ def _op_name(op: Any) -> str | None:
 
 
 class Filter:
-    """A compiled filter: evaluated on one memory's fields (``filter(fields) -> bool``) or on
-    a partition's columns at once (:meth:`mask`), with the same semantics."""
-
-    def __call__(self, fields: dict) -> bool:
-        raise NotImplementedError
+    """A compiled filter, evaluated on an index partition's columns at once (:meth:`mask`)."""
 
     def mask(self, column: Callable[[str], np.ndarray], n: int) -> np.ndarray:
         """``[n]`` bool: which rows match. ``column(field)`` is that field's values as an
@@ -70,9 +66,6 @@ class _All(Filter):
     def __init__(self, parts: list[Filter]) -> None:
         self.parts = parts
 
-    def __call__(self, fields: dict) -> bool:
-        return all(p(fields) for p in self.parts)
-
     def mask(self, column, n):
         out = np.ones(n, dtype=bool)
         for p in self.parts:
@@ -81,9 +74,6 @@ class _All(Filter):
 
 
 class _Any(_All):
-    def __call__(self, fields: dict) -> bool:
-        return any(p(fields) for p in self.parts)
-
     def mask(self, column, n):
         out = np.zeros(n, dtype=bool)
         for p in self.parts:
@@ -92,9 +82,6 @@ class _Any(_All):
 
 
 class _None(_Any):
-    def __call__(self, fields: dict) -> bool:
-        return not super().__call__(fields)
-
     def mask(self, column, n):
         return ~super().mask(column, n)
 
@@ -113,9 +100,6 @@ class _Leaf(Filter):
             return bool(self.op(value, self.arg))
         except TypeError:  # comparing incomparable types: not a match
             return False
-
-    def __call__(self, fields: dict) -> bool:
-        return self.check(fields.get(self.key, MISSING))
 
     def mask(self, column, n):
         if not n:
@@ -163,9 +147,6 @@ def _present(col: np.ndarray) -> np.ndarray:
 
 
 class _Everything(Filter):
-    def __call__(self, fields: dict) -> bool:
-        return True
-
     def mask(self, column, n):
         return np.ones(n, dtype=bool)
 
@@ -180,10 +161,9 @@ def compile_filter(filters: dict | None, _depth: int = 0) -> Filter:
         filters: a filter dict (see the module docstring) or ``None`` (everything matches).
 
     Returns:
-        a :class:`Filter`: ``filter(fields) -> bool`` for one memory, where ``fields`` is
-        its metadata plus ``created_at`` / ``updated_at``
-        (:meth:`inferscale.store.FactRecord.filter_fields`), and ``filter.mask(...)`` for a
-        whole index partition.
+        a :class:`Filter` over memories' filter fields (their metadata plus ``created_at`` /
+        ``updated_at``, :meth:`inferscale.store.FactRecord.filter_fields`), evaluated on a
+        whole index partition by ``filter.mask(...)``.
 
     Raises:
         ValueError: not a dict, an unknown operator or ``$`` key, an empty operator dict, a
@@ -239,17 +219,3 @@ def _conditions(key: str, cond: dict) -> list[Filter]:
             arg = tuple(arg)  # a set and a list mean the same: membership by ==
         leaves.append(_Leaf(key, _OPS[name], arg))
     return leaves
-
-
-def validate_filters(filters: dict | None) -> None:
-    """Raise :class:`ValueError` if ``filters`` is malformed (see :func:`compile_filter`)."""
-    compile_filter(filters)
-
-
-def matches(filters: dict | None, fields: dict) -> bool:
-    """Whether a memory's ``fields`` (metadata plus built-ins) satisfy ``filters``.
-
-    Raises:
-        ValueError: malformed ``filters``.
-    """
-    return compile_filter(filters)(fields)

@@ -67,7 +67,6 @@ class VectorIndex:
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
         self._generation = 0  # bumped by clear(): a load begun before it is discarded
-        self.num_loaded_scopes = 0
 
     # ------------------------------------------------------------------ partitions
 
@@ -94,7 +93,6 @@ class VectorIndex:
                         del self._loading[scope]
                     if generation == self._generation:  # no clear() while loading: publish
                         self._parts[scope] = part
-                        self.num_loaded_scopes += 1
                         return part
             # a clear() ran during the load, which may have read what it deleted: load again
 
