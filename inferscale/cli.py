@@ -1,4 +1,4 @@
-"""``inferscale`` command line: ``demo`` and ``models prepare``."""
+"""``inferscale`` command line: ``demo``, ``serve``, ``models prepare`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -268,3 +268,34 @@ def bench_report(
 
 if __name__ == "__main__":
     app()
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default; 0.0.0.0 for every interface)."),
+    port: int = typer.Option(8000, min=1, max=65535, help="Port of InferScale's HTTP API."),
+    data_dir: Optional[Path] = typer.Option(None, help="Memory store (default: $INFERSCALE_DATA_DIR or ~/.local/share/inferscale)."),
+    vllm_url: Optional[str] = typer.Option(None, help="Front a vLLM OpenAI server already running (docs/server.md) instead of starting one."),
+    api_key: Optional[str] = typer.Option(None, envvar="INFERSCALE_API_KEY", help="Require 'Authorization: Bearer <key>' on every route but /health (or set INFERSCALE_API_KEY)."),
+    served_model_name: Optional[str] = typer.Option(None, help="The 'model' name clients send (default: the model's)."),
+    dtype: str = _DTYPE,
+    max_num_seqs: int = typer.Option(64, min=1, help="Most requests vLLM batches at once."),
+) -> None:
+    """Serve memory over HTTP: chat with memory on vLLM's OpenAI server, and Mem0-style memory routes."""
+    from inferscale.config import MemoryConfig
+    from inferscale.models import ModelNotFoundError
+    from inferscale.server.main import ServeOptions
+    from inferscale.server.main import serve as run_server
+    from inferscale.server.vllm_process import VLLMStartError
+    from inferscale.store import StoreError
+
+    overrides: dict = {"dtype": dtype}
+    if data_dir is not None:
+        overrides["data_dir"] = data_dir
+    try:
+        config = MemoryConfig(**overrides)
+        run_server(config, ServeOptions(host=host, port=port, vllm_url=vllm_url, api_key=api_key or None,
+                                        served_model_name=served_model_name, max_num_seqs=max_num_seqs),
+                   say=console.print)
+    except (OSError, ModelNotFoundError, VLLMStartError, StoreError, RuntimeError, ValueError) as exc:
+        _fail(str(exc))

@@ -88,8 +88,21 @@ class PromptBuilder:
     def _tok(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
+    def system_text(self, fact_texts: Sequence[str], instructions: str | None = None) -> str:
+        """The system turn's text: system prompt, ``Memories:`` header, one ``"- <fact>\\n"``
+        line per fact (in the order given, best-ranked last), then ``instructions``.
+
+        Rendered by the chat template, its memory part tokenizes (for the supported
+        templates) to the preamble plus the fact lines of :meth:`build`; the KV connector
+        checks that token by token before it injects anything.
+        """
+        return self._system("".join(f"- {text}\n" for text in fact_texts), instructions)
+
+    def _system(self, memory: str, instructions: str | None) -> str:
+        return self.system_prompt + self.memory_header + memory + (f"\n{instructions}" if instructions else "")
+
     def _split_template(self, history: Sequence[dict] = (), instructions: str | None = None) -> tuple[str, str]:
-        system = self.system_prompt + self.memory_header + _SENTINEL + (f"\n{instructions}" if instructions else "")
+        system = self._system(_SENTINEL, instructions)
         question = "\u27e6Q\u27e7"
         messages = [{"role": "system", "content": system}, *history, {"role": "user", "content": question}]
         try:

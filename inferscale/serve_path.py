@@ -16,7 +16,7 @@ from inferscale.facts import FactService
 from inferscale.kv.injection import InjectionPlan
 from inferscale.kv.manager import KVManager
 from inferscale.options import GenerationOptions
-from inferscale.prompt import PromptBuilder
+from inferscale.prompt import PromptBuilder, Segment
 from inferscale.store import FactRecord, Scope
 from inferscale.turns import TurnLog
 from inferscale.types import UnknownScopeError, require_text
@@ -118,6 +118,50 @@ class ServePath:
         history = check_history(history)
         if instructions is not None:
             require_text(instructions, "instructions")
+        sel = self._select(scope, query, options, allow_unknown_scope)
+        layout = self.prompts.build(query, [(r.id, r.text) for r in sel.ranked], history, instructions)
+        if len(layout.token_ids) + options.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(layout.token_ids)} tokens with k={options.k} memories; with "
+                f"{options.max_tokens} answer tokens it exceeds max_model_len={self.max_model_len}: lower k or "
+                "shorten the question"
+            )
+        plan = sel.plan(layout.segments) if options.mode == "inject" else None
+        memory_tokens = plan.memory_end if plan is not None else layout.memory_end
+        return PreparedRequest(layout.token_ids, plan, sel.hits, sel.retrieval_s, memory_tokens, options,
+                               sel.kv_ids, sel.text_ids)
+
+    def prepare_memory_block(self, scope: Scope, query: str, options: GenerationOptions, *,
+                             instructions: str | None = None) -> "MemoryBlock":
+        """The memory block of a chat request whose template is applied by someone else (vLLM's
+        chat endpoint): the system turn's text and, in inject mode, the plan that claims its
+        preamble and fact lines. Retrieval, ordering and readiness as :meth:`prepare`; an
+        unknown scope gets an empty block (a new user's first request).
+
+        The plan assumes the rendered prompt starts with the preamble and fact lines as
+        :class:`~inferscale.prompt.PromptBuilder` tokenizes them; the connector verifies each
+        segment's tokens against the prompt and prefills whatever does not match.
+
+        Args:
+            instructions: the client's own system text, placed after the memory lines.
+
+        Raises:
+            ValueError: empty query or instructions.
+        """
+        if instructions is not None:
+            require_text(instructions, "instructions")
+        sel = self._select(scope, query, options, allow_unknown_scope=True)
+        system = self.prompts.system_text([r.text for r in sel.ranked], instructions)
+        segments, pos = [Segment("_preamble", 0, self.prompts.preamble_ids)], len(self.prompts.preamble_ids)
+        for r in sel.ranked:
+            line = self.prompts.fact_line_ids(r.text)
+            segments.append(Segment(r.id, pos, line))
+            pos += len(line)
+        plan = sel.plan(segments) if options.mode == "inject" else None
+        memory_tokens = plan.memory_end if plan is not None else pos
+        return MemoryBlock(system, plan, sel.hits, sel.retrieval_s, memory_tokens, sel.kv_ids, sel.text_ids)
+
+    def _select(self, scope: Scope, query: str, options: GenerationOptions, allow_unknown_scope: bool) -> "_Selection":
         if not allow_unknown_scope and not self.facts.has_facts(scope) and self.turns.count(scope.key) == 0:
             field = next(iter(scope.as_dict()))
             raise UnknownScopeError(
@@ -127,36 +171,63 @@ class ServePath:
         hits = self.facts.search(scope, query, options.k)
         retrieval = time.perf_counter() - t0
         ranked = [r for r, _ in hits[::-1]]  # best last
-        plan, kv_ids, text_ids = None, (), tuple(r.id for r in ranked)
-        if options.mode == "inject":
-            w = options.context_window
-            preamble = self.kv.preamble_span()
-            keys = self.kv.fact_keys(scope.key, ranked, w)
-            ready = [self.kv.stored(k) for k in keys]
-            missing = [r for r, ok in zip(ranked, ready) if not ok]
-            if options.wait_for_kv and missing:
-                self.kv.ensure(self.kv.fact_spans(scope.key, missing, w))
-                ready = [True] * len(ranked)
-            self.kv.ensure([preamble])
-            order = [i for i, ok in enumerate(ready) if ok] + [i for i, ok in enumerate(ready) if not ok]
-            ranked, keys = [ranked[i] for i in order], [keys[i] for i in order]
-            n_kv = sum(ready)
-            kv_ids, text_ids = tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:])
-            if text_ids:
-                self.kv.schedule(scope.key, ranked[n_kv:], options.context_window)
-        layout = self.prompts.build(query, [(r.id, r.text) for r in ranked], history, instructions)
-        if len(layout.token_ids) + options.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(layout.token_ids)} tokens with k={options.k} memories; with "
-                f"{options.max_tokens} answer tokens it exceeds max_model_len={self.max_model_len}: lower k or "
-                "shorten the question"
-            )
-        if options.mode == "inject":
-            plan = InjectionPlan.of((key, seg.start, len(seg.token_ids))
-                                    for key, seg in zip([preamble.key, *keys[:len(kv_ids)]], layout.segments))
-        memory_tokens = plan.memory_end if plan is not None else layout.memory_end
-        return PreparedRequest(layout.token_ids, plan, tuple(hits), retrieval, memory_tokens, options,
-                               kv_ids, text_ids)
+        if options.mode != "inject":
+            return _Selection(ranked, (), tuple(hits), retrieval, (), tuple(r.id for r in ranked))
+        w = options.context_window
+        preamble = self.kv.preamble_span()
+        keys = self.kv.fact_keys(scope.key, ranked, w)
+        ready = [self.kv.stored(k) for k in keys]
+        missing = [r for r, ok in zip(ranked, ready) if not ok]
+        if options.wait_for_kv and missing:
+            self.kv.ensure(self.kv.fact_spans(scope.key, missing, w))
+            ready = [True] * len(ranked)
+        self.kv.ensure([preamble])
+        order = [i for i, ok in enumerate(ready) if ok] + [i for i, ok in enumerate(ready) if not ok]
+        ranked, keys = [ranked[i] for i in order], [keys[i] for i in order]
+        n_kv = sum(ready)
+        if n_kv < len(ranked):
+            self.kv.schedule(scope.key, ranked[n_kv:], w)
+        return _Selection(ranked, (preamble.key, *keys[:n_kv]), tuple(hits), retrieval,
+                          tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]))
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """Retrieved facts in prompt order (stored KV first, then text; best-ranked last within
+    each) and, in inject mode, the keys of the preamble and the stored facts."""
+
+    ranked: list[FactRecord]
+    keys: tuple[str, ...]
+    hits: tuple[tuple[FactRecord, float], ...]
+    retrieval_s: float
+    kv_ids: tuple[str, ...]
+    text_ids: tuple[str, ...]
+
+    def plan(self, segments: Sequence[Segment]) -> InjectionPlan:
+        """The injection of the preamble and the stored facts' lines, laid out as ``segments``."""
+        return InjectionPlan.of((key, seg.start, len(seg.token_ids)) for key, seg in zip(self.keys, segments))
+
+
+@dataclass(frozen=True)
+class MemoryBlock:
+    """A chat request's memory: see :meth:`ServePath.prepare_memory_block`.
+
+    Attributes:
+        system_text: the system turn's text (system prompt, memories, the client's instructions).
+        plan: what the connector injects (``None`` in text mode).
+        hits: the retrieved facts and their scores, best first.
+        retrieval_s: query embedding plus search (seconds).
+        memory_tokens: tokens the plan covers (inject mode), or of preamble and fact lines (text).
+        kv_memory_ids / text_memory_ids: as in :class:`PreparedRequest`.
+    """
+
+    system_text: str
+    plan: InjectionPlan | None
+    hits: tuple[tuple[FactRecord, float], ...]
+    retrieval_s: float
+    memory_tokens: int
+    kv_memory_ids: tuple[str, ...] = ()
+    text_memory_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ def inject_params(layout, encoder, pool, *, exact_context: bool, tag: str, poiso
     for seg, kv in zip(layout.segments, encoder.encode(items)):
         if poison and seg.owner != "_preamble":
             gen = torch.Generator().manual_seed(1)
-            kv = FactKV(torch.randn(kv.keys.shape, generator=gen), torch.randn(kv.values.shape, generator=gen))
+            kv = FactKV(torch.randn(kv.keys.shape, generator=gen), torch.randn(kv.values.shape, generator=gen),
+                        kv.token_ids)
         key = kv_key(seg.owner, tag=tag, ctx=exact_context, poison=poison, n=len(layout.segments))
         pool.put(key, kv)
         segments.append([key, seg.start, len(seg.token_ids)])

@@ -133,4 +133,4 @@ class KVEncoder:
             v = values[:, row, :, start:end, :].transpose(1, 2)
             positions = torch.arange(start, end, device=k.device) + it.position_offset
             k_pre = self.rotator.unrotate(k, positions)
-            results[slot] = FactKV(k_pre.contiguous().cpu(), v.contiguous().cpu())
+            results[slot] = FactKV(k_pre.contiguous().cpu(), v.contiguous().cpu(), tuple(it.span_ids))

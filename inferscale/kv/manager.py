@@ -29,6 +29,10 @@ from inferscale.store import FactRecord, FactStore, Scope
 from inferscale.turns import TurnLog
 
 
+#: Part of every KV key: entries of an older format (format 1 stored no token ids) are
+#: never found, so they are encoded again rather than served unverified.
+KV_FORMAT = 2
+
 #: Fact KV keys kept by :meth:`KVManager.fact_keys` (~200 bytes each: ~40 MB when full).
 _KEY_CACHE_SIZE = 200_000
 
@@ -120,7 +124,7 @@ class KVManager:
         """The prompt preamble's KV request (computed once)."""
         if self._preamble is None:
             ids = self.prompts.preamble_ids
-            key = kv_key("_preamble", fp=self.fingerprint, dtype=self.dtype, ids=_digest(ids))
+            key = kv_key("_preamble", fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, ids=_digest(ids))
             self._preamble = FactSpan(key, EncodeItem((), ids))
         return self._preamble
 
@@ -168,7 +172,8 @@ class KVManager:
             for line in lines:
                 context.extend(line)
             key = kv_key(
-                fact.id, fp=self.fingerprint, dtype=self.dtype, w=w, ctx=_digest(context), span=_digest(span)
+                fact.id, fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, w=w, ctx=_digest(context),
+                span=_digest(span)
             )
             spans.append(FactSpan(key, EncodeItem(tuple(context), span)))
         with self._keys_lock:

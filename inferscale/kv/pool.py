@@ -1,15 +1,18 @@
 """The KV pool: precomputed fact KV on the device (LRU, byte budget) and on disk.
 
 Layout of one entry (a :class:`FactKV`):
-    keys:   ``[num_layers, num_tokens, num_kv_heads, head_dim]`` pre-RoPE keys
-    values: ``[num_layers, num_tokens, num_kv_heads, head_dim]``
-in the served model's dtype. Per layer this is exactly the ``[num_tokens, num_kv_heads,
+    keys:      ``[num_layers, num_tokens, num_kv_heads, head_dim]`` pre-RoPE keys
+    values:    ``[num_layers, num_tokens, num_kv_heads, head_dim]``
+    token_ids: ``[num_tokens]`` int64, the tokens the KV was encoded from
+in the served model's dtype (token ids aside). Per layer this is exactly the ``[num_tokens, num_kv_heads,
 head_size]`` that vLLM's ``do_kv_cache_update`` takes.
 
 Keys (:func:`kv_key`) are ``"<owner>/<variant>"``: ``owner`` is the fact id (or
 ``_preamble``), ``variant`` a hash of everything the KV depends on (model fingerprint,
 dtype, context window w, template, the fact's text and its context tokens). The disk
-tier stores ``<root>/<owner>/<variant>.safetensors``, so invalidating a fact removes one
+tier stores ``<root>/<owner>/<variant>.safetensors`` (format ``inferscale-kv-2``: the
+token ids are stored with the KV, so the connector injects a segment only where the
+prompt holds those very tokens), so invalidating a fact removes one
 folder. Writes go to a temporary file renamed into place: a crash leaves no partial
 entry. One pool object exists per root folder and process (:meth:`KVPool.shared`), so
 every user of a folder in a process shares its device tier; another process (vLLM's
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}/[0-9a-f]{32}$")
@@ -42,10 +45,13 @@ class FactKV:
     Attributes:
         keys: ``[num_layers, num_tokens, num_kv_heads, head_dim]``.
         values: same shape as ``keys``.
+        token_ids: the span's ``num_tokens`` token ids (``None``: unknown, so the connector
+            never injects the entry).
     """
 
     keys: torch.Tensor
     values: torch.Tensor
+    token_ids: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +63,7 @@ class FactKV:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def to(self, device: torch.device | str) -> "FactKV":
-        return FactKV(self.keys.to(device), self.values.to(device))
+        return FactKV(self.keys.to(device), self.values.to(device), self.token_ids)
 
 
 def kv_key(owner: str, **parts: object) -> str:
@@ -159,11 +165,13 @@ class KVPool:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
         os.close(fd)
         try:
-            save_file(
-                {"keys": kv.keys.detach().contiguous().cpu(), "values": kv.values.detach().contiguous().cpu()},
-                tmp,
-                metadata={"format": "inferscale-kv-1", "layout": "layers,tokens,kv_heads,head_dim"},
-            )
+            tensors = {"keys": kv.keys.detach().contiguous().cpu(), "values": kv.values.detach().contiguous().cpu()}
+            if kv.token_ids is not None:
+                if len(kv.token_ids) != kv.num_tokens:
+                    raise ValueError(f"{len(kv.token_ids)} token ids for KV of {kv.num_tokens} tokens")
+                tensors["token_ids"] = torch.tensor(kv.token_ids, dtype=torch.int64)
+            save_file(tensors, tmp, metadata={"format": "inferscale-kv-2",
+                                              "layout": "layers,tokens,kv_heads,head_dim"})
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -183,7 +191,9 @@ class KVPool:
         path = self._path(key)
         try:
             tensors = load_file(path, device="cpu")
-            kv = FactKV(tensors["keys"], tensors["values"]).to(self.device)
+            ids = tensors.get("token_ids")
+            kv = FactKV(tensors["keys"], tensors["values"], None if ids is None else tuple(ids.tolist()))
+            kv = kv.to(self.device)
         except (FileNotFoundError, SafetensorError, KeyError, OSError):
             with self._lock:
                 self.stats["misses"] += 1
@@ -192,6 +202,21 @@ class KVPool:
             self._remember(key, kv)
             self.stats["disk_hits"] += 1
         return kv
+
+    def token_ids(self, key: str) -> tuple[int, ...] | None:
+        """The tokens ``key``'s KV was encoded from, read without loading the KV (``None`` when
+        the entry is absent, unreadable or has no token ids)."""
+        with self._lock:
+            kv = self._hot.get(key)
+        if kv is not None:
+            return kv.token_ids
+        try:
+            with safe_open(self._path(key), framework="pt", device="cpu") as f:
+                if "token_ids" not in f.keys():
+                    return None
+                return tuple(f.get_tensor("token_ids").tolist())
+        except (FileNotFoundError, SafetensorError, OSError, ValueError):
+            return None
 
     def contains(self, key: str) -> bool:
         """Whether ``key`` is in the device tier or on disk (no load)."""

@@ -14,9 +14,12 @@ and send requests whose ``kv_transfer_params`` carry the plan built by
 :mod:`inferscale.kv.injection`).
 
 A thin shim: each method delegates to vLLM-free code in :mod:`inferscale.kv.injection`.
-Scheduler side: the request's first ``memory_end`` prompt tokens are claimed as
-externally computed when every segment's KV is in the pool; otherwise nothing is
-claimed and vLLM prefills the memory text (the fallback). ``request_finished`` returns
+Scheduler side: the plan's segments are checked in order against the prompt: a segment
+is claimed only when its KV is in the pool and the tokens stored with it are the
+prompt's tokens at its positions, so no chat template, tokenizer boundary, stale or
+forged plan makes attention read KV for other tokens. The longest verified prefix of
+segments is claimed as externally computed and vLLM prefills the rest (all of it when
+the first segment fails: the text fallback). ``request_finished`` returns
 how many tokens were injected, which vLLM hands back in the request's output. Worker
 side: before the forward pass, the staged keys are rotated to their prompt positions and
 written, with the values, through the attention backend's own ``do_kv_cache_update``. A
@@ -40,7 +43,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from inferscale.config import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.kv.encoder import best_device
@@ -84,16 +88,21 @@ class InferScaleConnectorMetadata(KVConnectorMetadata):
 
 
 #: counters of :class:`InjectionStats` (sums over the interval; seconds are wall time)
-STAT_FIELDS = (
-    "loads",            # requests whose KV was written into the paged cache (worker)
-    "injected_tokens",  # tokens written (worker)
-    "stage_s",          # gathering the segments from the pool, disk reads included (worker)
-    "write_s",          # rotating keys and writing every layer (worker)
-    "disk_reads",       # segments read from the disk tier, not the device tier (worker)
-    "load_errors",      # requests whose KV could not be read at load time; vLLM recomputed them (worker)
-    "lookups",          # segment existence checks that touched the file system (scheduler)
-    "lookups_cached",   # segment existence checks answered from memory (scheduler)
-)
+STAT_DOCS = {
+    "loads": "requests whose KV was written into the paged cache (worker)",
+    "injected_tokens": "tokens written into the paged cache (worker)",
+    "stage_s": "seconds gathering segments from the pool, disk reads included (worker)",
+    "write_s": "seconds rotating keys and writing every layer (worker)",
+    "disk_reads": "segments read from the disk tier, not the device tier (worker)",
+    "load_errors": "requests whose KV could not be read at load time; vLLM recomputed them (worker)",
+    "lookups": "segment token look-ups that read the file system (scheduler)",
+    "lookups_cached": "segment token look-ups answered from memory (scheduler)",
+    "verified": "requests whose every planned segment holds the prompt's tokens (scheduler)",
+    "fallbacks": "requests with a segment absent or not matching the prompt; the rest is prefilled (scheduler)",
+    "missing_segments": "segments not in the pool, unreadable, or stored without token ids (scheduler)",
+    "mismatched_segments": "segments whose stored tokens differ from the prompt's at their positions (scheduler)",
+}
+STAT_FIELDS = tuple(STAT_DOCS)
 
 
 @dataclass
@@ -128,6 +137,27 @@ class InjectionStats(KVConnectorStats):
         return out
 
 
+class InjectionPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters on vLLM's ``/metrics``: one Prometheus counter per
+    :data:`STAT_FIELDS` entry, named ``vllm:inferscale_<field>_total``, per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:inferscale_{name}", documentation=f"InferScale KV connector: {doc}",
+                                  labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name, doc in STAT_DOCS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in self.counters and isinstance(value, (int, float)) and value > 0:
+                self.counters[name][engine_idx].inc(value)
+
+
 class InferScaleConnector(KVConnectorBase_V1):
     """vLLM KV connector serving InferScale's fact KV; see the module docstring.
 
@@ -151,9 +181,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._pending: dict[str, tuple[InjectionPlan, int]] = {}
         self._to_load: dict[str, tuple[InjectionPlan, int]] = {}
         self._injected: dict[str, int] = {}
-        # segments seen on disk: a key names immutable content, so it is never re-checked; one
-        # deleted since is caught at load time and recomputed (get_block_ids_with_load_errors)
-        self._known: set[str] = set()
+        # token ids of segments seen on disk: a key names immutable content, so it is never
+        # re-read; one deleted since is caught at load time and recomputed
+        # (get_block_ids_with_load_errors)
+        self._tokens: dict[str, tuple[int, ...]] = {}
         self._stats = InjectionStats()
         # worker side
         self._rotator = RopeRotator(vllm_config.model_config.hf_config) if role == KVConnectorRole.WORKER else None
@@ -172,24 +203,51 @@ class InferScaleConnector(KVConnectorBase_V1):
         if plan.memory_end >= request.num_prompt_tokens:
             logger.warning("request %s: memory block covers the whole prompt; prefilling", request.request_id)
             return 0, False
-        missing = [key for key in plan.keys if not self._exists(key)]
-        if missing:
-            logger.warning("request %s: %d segment(s) not in the KV pool; prefilling", request.request_id, len(missing))
+        plan = self._verified(request, plan)
+        if plan is None or plan.memory_end <= num_computed_tokens:
             return 0, False
         self._pending[request.request_id] = (plan, num_computed_tokens)
         return plan.memory_end - num_computed_tokens, False
 
-    def _exists(self, key: str) -> bool:
-        if key in self._known:
+    def _verified(self, request: "Request", plan: InjectionPlan) -> InjectionPlan | None:
+        """The plan cut to its longest prefix of segments whose stored tokens are the prompt's
+        tokens at their positions (``None`` when not even the first one is)."""
+        prompt = request.prompt_token_ids
+        stats = self._stats.data
+        n_ok = 0
+        for seg in plan.segments:
+            stored = self._stored_tokens(seg.key)
+            if stored is None:
+                stats["missing_segments"] += 1
+                break
+            if prompt is None or tuple(prompt[seg.start:seg.start + seg.num_tokens]) != stored:
+                stats["mismatched_segments"] += 1
+                break
+            n_ok += 1
+        if n_ok == len(plan.segments):
+            stats["verified"] += 1
+            return plan
+        logger.warning("request %s: %d of %d KV segment(s) verified against the prompt's tokens; the rest is "
+                       "prefilled", request.request_id, n_ok, len(plan.segments))
+        stats["fallbacks"] += 1
+        if n_ok == 0:
+            return None
+        kept = plan.segments[:n_ok]
+        return InjectionPlan(kept[-1].start + kept[-1].num_tokens, kept)
+
+    def _stored_tokens(self, key: str) -> tuple[int, ...] | None:
+        tokens = self._tokens.get(key)
+        if tokens is not None:
             self._stats.data["lookups_cached"] += 1
-            return True
+            return tokens
         self._stats.data["lookups"] += 1
-        if not self._pool.contains(key):
-            return False
-        if len(self._known) >= 1_000_000:  # bound the memory: start over
-            self._known.clear()
-        self._known.add(key)
-        return True
+        tokens = self._pool.token_ids(key)
+        if tokens is None:
+            return None
+        if len(self._tokens) >= 1_000_000:  # bound the memory: start over
+            self._tokens.clear()
+        self._tokens[key] = tokens
+        return tokens
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         pending = self._pending.pop(request.request_id, None)
@@ -257,6 +315,11 @@ class InferScaleConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return InjectionStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> InjectionPromMetrics:
+        """The connector's counters for vLLM's Prometheus ``/metrics`` (:class:`InjectionPromMetrics`)."""
+        return InjectionPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

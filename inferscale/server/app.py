@@ -1,0 +1,235 @@
+"""InferScale's HTTP front (FastAPI), in front of vLLM's own OpenAI server.
+
+Routes:
+    ``POST /v1/chat/completions``  chat with memory (:mod:`inferscale.server.chat`), streamed or not
+    ``POST /v1/completions``, ``GET /v1/models``  vLLM's, passed through
+    Mem0-style memory routes (:mod:`inferscale.server.memories`)
+    ``GET /health``  the front is up (no key needed); ``GET /ready``  vLLM answers too
+    ``GET /metrics``  vLLM's Prometheus metrics (the connector's ``vllm:inferscale_*``
+    counters among them) followed by the front's ``inferscale_*`` ones
+    ``GET /docs``  OpenAPI documentation
+
+Errors are JSON ``{"error": {"message", "type", "code"}}`` (OpenAI's shape): 400 for bad
+input, 401 for a missing or wrong API key, 404 for an unknown memory or route, 422 for a
+body that does not fit a route's schema (FastAPI's validation message); vLLM's own
+errors pass through with its status.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inferscale.kv.injection import injected_tokens
+from inferscale.server import memories
+from inferscale.server.chat import (
+    ChatPlan,
+    ChatRequestError,
+    MemoryOptions,
+    check_messages,
+    forward_body,
+    request_scope,
+    split_messages,
+)
+from inferscale.server.upstream import Upstream
+from inferscale.types import MemoryNotFoundError, UnknownScopeError
+
+#: routes answered without an API key (liveness probes carry no data)
+_OPEN_PATHS = frozenset({"/health"})
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+class FrontMetrics:
+    """The front's Prometheus counters (a registry of its own, appended to vLLM's ``/metrics``)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("inferscale_chat_requests", "chat requests, by memory mode", ["mode"],
+                                registry=self.registry)
+        self.memories = Counter("inferscale_chat_memories", "memories placed in chat prompts, by how: 'kv' "
+                                "(injected) or 'text' (prefilled)", ["source"], registry=self.registry)
+        self.kv_tokens = Counter("inferscale_chat_planned_kv_tokens", "prompt tokens planned as KV",
+                                 registry=self.registry)
+        self.injected = Counter("inferscale_chat_injected_tokens", "prompt tokens the connector injected "
+                                "(non-streamed responses)", registry=self.registry)
+        self.prepare = Histogram("inferscale_chat_prepare_seconds", "retrieval and memory-block layout per request",
+                                 registry=self.registry)
+
+    def observe(self, plan: ChatPlan, prepare_s: float) -> None:
+        self.requests.labels(plan.mode).inc()
+        if plan.block is not None:
+            self.memories.labels("kv").inc(len(plan.block.kv_memory_ids))
+            self.memories.labels("text").inc(len(plan.block.text_memory_ids))
+            if plan.block.plan is not None:
+                self.kv_tokens.inc(plan.block.memory_tokens)
+            self.prepare.observe(prepare_s)
+
+
+def create_app(memory: Any, upstream: Upstream, *, api_key: str | None = None) -> FastAPI:
+    """The front's FastAPI app.
+
+    Args:
+        memory: the :class:`inferscale.Memory` whose data dir the upstream's connector reads.
+        upstream: vLLM's OpenAI server.
+        api_key: when set, every route but ``/health`` requires ``Authorization: Bearer <key>``.
+    """
+    app = FastAPI(title="InferScale", description="Memory for LLM agents, served as precomputed KV through vLLM.",
+                  version="0.1.0")
+    app.state.memory = memory
+    app.state.upstream = upstream
+    app.state.metrics = metrics = FrontMetrics()
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if api_key and request.url.path not in _OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                              "authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = ["{}: {}".format(".".join(str(p) for p in e.get("loc", ())), e.get("msg")) for e in exc.errors()]
+        return _error(422, "invalid request: " + "; ".join(parts))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
+        return _error(exc.status_code, message, "not_found_error" if exc.status_code == 404 else
+                      "invalid_request_error")
+
+    @app.exception_handler(MemoryNotFoundError)
+    @app.exception_handler(UnknownScopeError)
+    async def not_found(request: Request, exc: KeyError) -> JSONResponse:
+        return _error(404, str(exc.args[0]) if exc.args else str(exc), "not_found_error")
+
+    @app.exception_handler(ValueError)
+    @app.exception_handler(TypeError)
+    async def bad_input(request: Request, exc: Exception) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(httpx.HTTPError)
+    async def upstream_down(request: Request, exc: httpx.HTTPError) -> JSONResponse:
+        return _error(503, f"the model server is not answering ({type(exc).__name__}); see /ready", "server_error")
+
+    @app.get("/health", tags=["server"], summary="The front is up")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready", tags=["server"], summary="The front and vLLM are ready")
+    async def ready() -> Response:
+        if await upstream.ready():
+            return JSONResponse({"status": "ready"})
+        return _error(503, "vLLM's server is not ready", "server_error")
+
+    @app.get("/metrics", tags=["server"], summary="Prometheus metrics: vLLM's, then the front's")
+    async def prometheus() -> Response:
+        r = await upstream.client.get("/metrics")
+        text = (r.content if r.status_code == 200 else b"") + generate_latest(metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", tags=["openai"], summary="vLLM's models")
+    async def models() -> Response:
+        r = await upstream.client.get("/v1/models")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    @app.post("/v1/completions", tags=["openai"], summary="vLLM's completions, without memory")
+    async def completions(request: Request) -> Response:
+        body = await _json_body(request)
+        body = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "cache_salt")}
+        return await _forward(upstream, "/v1/completions", body, None)
+
+    @app.post("/v1/chat/completions", tags=["openai"], summary="Chat with memory")
+    async def chat(request: Request) -> Response:
+        body = await _json_body(request)
+        options = _memory_options(body.get("memory"))
+        messages = check_messages(body)
+        t0 = time.perf_counter()
+        if options.mode == "none":
+            plan = ChatPlan(forward_body(body, None, None), None, "none")
+        else:
+            scope = request_scope(body, request.headers)
+            instructions, rest, query = split_messages(messages)
+            block = await run_in_threadpool(_memory_block, memory, scope, query, options, instructions)
+            plan = ChatPlan(forward_body(body, block, rest), block, options.mode)
+        metrics.observe(plan, time.perf_counter() - t0)
+        if "model" not in plan.body:
+            plan.body["model"] = await upstream.model_name()
+        return await _forward(upstream, "/v1/chat/completions", plan.body, plan)
+
+    app.include_router(memories.router())
+    return app
+
+
+def _memory_options(value: Any) -> MemoryOptions:
+    try:
+        return MemoryOptions.model_validate({} if value is None else value)
+    except ValidationError as exc:
+        parts = ["memory.{}: {}".format(".".join(str(p) for p in e["loc"]), e["msg"]) if e["loc"] else e["msg"]
+                 for e in exc.errors()]
+        raise ChatRequestError("invalid 'memory' field: " + "; ".join(parts)) from None
+
+
+def _memory_block(memory: Any, scope, query: str, options: MemoryOptions, instructions: str | None):
+    o = memory.options(mode="inject" if options.mode == "inject" else "text", k=options.k,
+                       context_window=options.context_window, wait_for_kv=options.wait_for_kv)
+    return memory.serve.prepare_memory_block(scope, query, o, instructions=instructions)
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ChatRequestError(f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ChatRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def _forward(upstream: Upstream, path: str, body: dict, plan: ChatPlan | None) -> Response:
+    """Send ``body`` to vLLM; a streamed answer is relayed as it comes, with the memory
+    report in its first chunk; a whole one gets it as a ``memory`` field."""
+    if not body.get("stream"):
+        r = await upstream.client.post(path, json=body)
+        if r.status_code != 200 or plan is None:
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        out = r.json()
+        injected = injected_tokens(out.pop("kv_transfer_params", None))
+        out["memory"] = plan.report(injected)
+        return JSONResponse(out)
+    resp = await upstream.client.send(upstream.client.build_request("POST", path, json=body), stream=True)
+    if resp.status_code != 200:
+        content = await resp.aread()
+        await resp.aclose()
+        return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+
+    async def relay():
+        first = plan is not None
+        try:
+            async for line in resp.aiter_lines():
+                if first and line.startswith("data: {"):
+                    chunk = json.loads(line[len("data: "):])
+                    chunk["memory"] = plan.report(None)
+                    line, first = "data: " + json.dumps(chunk), False
+                yield line + "\n"
+        finally:
+            await resp.aclose()
+
+    return StreamingResponse(relay(), media_type="text/event-stream")
+

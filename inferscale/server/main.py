@@ -1,0 +1,122 @@
+"""``inferscale serve``: start (or join) vLLM's OpenAI server, open the memory, serve HTTP.
+
+Order of start-up, each step failing with a clear message before the next: the front's
+port is free; the model resolves; vLLM's server starts (its own process group, our
+connector, prefix caching on) and answers ``/health`` (or, with ``vllm_url``, one that
+is already running does); the :class:`inferscale.Memory` opens over the data dir; uvicorn
+serves the front. Ctrl-C or SIGTERM stops uvicorn, closes the memory (queued KV encodes
+stay queued for the next start) and stops the vLLM server this command started.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from inferscale.config import MemoryConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What ``inferscale serve`` was asked for.
+
+    Attributes:
+        host, port: where the front listens (loopback by default).
+        vllm_url: a running vLLM server to front instead of starting one.
+        api_key: required of every client when set (and of the front by a vLLM it starts).
+        served_model_name: the ``model`` name (default: from the model).
+        vllm_start_timeout_s: most seconds vLLM may take to become ready.
+        max_num_seqs: most requests vLLM batches at once.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    vllm_url: str | None = None
+    api_key: str | None = None
+    served_model_name: str | None = None
+    vllm_start_timeout_s: float = 900.0
+    max_num_seqs: int = 64
+
+
+def served_name(config: MemoryConfig, model_path: Path) -> str:
+    """The model name clients send: a Hugging Face id as given, else the model folder's name."""
+    llm = config.llm
+    if "/" in llm and not llm.startswith("pypi:") and not Path(llm).expanduser().exists():
+        return llm
+    return model_path.name
+
+
+class _Stop(Exception):
+    pass
+
+
+def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None] = print) -> None:
+    """Run the server until Ctrl-C or SIGTERM.
+
+    Raises:
+        OSError: the front's port is in use.
+        inferscale.models.ModelNotFoundError: the model cannot be found.
+        inferscale.server.vllm_process.VLLMStartError: vLLM's server could not start.
+        RuntimeError: ``vllm_url`` does not answer.
+    """
+    import httpx
+    import uvicorn
+
+    from inferscale.memory import Memory
+    from inferscale.models import resolve_llm
+    from inferscale.server.app import create_app
+    from inferscale.server.upstream import HttpEngine, Upstream
+    from inferscale.server.vllm_process import VLLMProcess, check_port_free
+
+    check_port_free(options.host, options.port)
+    model_path = resolve_llm(config.llm)
+    name = options.served_model_name or served_name(config, model_path)
+    kv_dir = config.data_dir / "kv"
+    vllm: VLLMProcess | None = None
+    memory = None
+
+    def stop(signum, frame):
+        raise _Stop()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        if options.vllm_url is None:
+            vllm = VLLMProcess(model_path, served_model_name=name, kv_dir=kv_dir, dtype=config.resolved_dtype,
+                               max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                               device_budget_bytes=config.device_kv_budget_bytes, max_num_seqs=options.max_num_seqs,
+                               api_key=options.api_key)
+            say(f"starting vLLM's OpenAI server for {name} on {vllm.url} (log: {vllm.log_path}) ...")
+            vllm.start()
+            vllm.wait_ready(options.vllm_start_timeout_s)
+            url = vllm.url
+        else:
+            url = options.vllm_url.rstrip("/")
+            headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+            try:
+                r = httpx.get(f"{url}/v1/models", headers=headers, timeout=10.0)
+                r.raise_for_status()
+                name = options.served_model_name or r.json()["data"][0]["id"]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+                raise RuntimeError(f"the vLLM server at {url} does not answer /v1/models ({exc}); start it as "
+                                   "docs/server.md shows, or leave out --vllm-url") from None
+        memory = Memory(config, engine=HttpEngine(url, kv_dir, name, options.api_key))
+        app = create_app(memory, Upstream(url, options.api_key, name), api_key=options.api_key)
+        say(f"InferScale is serving {name} with memory from {config.data_dir} on "
+            f"http://{options.host}:{options.port} (OpenAI API under /v1, docs at /docs)")
+        # uvicorn handles SIGTERM / Ctrl-C itself and raises the signal again once it has
+        # stopped: the handler above then ends this function through ``finally``
+        uvicorn.run(app, host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=10)
+    except (_Stop, KeyboardInterrupt):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if memory is not None:
+            memory.close()
+        if vllm is not None:
+            say("stopping vLLM's server ...")
+            vllm.stop()

@@ -1,0 +1,120 @@
+"""Memories over HTTP, with the routes and JSON shapes of Mem0's OSS server
+(``server/main.py`` in mem0ai/mem0): ``POST /memories``, ``GET /memories``,
+``GET /memories/{id}``, ``POST /search``, ``PUT /memories/{id}``,
+``GET /memories/{id}/history``, ``DELETE /memories/{id}``, ``DELETE /memories``,
+``POST /reset``.
+
+Differences, each because InferScale's memories are scoped: the routes of one memory
+take the scope as query parameters (``?user_id=alice``) and a memory of another scope is
+404; ``PUT`` takes ``{"text", "metadata"}`` (the shape of Mem0's platform API; Mem0's
+OSS server passes its body through as the text). Every route is a thin call of
+:class:`inferscale.Memory`; its errors become 400 (bad input) and 404 (no such memory).
+Handlers are plain functions, so FastAPI runs them on its thread pool and the event
+loop keeps serving chat while a write waits for its lock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from inferscale.server.chat import scope_id
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: str = Field(description="'user' or 'assistant' (or another speaker name)")
+    content: str
+
+
+class ScopeFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    user_id: str | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
+
+    def scope(self) -> dict[str, str]:
+        return _scope(self.user_id, self.agent_id, self.run_id)
+
+
+class MemoryCreate(ScopeFields):
+    messages: list[Message] | str = Field(description="messages to remember, or one text")
+    metadata: dict[str, Any] | None = None
+    infer: bool = Field(default=False, description="extract facts with the served LLM (Mem0's infer=True)")
+
+
+class SearchRequest(ScopeFields):
+    query: str
+    limit: int = Field(default=100, ge=1, le=10_000)
+    threshold: float | None = None
+    filters: dict[str, Any] | None = None
+
+
+class MemoryUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(description="the memory's new text")
+    metadata: dict[str, Any] | None = None
+
+
+def _scope(user_id: str | None, agent_id: str | None, run_id: str | None) -> dict[str, str]:
+    out = {"user_id": scope_id(user_id, "user_id"), "agent_id": scope_id(agent_id, "agent_id"),
+           "run_id": scope_id(run_id, "run_id")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def router() -> APIRouter:
+    """The Mem0-style routes; the :class:`inferscale.Memory` is ``request.app.state.memory``."""
+    r = APIRouter(tags=["memories"])
+
+    @r.post("/memories", summary="Add memories")
+    def add(body: MemoryCreate, request: Request) -> dict:
+        messages = body.messages if isinstance(body.messages, str) else [m.model_dump() for m in body.messages]
+        return request.app.state.memory.add(messages, metadata=body.metadata, infer=body.infer, **body.scope())
+
+    @r.get("/memories", summary="Get all memories of a scope")
+    def get_all(request: Request, user_id: str | None = None, agent_id: str | None = None,
+                run_id: str | None = None, limit: int = Query(default=100, ge=0, le=100_000)) -> dict:
+        return request.app.state.memory.get_all(limit=limit, **_scope(user_id, agent_id, run_id))
+
+    @r.get("/memories/{memory_id}", summary="Get a memory")
+    def get(memory_id: str, request: Request, user_id: str | None = None, agent_id: str | None = None,
+            run_id: str | None = None) -> dict:
+        return request.app.state.memory.get(memory_id, **_scope(user_id, agent_id, run_id))
+
+    @r.post("/search", summary="Search memories")
+    def search(body: SearchRequest, request: Request) -> dict:
+        return request.app.state.memory.search(body.query, limit=body.limit, threshold=body.threshold,
+                                               filters=body.filters, **body.scope())
+
+    @r.put("/memories/{memory_id}", summary="Update a memory")
+    def update(memory_id: str, body: MemoryUpdate, request: Request, user_id: str | None = None,
+               agent_id: str | None = None, run_id: str | None = None) -> dict:
+        return request.app.state.memory.update(memory_id, body.text, metadata=body.metadata,
+                                               **_scope(user_id, agent_id, run_id))
+
+    @r.get("/memories/{memory_id}/history", summary="Get a memory's history")
+    def history(memory_id: str, request: Request, user_id: str | None = None, agent_id: str | None = None,
+                run_id: str | None = None) -> list[dict]:
+        return request.app.state.memory.history(memory_id, **_scope(user_id, agent_id, run_id))
+
+    @r.delete("/memories/{memory_id}", summary="Delete a memory")
+    def delete(memory_id: str, request: Request, user_id: str | None = None, agent_id: str | None = None,
+               run_id: str | None = None) -> dict:
+        return request.app.state.memory.delete(memory_id, **_scope(user_id, agent_id, run_id))
+
+    @r.delete("/memories", summary="Delete all memories of a scope")
+    def delete_all(request: Request, user_id: str | None = None, agent_id: str | None = None,
+                   run_id: str | None = None) -> dict:
+        return request.app.state.memory.delete_all(**_scope(user_id, agent_id, run_id))
+
+    @r.post("/reset", summary="Delete every memory, turn and KV of the store")
+    def reset(request: Request) -> dict:
+        request.app.state.memory.reset()
+        return {"message": "All memories reset"}
+
+    return r
