@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "inferscale"
 APPLICATION = ("inferscale", "inferscale.memory", "inferscale.async_memory", "inferscale.sessions",
-               "inferscale.demo", "inferscale.cli", "inferscale.datasets", "inferscale.bench")
+               "inferscale.demo", "inferscale.cli", "inferscale.datasets", "inferscale.bench", "inferscale.server")
 FRAMEWORKS = ("vllm", "langchain", "langchain_core", "langchain_inferscale", "llama_index", "integrations")
 
 
