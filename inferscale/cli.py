@@ -289,7 +289,7 @@ def serve(
     from inferscale.server.vllm_process import VLLMStartError
     from inferscale.store import StoreError
 
-    overrides: dict = {"dtype": dtype}
+    overrides: dict = {} if dtype == "auto" else {"dtype": dtype}  # INFERSCALE_DTYPE applies otherwise
     if data_dir is not None:
         overrides["data_dir"] = data_dir
     try:

@@ -1,0 +1,312 @@
+"""``inferscale serve`` on loopback: the real vLLM OpenAI server (its own processes), the real
+SmolLM2 weights, Chroma on disk, driven with the ``openai`` client and plain HTTP.
+
+One server is started for the module (about a minute here); the last test kills it with
+SIGKILL in the middle of a stream of adds and starts another over the same data dir.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from inferscale.server.vllm_process import free_port
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key-7d1f"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+FACTS = {
+    "alice": ["My dog is called Rex.", "I am allergic to peanuts."],
+    "bob": ["My cat is called Tom.", "I work as a pilot."],
+}
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    data_dir: Path
+    log: Path
+
+    @property
+    def vllm_url(self) -> str:
+        found = re.search(r"on (http://127\.0\.0\.1:\d+) \(log", self.log.read_text())
+        assert found, self.log.read_text()
+        return found.group(1)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
+
+    def http(self, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(method, self.url + path, headers={**AUTH, **kw.pop("headers", {})}, timeout=300, **kw)
+
+    def counter(self, name: str) -> float:
+        text = self.http("GET", "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(f"vllm:inferscale_{name}_total{{"))
+
+
+def start_server(data_dir: Path, port: int | None = None) -> Server:
+    port = port or free_port()
+    log = data_dir.parent / f"serve-{port}.log"
+    exe = Path(sys.executable).with_name("inferscale")
+    env = {**os.environ, "INFERSCALE_API_KEY": KEY, "VLLM_SERVER_DEV_MODE": "1", "INFERSCALE_DTYPE": "float32"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--data-dir", str(data_dir)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server(f"http://127.0.0.1:{port}", proc, data_dir, log)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"inferscale serve exited:\n{log.read_text()[-3000:]}"
+        try:
+            if server.http("GET", "/ready").status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise AssertionError(f"inferscale serve not ready after 600 s:\n{log.read_text()[-3000:]}")
+
+
+def listening(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    s = start_server(root / "data")
+    ids = {}
+    for user, facts in FACTS.items():
+        r = s.http("POST", "/memories", json={"messages": [{"role": "user", "content": f} for f in facts],
+                                              "user_id": user})
+        assert r.status_code == 200, r.text
+        ids[user] = {e["id"] for e in r.json()["results"]}
+    s.ids = ids
+    yield s
+    if s.proc.poll() is None:  # the last test may have killed it already
+        s.proc.kill()
+
+
+def chat(server: Server, question: str, user: str = "alice", **extra):
+    memory = extra.pop("memory", {})
+    return server.client().chat.completions.create(
+        model=server.client().models.list().data[0].id, messages=[{"role": "user", "content": question}],
+        user=user, max_tokens=extra.pop("max_tokens", 16), temperature=0, extra_body={"memory": memory}, **extra)
+
+
+def report(resp) -> dict:
+    return resp.model_extra["memory"]
+
+
+def test_chat_injects_the_users_memory_then_text_and_none_modes(server):
+    first = chat(server, "What is my dog called?", memory={"wait_for_kv": True})
+    mem = report(first)
+    assert mem["mode"] == "inject" and set(mem["kv_memory_ids"]) == server.ids["alice"]
+    assert {m["id"] for m in mem["memories"]} == server.ids["alice"]
+    assert mem["kv_tokens"] > 0 and mem["injected_tokens"] == mem["kv_tokens"]
+    assert "Rex" in first.choices[0].message.content
+
+    text = chat(server, "What is my dog called?", memory={"mode": "text"})
+    tm = report(text)
+    assert tm["mode"] == "text" and tm["kv_tokens"] == 0 and tm["injected_tokens"] == 0
+    assert set(tm["text_memory_ids"]) == server.ids["alice"] and "Rex" in text.choices[0].message.content
+
+    none = chat(server, "What is my dog called?", memory={"mode": "none"})
+    assert report(none) == {"mode": "none", "injected_tokens": 0}
+
+
+def test_streaming_chat_carries_the_memory_report_first(server):
+    stream = server.client().chat.completions.create(
+        model=server.client().models.list().data[0].id, user="bob", max_tokens=16, temperature=0, stream=True,
+        messages=[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is my job?"}])
+    chunks = list(stream)
+    assert set(chunks[0].model_extra["memory"]["kv_memory_ids"]) <= server.ids["bob"]
+    assert all("memory" not in (c.model_extra or {}) for c in chunks[1:])
+    answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert answer.strip()
+
+
+def test_exact_context_injection_matches_prefill_logprobs(server):
+    """One memory at w=0 is encoded after exactly the preamble that precedes it in the
+    prompt: the exact-context case, so injected and prefilled logprobs agree (fp32)."""
+    kw = dict(max_tokens=1, logprobs=True, top_logprobs=5)
+    inj = chat(server, "Which food must I avoid?", memory={"k": 1, "context_window": 0, "wait_for_kv": True}, **kw)
+    assert report(inj)["injected_tokens"] > 0 and len(report(inj)["kv_memory_ids"]) == 1
+    txt = chat(server, "Which food must I avoid?", memory={"k": 1, "context_window": 0, "mode": "text"}, **kw)
+    a = {t.token: t.logprob for t in inj.choices[0].logprobs.content[0].top_logprobs}
+    b = {t.token: t.logprob for t in txt.choices[0].logprobs.content[0].top_logprobs}
+    common = set(a) & set(b)
+    assert len(common) >= 3 and max(abs(a[t] - b[t]) for t in common) < 1e-3
+
+
+def test_text_request_after_injection_gets_its_own_kv(server):
+    """The injected request's blocks are salted: a text request with the same tokens is
+    prefilled (its logprobs equal those from a cold prefix cache), never served that KV."""
+    kw = dict(max_tokens=1, logprobs=True, top_logprobs=5)
+    q = "Tell me about my pets and my allergies."
+    reset = lambda: httpx.post(server.vllm_url + "/reset_prefix_cache", headers=AUTH, timeout=60)  # noqa: E731
+    assert reset().status_code == 200
+    cold = chat(server, q, memory={"mode": "text", "context_window": 3}, **kw)
+    assert reset().status_code == 200
+    inj = chat(server, q, memory={"context_window": 3, "wait_for_kv": True}, **kw)
+    assert report(inj)["injected_tokens"] > 0
+    after = chat(server, q, memory={"mode": "text", "context_window": 3}, **kw)
+    top = lambda r: [(t.token, t.logprob) for t in r.choices[0].logprobs.content[0].top_logprobs]  # noqa: E731
+    assert top(after) == top(cold)
+
+
+def test_eight_users_at_once_each_get_their_own_memories(server):
+    users = {f"user{i}": f"My locker number is {1000 + 37 * i}." for i in range(8)}
+    owned = {}
+    for user, fact in users.items():
+        r = server.http("POST", "/memories", json={"messages": fact, "user_id": user})
+        owned[user] = {e["id"] for e in r.json()["results"]}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = dict(zip(users, pool.map(lambda u: chat(server, "What is my locker number?", user=u), users)))
+    for user, resp in got.items():
+        mem = report(resp)
+        assert {m["id"] for m in mem["memories"]} == owned[user]
+        assert set(mem["kv_memory_ids"]) | set(mem["text_memory_ids"]) == owned[user]
+
+
+def test_a_memory_added_over_http_is_used_by_the_next_chat(server):
+    r = server.http("POST", "/memories", json={"messages": "My favourite colour is teal.", "user_id": "carol"})
+    new_id = r.json()["results"][0]["id"]
+    resp = chat(server, "What is my favourite colour?", user="carol")
+    assert [m["id"] for m in report(resp)["memories"]] == [new_id]
+    assert "teal" in resp.choices[0].message.content.lower()
+
+
+def test_missing_and_corrupted_kv_fall_back_to_the_text_answer(server):
+    """Deleting or corrupting a user's fact KV on disk: the connector cannot verify those
+    segments, injects only the preamble, and the answer is the text-mode answer."""
+    user = "dave"
+    r = server.http("POST", "/memories", json={"messages": ["I live in Lisbon.", "I play the cello."],
+                                               "user_id": user})
+    ids = [e["id"] for e in r.json()["results"]]
+    q, kw = "Where do I live?", dict(max_tokens=12, logprobs=True, top_logprobs=3)
+    text = chat(server, q, user=user, memory={"mode": "text"}, **kw)
+    files = {i: sorted((server.data_dir / "kv" / i).glob("*.safetensors")) for i in ids}
+    for fid in ids:  # wait until the background encoder wrote both facts' KV
+        deadline = time.monotonic() + 120
+        while not files[fid] and time.monotonic() < deadline:
+            time.sleep(0.5)
+            files[fid] = sorted((server.data_dir / "kv" / fid).glob("*.safetensors"))
+        assert files[fid], f"no KV written for {fid}"
+    files[ids[0]][0].unlink()                                   # deleted
+    data = files[ids[1]][0].read_bytes()
+    files[ids[1]][0].write_bytes(data[: len(data) // 2])        # corrupted (truncated)
+    missing, fallbacks = server.counter("missing_segments"), server.counter("fallbacks")
+    got = chat(server, q, user=user, **kw)
+    mem = report(got)
+    assert set(mem["kv_memory_ids"]) == set(ids)               # the front planned them as KV ...
+    assert 0 < mem["injected_tokens"] < mem["kv_tokens"]       # ... the connector injected the preamble only
+    assert got.choices[0].message.content == text.choices[0].message.content
+    assert server.counter("missing_segments") > missing and server.counter("fallbacks") > fallbacks
+
+
+def test_bad_requests_are_4xx_and_the_server_keeps_serving(server):
+    model = server.client().models.list().data[0].id
+    cases = [
+        ("POST", "/v1/chat/completions", dict(content=b"{not json", headers={"content-type": "application/json"}), 400),
+        ("GET", "/v1/no-such-route", {}, 404),
+        ("POST", "/v1/chat/completions", dict(json={"model": model, "user": "alice", "memory": {"k": 10_000},
+                                                    "messages": [{"role": "user", "content": "hi"}]}), 400),
+        ("POST", "/v1/chat/completions", dict(json={"model": model, "user": "alice", "memory": {"mode": "loud"},
+                                                    "messages": [{"role": "user", "content": "hi"}]}), 400),
+        ("POST", "/v1/chat/completions", dict(json={"model": model, "messages": [{"role": "user", "content": "hi"}]}),
+         400),
+        ("POST", "/v1/chat/completions", dict(json={"model": model, "user": "alice", "max_tokens": 16, "messages": [
+            {"role": "user", "content": "word " * 9000}]}), 400),
+        ("POST", "/search", dict(json={"query": "x", "user_id": "alice", "filters": {"a": {"$bogus": 1}}}), 400),
+        ("GET", "/memories/nope?user_id=alice", {}, 404),
+        ("POST", "/memories", dict(json={"messages": "x"}), 400),
+        ("POST", "/memories", dict(json={"messages": "x", "user_id": "a\x00b"}), 400),
+    ]
+    for method, path, kw, status in cases:
+        r = server.http(method, path, **kw)
+        assert r.status_code == status, (path, kw, r.text)
+        assert r.json()["error"]["message"], r.text
+    wrong = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # liveness needs no key
+    assert "Rex" in chat(server, "What is my dog called?").choices[0].message.content
+
+
+def test_memory_routes_follow_mem0(server):
+    r = server.http("POST", "/memories", json={"messages": "I drink green tea.", "user_id": "erin",
+                                               "metadata": {"topic": "food"}})
+    mid = r.json()["results"][0]["id"]
+    assert server.http("GET", f"/memories/{mid}?user_id=erin").json()["memory"] == "I drink green tea."
+    assert [m["id"] for m in server.http("GET", "/memories?user_id=erin").json()["results"]] == [mid]
+    found = server.http("POST", "/search", json={"query": "tea", "user_id": "erin", "filters": {"topic": "food"}})
+    assert [m["id"] for m in found.json()["results"]] == [mid]
+    assert server.http("PUT", f"/memories/{mid}?user_id=erin", json={"text": "I drink black tea."}).status_code == 200
+    events = server.http("GET", f"/memories/{mid}/history?user_id=erin").json()
+    assert [e["event"] for e in events] == ["ADD", "UPDATE"]
+    assert server.http("GET", f"/memories/{mid}?user_id=bob").status_code == 404  # another scope
+    assert server.http("DELETE", f"/memories/{mid}?user_id=erin").status_code == 200
+    assert server.http("GET", "/memories?user_id=erin").json()["results"] == []
+    assert server.http("GET", "/docs").status_code == 200 and "/search" in server.http("GET", "/openapi.json").text
+
+
+def test_sigkill_during_adds_then_restart_keeps_every_acknowledged_add(server):
+    """Runs last: kills the module's server."""
+    acked, stop = [], threading.Event()
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            try:
+                r = server.http("POST", "/memories", json={"messages": f"Note number {i} of the crash test.",
+                                                           "user_id": "crash"}, timeout=10)
+            except httpx.HTTPError:
+                return
+            if r.status_code == 200:
+                acked.append(r.json()["results"][0]["id"])
+            i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    time.sleep(3)
+    vllm = server.vllm_url
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(10)
+    stop.set()
+    t.join(30)
+    assert len(acked) >= 5
+    deadline = time.monotonic() + 120  # its vLLM server got SIGTERM when it died (PDEATHSIG) and stops
+    while listening(vllm) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not listening(vllm), "the killed server's vLLM child is still serving"
+    again = start_server(server.data_dir)
+    try:
+        stored = {m["id"] for m in again.http("GET", "/memories?user_id=crash&limit=100000").json()["results"]}
+        assert set(acked) <= stored
+        resp = again.client().chat.completions.create(
+            model=again.client().models.list().data[0].id, user="crash", max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": "Which notes do I have?"}])
+        assert report(resp)["memories"]
+    finally:
+        again.proc.send_signal(signal.SIGTERM)
+        assert again.proc.wait(120) == 0
+        assert not listening(again.vllm_url), "SIGTERM left vLLM's server running"
