@@ -89,3 +89,30 @@ def test_connector_counters_reach_the_stat_logger(memory, engine):
     assert got["loads"] >= 2 and got["injected_tokens"] >= 2 * out.num_injected_tokens
     assert got["stage_s"] > 0 and got["write_s"] > 0 and got.get("load_errors", 0) == 0
     assert got["lookups_cached"] >= len(req.plan.segments)  # the second request found every segment in memory
+
+
+def test_segment_whose_prompt_tokens_differ_is_prefilled_not_injected(memory, engine):
+    """The plan's keys are right, but the prompt holds other tokens where the first fact's
+    line should be (a template or tokenizer that renders differently, a forged plan): the
+    connector injects only the verified preamble and vLLM prefills the rest, so the answer
+    is the one a plain prefill of that prompt gives."""
+    req = memory.inject("What is my dog called?", user_id="batch-user-5", k=2)
+    first_fact = req.plan.segments[1]
+    ids = list(req.prompt_token_ids)
+    ids[first_fact.start + 1] = ids[first_fact.start + 1] + 1  # one token of the fact line changed
+    before = dict(engine.batch_stats.connector)
+    kw = dict(max_tokens=8, logprobs=5)
+    got = engine.generate(ids, kv_transfer_params=req.kv_transfer_params, cache_salt="mismatch", **kw)
+    plain = engine.generate(ids, **kw)
+    assert got.num_injected_tokens == req.plan.segments[0].num_tokens  # the preamble only
+    assert got.text == plain.text
+    common = set(got.first_logprobs) & set(plain.first_logprobs)
+    assert max(abs(got.first_logprobs[t] - plain.first_logprobs[t]) for t in common) < 1e-3
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        delta = {k: engine.batch_stats.connector.get(k, 0) - before.get(k, 0) for k in ("mismatched_segments",
+                                                                                         "fallbacks")}
+        if delta["mismatched_segments"] >= 1:
+            break
+        time.sleep(0.1)
+    assert delta["mismatched_segments"] >= 1 and delta["fallbacks"] >= 1

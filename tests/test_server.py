@@ -269,6 +269,42 @@ def test_memory_routes_follow_mem0(server):
     assert server.http("GET", "/docs").status_code == 200 and "/search" in server.http("GET", "/openapi.json").text
 
 
+def langchain_chat(server: Server, user: str, **kw):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(base_url=server.url + "/v1", api_key=KEY, model=server.client().models.list().data[0].id,
+                      temperature=0, max_tokens=kw.pop("max_tokens", 24), max_retries=0,
+                      model_kwargs={"user": user}, **kw)
+
+
+def test_langchain_chatopenai_remembers_across_sessions(server):
+    # session 1: the agent stores what the user said (as it would after every turn)
+    said = "Remember this: my sister is called Ingrid."
+    r = server.http("POST", "/memories", json={"messages": [{"role": "user", "content": said}], "user_id": "frank"})
+    assert r.status_code == 200
+    # session 2: a new chat model, no history; the memory comes from the server
+    answer = langchain_chat(server, "frank").invoke([("user", "What is my sister called?")])
+    assert "Ingrid" in answer.content
+    assert answer.response_metadata.get("model_name")
+
+
+def test_langchain_forced_tool_call_and_structured_output_through_the_server(server):
+    from pydantic import BaseModel, Field
+
+    class Allergy(BaseModel):
+        """A food the user must avoid."""
+
+        food: str = Field(description="the food, one word")
+
+    llm = langchain_chat(server, "alice", max_tokens=48)
+    tooled = llm.bind_tools([Allergy], tool_choice="Allergy")
+    msg = tooled.invoke([("user", "Which food am I allergic to?")])
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "Allergy"
+    assert isinstance(msg.tool_calls[0]["args"]["food"], str)
+    parsed = llm.with_structured_output(Allergy, method="json_schema").invoke([("user", "Which food am I allergic to?")])
+    assert isinstance(parsed, Allergy) and parsed.food
+
+
 def test_sigkill_during_adds_then_restart_keeps_every_acknowledged_add(server):
     """Runs last: kills the module's server."""
     acked, stop = [], threading.Event()
