@@ -199,8 +199,8 @@ def test_missing_and_corrupted_kv_fall_back_to_the_text_answer(server):
     """Deleting or corrupting a user's fact KV on disk: the connector cannot verify those
     segments, injects only the preamble, and the answer is the text-mode answer."""
     user = "dave"
-    r = server.http("POST", "/memories", json={"messages": ["I live in Lisbon.", "I play the cello."],
-                                               "user_id": user})
+    messages = [{"role": "user", "content": t} for t in ("I live in Lisbon.", "I play the cello.")]
+    r = server.http("POST", "/memories", json={"messages": messages, "user_id": user})
     ids = [e["id"] for e in r.json()["results"]]
     q, kw = "Where do I live?", dict(max_tokens=12, logprobs=True, top_logprobs=3)
     text = chat(server, q, user=user, memory={"mode": "text"}, **kw)
