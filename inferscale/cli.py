@@ -280,6 +280,7 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, help="The 'model' name clients send (default: the model's)."),
     dtype: str = _DTYPE,
     max_num_seqs: int = typer.Option(64, min=1, help="Most requests vLLM batches at once."),
+    tool_call_parser: str = typer.Option("hermes", help="vLLM's tool-call parser for the model's tool-call format ('none': tools refused)."),
 ) -> None:
     """Serve memory over HTTP: chat with memory on vLLM's OpenAI server, and Mem0-style memory routes."""
     from inferscale.config import MemoryConfig
@@ -295,7 +296,8 @@ def serve(
     try:
         config = MemoryConfig(**overrides)
         run_server(config, ServeOptions(host=host, port=port, vllm_url=vllm_url, api_key=api_key or None,
-                                        served_model_name=served_model_name, max_num_seqs=max_num_seqs),
+                                        served_model_name=served_model_name, max_num_seqs=max_num_seqs,
+                                        tool_call_parser=None if tool_call_parser == "none" else tool_call_parser),
                    say=console.print)
     except (OSError, ModelNotFoundError, VLLMStartError, StoreError, RuntimeError, ValueError) as exc:
         _fail(str(exc))

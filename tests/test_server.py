@@ -51,7 +51,8 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
 
     def http(self, method: str, path: str, **kw) -> httpx.Response:
-        return httpx.request(method, self.url + path, headers={**AUTH, **kw.pop("headers", {})}, timeout=300, **kw)
+        kw.setdefault("timeout", 300)
+        return httpx.request(method, self.url + path, headers={**AUTH, **kw.pop("headers", {})}, **kw)
 
     def counter(self, name: str) -> float:
         text = self.http("GET", "/metrics").text

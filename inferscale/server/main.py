@@ -32,6 +32,8 @@ class ServeOptions:
         served_model_name: the ``model`` name (default: from the model).
         vllm_start_timeout_s: most seconds vLLM may take to become ready.
         max_num_seqs: most requests vLLM batches at once.
+        tool_call_parser: vLLM's tool-call parser for a server this command starts
+            (``None``: tool calls refused).
     """
 
     host: str = "127.0.0.1"
@@ -41,6 +43,7 @@ class ServeOptions:
     served_model_name: str | None = None
     vllm_start_timeout_s: float = 900.0
     max_num_seqs: int = 64
+    tool_call_parser: str | None = "hermes"
 
 
 def served_name(config: MemoryConfig, model_path: Path) -> str:
@@ -89,7 +92,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
             vllm = VLLMProcess(model_path, served_model_name=name, kv_dir=kv_dir, dtype=config.resolved_dtype,
                                max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                                device_budget_bytes=config.device_kv_budget_bytes, max_num_seqs=options.max_num_seqs,
-                               api_key=options.api_key)
+                               api_key=options.api_key, tool_call_parser=options.tool_call_parser)
             say(f"starting vLLM's OpenAI server for {name} on {vllm.url} (log: {vllm.log_path}) ...")
             vllm.start()
             vllm.wait_ready(options.vllm_start_timeout_s)

@@ -66,13 +66,15 @@ class VLLMProcess:
         dtype, max_model_len (tokens), kv_cache_memory_bytes, device_budget_bytes,
             max_num_seqs: engine settings (:func:`~inferscale.serving.vllm_compat.engine_kwargs`).
         api_key: required of the server's clients (passed as ``VLLM_API_KEY``).
+        tool_call_parser: vLLM's tool-call parser (``None``: tool calls refused).
         port: loopback port (default: a free one).
         log_path: where the child's stdout and stderr go (default: a temporary file).
     """
 
     def __init__(self, model_path: Path, *, served_model_name: str, kv_dir: Path, dtype: str, max_model_len: int,
                  kv_cache_memory_bytes: int, device_budget_bytes: int, max_num_seqs: int = 64,
-                 api_key: str | None = None, port: int | None = None, log_path: Path | None = None) -> None:
+                 api_key: str | None = None, port: int | None = None, log_path: Path | None = None,
+                 tool_call_parser: str | None = "hermes") -> None:
         self.host = "127.0.0.1"
         self.port = port or free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
@@ -80,7 +82,7 @@ class VLLMProcess:
         self.command = openai_server_command(
             sys.executable, model_path, served_model_name=served_model_name, host=self.host, port=self.port,
             dtype=dtype, kv_dir=kv_dir, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            device_budget_bytes=device_budget_bytes, max_num_seqs=max_num_seqs,
+            device_budget_bytes=device_budget_bytes, max_num_seqs=max_num_seqs, tool_call_parser=tool_call_parser,
         )
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix="inferscale-vllm-", suffix=".log")

@@ -93,7 +93,7 @@ def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: 
 
 def openai_server_command(python: str, model_path: Path, *, served_model_name: str, host: str, port: int, dtype: str,
                           kv_dir: Path, max_model_len: int, kv_cache_memory_bytes: int, device_budget_bytes: int,
-                          max_num_seqs: int) -> list[str]:
+                          max_num_seqs: int, tool_call_parser: str | None = "hermes") -> list[str]:
     """The command line that starts vLLM's own OpenAI server with :class:`InferScaleConnector`,
     with the same engine settings as :func:`engine_kwargs`.
 
@@ -103,6 +103,10 @@ def openai_server_command(python: str, model_path: Path, *, served_model_name: s
 
     Args:
         python: the interpreter to run. host, port: where the server listens.
+        tool_call_parser: vLLM's parser of the model's tool calls (``--tool-call-parser``,
+            with ``--enable-auto-tool-choice``); vLLM 0.32 refuses any ``tool_choice`` but
+            ``"none"`` without one. ``"hermes"`` reads ``<tool_call>{json}</tool_call>``
+            (SmolLM2, Qwen, Hermes); ``None``: no tool calls.
         Others: as :func:`engine_kwargs`. (An API key goes in the ``VLLM_API_KEY``
         environment variable, not on a command line other users can read.)
     """
@@ -111,6 +115,8 @@ def openai_server_command(python: str, model_path: Path, *, served_model_name: s
            "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_memory_bytes),
            "--kv-transfer-config", json.dumps(kv_transfer_config(kv_dir, device_budget_bytes)),
            "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--max-num-seqs", str(max_num_seqs)]
+    if tool_call_parser:
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
     return cmd
 
 
