@@ -301,3 +301,27 @@ def serve(
                    say=console.print)
     except (OSError, ModelNotFoundError, VLLMStartError, StoreError, RuntimeError, ValueError) as exc:
         _fail(str(exc))
+
+
+@bench_app.command("serve")
+def bench_serve(
+    data: Optional[Path] = _DATA,
+    out: Path = typer.Option(Path("results/serve"), help="Results folder (resumes what it holds)."),
+    store: Optional[Path] = _STORE,
+    users: str = typer.Option("1,2,4,8,16,32", help="Concurrent users per level, comma-separated."),
+    facts_per_user: int = typer.Option(40, min=1, help="Facts in each user's own memory."),
+    requests_per_user: int = typer.Option(2, min=1, help="Questions each user asks in a row, per level."),
+    k: int = typer.Option(20, min=0, max=200, help="Facts per request."),
+    context_window: int = typer.Option(0, min=0, help="w the KV is encoded with."),
+    max_tokens: int = typer.Option(32, min=1, help="Answer budget (tokens)."),
+    dtype: str = _DTYPE,
+    fresh: bool = _FRESH,
+) -> None:
+    """Requests/s, output tokens/s and TTFT p50/p99 for 1-32 users through `inferscale serve` (HTTP, openai client)."""
+    from inferscale.bench.serve import run
+
+    data, store = _bench_paths(data, store)
+    levels = _ints(users, "users")
+    _run_bench("serve", out, lambda: run(
+        data, out, store, levels=levels, facts_per_user=facts_per_user, requests_per_user=requests_per_user, k=k,
+        context_window=context_window, max_tokens=max_tokens, dtype=dtype, fresh=fresh))

@@ -106,7 +106,8 @@ def openai_server_command(python: str, model_path: Path, *, served_model_name: s
         tool_call_parser: vLLM's parser of the model's tool calls (``--tool-call-parser``,
             with ``--enable-auto-tool-choice``); vLLM 0.32 refuses any ``tool_choice`` but
             ``"none"`` without one. ``"hermes"`` reads ``<tool_call>{json}</tool_call>``
-            (SmolLM2, Qwen, Hermes); ``None``: no tool calls.
+            (SmolLM2, Qwen, Hermes); ``None``: no tool calls. Tool calls are constrained to
+            the tools' argument schemas (``--tool-strict-level parameter``).
         Others: as :func:`engine_kwargs`. (An API key goes in the ``VLLM_API_KEY``
         environment variable, not on a command line other users can read.)
     """
@@ -116,7 +117,10 @@ def openai_server_command(python: str, model_path: Path, *, served_model_name: s
            "--kv-transfer-config", json.dumps(kv_transfer_config(kv_dir, device_budget_bytes)),
            "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--max-num-seqs", str(max_num_seqs)]
     if tool_call_parser:
-        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
+        # "parameter": a forced or required tool call is constrained to the tool's argument
+        # schema even when the client did not mark the tool strict (small models write
+        # malformed arguments otherwise; vLLM's default, "auto", pins only strict tools)
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser, "--tool-strict-level", "parameter"]
     return cmd
 
 
