@@ -116,3 +116,38 @@ def test_segment_whose_prompt_tokens_differ_is_prefilled_not_injected(memory, en
             break
         time.sleep(0.1)
     assert delta["mismatched_segments"] >= 1 and delta["fallbacks"] >= 1
+
+
+def test_kv_that_fails_to_load_on_the_worker_is_recomputed(memory, engine):
+    """The scheduler verified a segment's tokens, but its KV cannot be used on the worker
+    (here: stored with one token fewer than its token ids say, as a damaged file would
+    be). The connector reports the blocks through vLLM's load-error path, vLLM recomputes
+    them (kv_load_failure_policy="recompute"), and the answer is the plain prefill's."""
+    import torch
+    from safetensors.torch import save_file
+
+    from inferscale.kv.injection import InjectionPlan
+
+    req = memory.inject("Which employee number am I?", user_id="batch-user-6", k=2)
+    seg = req.plan.segments[1]
+    good = memory.pool.get(seg.key)
+    owner = seg.key.split("/")[0]
+    bad_key = f"{owner}/{'d' * 32}"
+    path = engine.kv_dir / owner / f"{'d' * 32}.safetensors"  # the pool's disk layout
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"keys": good.keys[:, :-1].contiguous().cpu(), "values": good.values[:, :-1].contiguous().cpu(),
+               "token_ids": torch.tensor(good.token_ids, dtype=torch.int64)}, str(path))
+    segments = [(s.key, s.start, s.num_tokens) for s in req.plan.segments]
+    segments[1] = (bad_key, seg.start, seg.num_tokens)
+    params = InjectionPlan.of(segments).to_params()
+    before = dict(engine.batch_stats.connector)
+    kw = dict(max_tokens=8, logprobs=5)
+    got = engine.generate(req.prompt_token_ids, kv_transfer_params=params, cache_salt="load-error", **kw)
+    plain = engine.generate(req.prompt_token_ids, **kw)
+    assert got.text == plain.text
+    common = set(got.first_logprobs) & set(plain.first_logprobs)
+    assert max(abs(got.first_logprobs[t] - plain.first_logprobs[t]) for t in common) < 1e-3
+    deadline = time.monotonic() + 10
+    while engine.batch_stats.connector.get("load_errors", 0) <= before.get("load_errors", 0):
+        assert time.monotonic() < deadline, "no load error was counted"
+        time.sleep(0.1)
