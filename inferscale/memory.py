@@ -357,7 +357,8 @@ class Memory:
         """Delete every memory of the scope (its turn log stays)."""
         scope = Scope.of(user_id, agent_id, run_id)
         deleted = self.facts.delete_all(scope)
-        return {"message": f"{len(deleted)} memories deleted successfully!"}
+        n = len(deleted)
+        return {"message": f"{n} {'memory' if n == 1 else 'memories'} deleted successfully!"}
 
     def reset(self) -> None:
         """Delete everything in the data dir's store: every scope's memories, turns, history and KV."""

@@ -241,6 +241,8 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(server):
         ("GET", "/memories/nope?user_id=alice", {}, 404),
         ("POST", "/memories", dict(json={"messages": "x"}), 400),
         ("POST", "/memories", dict(json={"messages": "x", "user_id": "a\x00b"}), 400),
+        ("POST", "/memories", dict(content=b"{not json", headers={"content-type": "application/json"}), 400),
+        ("DELETE", "/memories", {}, 400),
     ]
     for method, path, kw, status in cases:
         r = server.http(method, path, **kw)
@@ -251,6 +253,18 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(server):
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/health").status_code == 200  # liveness needs no key
     assert "Rex" in chat(server, "What is my dog called?").choices[0].message.content
+    assert "user_id=alice" in server.http("DELETE", "/memories").json()["error"]["message"]  # HTTP, not Python, advice
+
+
+def test_one_server_per_data_dir_and_front_metrics(server):
+    exe = Path(sys.executable).with_name("inferscale")
+    second = subprocess.run([str(exe), "serve", "--port", str(free_port()), "--data-dir", str(server.data_dir)],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "INFERSCALE_API_KEY": KEY})
+    assert second.returncode == 2 and f"pid {server.proc.pid}" in second.stdout, second.stdout + second.stderr
+    metrics = server.http("GET", "/metrics").text
+    injected = [line for line in metrics.splitlines() if line.startswith("inferscale_chat_injected_tokens_total")]
+    assert injected and float(injected[0].split()[-1]) > 0
+    assert (server.data_dir / "logs" / "vllm.log").stat().st_size > 0
 
 
 def test_memory_routes_follow_mem0(server):
@@ -284,9 +298,12 @@ def test_langchain_chatopenai_remembers_across_sessions(server):
     r = server.http("POST", "/memories", json={"messages": [{"role": "user", "content": said}], "user_id": "frank"})
     assert r.status_code == 200
     # session 2: a new chat model, no history; the memory comes from the server
-    answer = langchain_chat(server, "frank").invoke([("user", "What is my sister called?")])
+    answer = langchain_chat(server, "frank", include_response_headers=True).invoke(
+        [("user", "What is my sister called?")])
     assert "Ingrid" in answer.content
-    assert answer.response_metadata.get("model_name")
+    headers = answer.response_metadata["headers"]  # the memory report, for clients that drop unknown fields
+    assert headers["x-inferscale-mode"] == "inject" and int(headers["x-inferscale-kv-tokens"]) > 0
+    assert headers["x-inferscale-memory-ids"] == r.json()["results"][0]["id"]
 
 
 def test_langchain_forced_tool_call_and_structured_output_through_the_server(server):

@@ -104,6 +104,8 @@ def create_app(memory: Any, upstream: Upstream, *, api_key: str | None = None) -
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if any(e.get("type") == "json_invalid" for e in exc.errors()):
+            return _error(400, "the request body is not valid JSON")
         parts = ["{}: {}".format(".".join(str(p) for p in e.get("loc", ())), e.get("msg")) for e in exc.errors()]
         return _error(422, "invalid request: " + "; ".join(parts))
 
@@ -152,7 +154,7 @@ def create_app(memory: Any, upstream: Upstream, *, api_key: str | None = None) -
     async def completions(request: Request) -> Response:
         body = await _json_body(request)
         body = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "cache_salt")}
-        return await _forward(upstream, "/v1/completions", body, None)
+        return await _forward(upstream, "/v1/completions", body, None, metrics)
 
     @app.post("/v1/chat/completions", tags=["openai"], summary="Chat with memory")
     async def chat(request: Request) -> Response:
@@ -170,7 +172,7 @@ def create_app(memory: Any, upstream: Upstream, *, api_key: str | None = None) -
         metrics.observe(plan, time.perf_counter() - t0)
         if "model" not in plan.body:
             plan.body["model"] = await upstream.model_name()
-        return await _forward(upstream, "/v1/chat/completions", plan.body, plan)
+        return await _forward(upstream, "/v1/chat/completions", plan.body, plan, metrics)
 
     app.include_router(memories.router())
     return app
@@ -202,17 +204,22 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-async def _forward(upstream: Upstream, path: str, body: dict, plan: ChatPlan | None) -> Response:
+async def _forward(upstream: Upstream, path: str, body: dict, plan: ChatPlan | None,
+                   metrics: FrontMetrics) -> Response:
     """Send ``body`` to vLLM; a streamed answer is relayed as it comes, with the memory
-    report in its first chunk; a whole one gets it as a ``memory`` field."""
+    report in its first chunk; a whole one gets it as a ``memory`` field. Both carry it
+    in ``X-InferScale-*`` headers too (clients that drop unknown body fields, such as
+    LangChain's ``ChatOpenAI``, can read those: ``include_response_headers=True``)."""
+    headers = {} if plan is None else plan.headers()
     if not body.get("stream"):
         r = await upstream.client.post(path, json=body)
         if r.status_code != 200 or plan is None:
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         out = r.json()
         injected = injected_tokens(out.pop("kv_transfer_params", None))
+        metrics.injected.inc(injected)
         out["memory"] = plan.report(injected)
-        return JSONResponse(out)
+        return JSONResponse(out, headers={**headers, "x-inferscale-injected-tokens": str(injected)})
     resp = await upstream.client.send(upstream.client.build_request("POST", path, json=body), stream=True)
     if resp.status_code != 200:
         content = await resp.aread()
@@ -231,5 +238,5 @@ async def _forward(upstream: Upstream, path: str, body: dict, plan: ChatPlan | N
         finally:
             await resp.aclose()
 
-    return StreamingResponse(relay(), media_type="text/event-stream")
+    return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
 

@@ -169,6 +169,16 @@ class ChatPlan:
             out["injected_tokens"] = injected_tokens
         return out
 
+    def headers(self) -> dict[str, str]:
+        """The report's gist as response headers: ``X-InferScale-Mode``, ``-Memory-Ids``
+        (comma-separated, best first), ``-KV-Memory-Ids`` and ``-KV-Tokens``."""
+        out = {"x-inferscale-mode": self.mode}
+        if self.block is not None:
+            out["x-inferscale-memory-ids"] = ",".join(r.id for r, _ in self.block.hits)
+            out["x-inferscale-kv-memory-ids"] = ",".join(self.block.kv_memory_ids)
+            out["x-inferscale-kv-tokens"] = str(self.block.memory_tokens if self.block.plan is not None else 0)
+        return out
+
 
 def forward_body(body: dict, block: MemoryBlock | None, rest: list[dict] | None) -> dict:
     """The client's request with the memory system turn in front, the server's KV fields set,

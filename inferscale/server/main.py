@@ -58,6 +58,42 @@ class _Stop(Exception):
     pass
 
 
+def lock_data_dir(data_dir: Path):
+    """Hold ``<data_dir>/serve.lock`` for this process's life (released at exit, even on SIGKILL).
+
+    Returns:
+        The open lock file (keep a reference).
+
+    Raises:
+        RuntimeError: another ``inferscale serve`` holds it (naming its pid).
+    """
+    import fcntl
+    import os
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    f = open(data_dir / "serve.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise RuntimeError(f"another inferscale serve (pid {holder}) is serving {data_dir}: one server per data "
+                           "dir (it is the store's writer); stop it or choose another --data-dir") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def _fresh_log(path: Path) -> Path:
+    """``path``, after moving an earlier run's log to ``<path>.1``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        path.replace(path.with_name(path.name + ".1"))
+    return path
+
+
 def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None] = print) -> None:
     """Run the server until Ctrl-C or SIGTERM.
 
@@ -65,7 +101,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
         OSError: the front's port is in use.
         inferscale.models.ModelNotFoundError: the model cannot be found.
         inferscale.server.vllm_process.VLLMStartError: vLLM's server could not start.
-        RuntimeError: ``vllm_url`` does not answer.
+        RuntimeError: ``vllm_url`` does not answer; another server holds the data dir.
     """
     import httpx
     import uvicorn
@@ -77,6 +113,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
     from inferscale.server.vllm_process import VLLMProcess, check_port_free
 
     check_port_free(options.host, options.port)
+    lock = lock_data_dir(config.data_dir)  # noqa: F841  (held until this process exits)
     model_path = resolve_llm(config.llm)
     name = options.served_model_name or served_name(config, model_path)
     kv_dir = config.data_dir / "kv"
@@ -92,7 +129,8 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
             vllm = VLLMProcess(model_path, served_model_name=name, kv_dir=kv_dir, dtype=config.resolved_dtype,
                                max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                                device_budget_bytes=config.device_kv_budget_bytes, max_num_seqs=options.max_num_seqs,
-                               api_key=options.api_key, tool_call_parser=options.tool_call_parser)
+                               api_key=options.api_key, tool_call_parser=options.tool_call_parser,
+                               log_path=_fresh_log(config.data_dir / "logs" / "vllm.log"))
             say(f"starting vLLM's OpenAI server for {name} on {vllm.url} (log: {vllm.log_path}) ...")
             vllm.start()
             vllm.wait_ready(options.vllm_start_timeout_s)

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from inferscale.server.chat import scope_id
+from inferscale.server.chat import ChatRequestError, scope_id
 
 
 class Message(BaseModel):
@@ -64,7 +64,11 @@ class MemoryUpdate(BaseModel):
 def _scope(user_id: str | None, agent_id: str | None, run_id: str | None) -> dict[str, str]:
     out = {"user_id": scope_id(user_id, "user_id"), "agent_id": scope_id(agent_id, "agent_id"),
            "run_id": scope_id(run_id, "run_id")}
-    return {k: v for k, v in out.items() if v is not None}
+    out = {k: v for k, v in out.items() if v is not None}
+    if not out:
+        raise ChatRequestError("say whose memories: give user_id, agent_id or run_id (a query parameter, e.g. "
+                               "?user_id=alice, or a field of the JSON body on POST routes)")
+    return out
 
 
 def router() -> APIRouter:

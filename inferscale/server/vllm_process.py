@@ -68,7 +68,7 @@ class VLLMProcess:
         api_key: required of the server's clients (passed as ``VLLM_API_KEY``).
         tool_call_parser: vLLM's tool-call parser (``None``: tool calls refused).
         port: loopback port (default: a free one).
-        log_path: where the child's stdout and stderr go (default: a temporary file).
+        log_path: where the child's stdout and stderr go (appended; default: a temporary file).
     """
 
     def __init__(self, model_path: Path, *, served_model_name: str, kv_dir: Path, dtype: str, max_model_len: int,
