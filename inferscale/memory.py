@@ -655,15 +655,34 @@ def _turn(i: int, m: Any) -> Turn:
                 metadata=_check_metadata(m.get("metadata")))
 
 
+#: Deepest metadata accepted (levels of dicts and lists): deeper values could be stored
+#: but not read back (JSON encoders stop at ~250 levels).
+MAX_METADATA_DEPTH = 32
+
+
+def _depth(value: Any, level: int = 0) -> int:
+    if level > MAX_METADATA_DEPTH:
+        return level
+    if isinstance(value, dict):
+        return max((_depth(v, level + 1) for v in value.values()), default=level + 1)
+    if isinstance(value, (list, tuple)):
+        return max((_depth(v, level + 1) for v in value), default=level + 1)
+    return level
+
+
 def _check_metadata(metadata: Any) -> dict:
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
         raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
     try:
-        json.dumps(metadata)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"metadata must be JSON-serialisable: {exc}") from exc
+        json.dumps(metadata, allow_nan=False)
+    except ValueError as exc:  # NaN / Infinity: not JSON, and a JSON reader would see null
+        raise ValueError(f"metadata must be JSON: {exc} (NaN and Infinity have no JSON form)") from None
+    except (TypeError, RecursionError) as exc:
+        raise TypeError(f"metadata must be JSON-serialisable: {exc}") from None
+    if _depth(metadata) > MAX_METADATA_DEPTH:
+        raise ValueError(f"metadata is nested more than {MAX_METADATA_DEPTH} levels deep: flatten it")
     reserved = sorted({"created_at", "updated_at"} & {str(k) for k in metadata})
     if reserved:
         raise ValueError(f"metadata keys {reserved} are reserved: every memory has them as timestamps (filters "

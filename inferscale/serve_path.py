@@ -146,11 +146,12 @@ class ServePath:
             instructions: the client's own system text, placed after the memory lines.
 
         Raises:
-            ValueError: empty query or instructions.
+            ValueError: empty query or instructions; the memory block alone leaves under 16
+                tokens of the context (before any KV is encoded).
         """
         if instructions is not None:
             require_text(instructions, "instructions")
-        sel = self._select(scope, query, options, allow_unknown_scope=True)
+        sel = self._select(scope, query, options, allow_unknown_scope=True, max_block_tokens=self.max_model_len - 16)
         system = self.prompts.system_text([r.text for r in sel.ranked], instructions)
         segments, pos = [Segment("_preamble", 0, self.prompts.preamble_ids)], len(self.prompts.preamble_ids)
         for r in sel.ranked:
@@ -161,7 +162,8 @@ class ServePath:
         memory_tokens = plan.memory_end if plan is not None else pos
         return MemoryBlock(system, plan, sel.hits, sel.retrieval_s, memory_tokens, sel.kv_ids, sel.text_ids)
 
-    def _select(self, scope: Scope, query: str, options: GenerationOptions, allow_unknown_scope: bool) -> "_Selection":
+    def _select(self, scope: Scope, query: str, options: GenerationOptions, allow_unknown_scope: bool,
+                max_block_tokens: int | None = None) -> "_Selection":
         if not allow_unknown_scope and not self.facts.has_facts(scope) and self.turns.count(scope.key) == 0:
             field = next(iter(scope.as_dict()))
             raise UnknownScopeError(
@@ -171,6 +173,11 @@ class ServePath:
         hits = self.facts.search(scope, query, options.k)
         retrieval = time.perf_counter() - t0
         ranked = [r for r, _ in hits[::-1]]  # best last
+        if max_block_tokens is not None:
+            block = len(self.prompts.preamble_ids) + sum(len(self.prompts.fact_line_ids(r.text)) for r in ranked)
+            if block > max_block_tokens:
+                raise ValueError(f"the memory block of {len(ranked)} memories is {block} tokens, which leaves no room "
+                                 f"in the context of {self.max_model_len} tokens: lower memory.k")
         if options.mode != "inject":
             return _Selection(ranked, (), tuple(hits), retrieval, (), tuple(r.id for r in ranked))
         w = options.context_window

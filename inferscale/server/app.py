@@ -45,6 +45,8 @@ from inferscale.server.chat import (
 from inferscale.server.upstream import Upstream
 from inferscale.types import MemoryNotFoundError, UnknownScopeError
 
+#: Largest request body accepted (bytes): 16 MiB, far above any prompt that fits a context.
+MAX_BODY_BYTES = 16 << 20
 #: routes answered without an API key (liveness probes carry no data)
 _OPEN_PATHS = frozenset({"/health"})
 
@@ -95,6 +97,10 @@ def create_app(memory: Any, upstream: Upstream, *, api_key: str | None = None) -
 
     @app.middleware("http")
     async def require_key(request: Request, call_next):
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return _error(413, f"the request body is {int(length)} bytes; the most accepted is {MAX_BODY_BYTES}",
+                          "invalid_request_error")
         if api_key and request.url.path not in _OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
@@ -154,7 +160,7 @@ def create_app(memory: Any, upstream: Upstream, *, api_key: str | None = None) -
     async def completions(request: Request) -> Response:
         body = await _json_body(request)
         body = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "cache_salt")}
-        return await _forward(upstream, "/v1/completions", body, None, metrics)
+        return await _until_disconnected(request, _forward(upstream, "/v1/completions", body, None, metrics))
 
     @app.post("/v1/chat/completions", tags=["openai"], summary="Chat with memory")
     async def chat(request: Request) -> Response:
@@ -172,7 +178,7 @@ def create_app(memory: Any, upstream: Upstream, *, api_key: str | None = None) -
         metrics.observe(plan, time.perf_counter() - t0)
         if "model" not in plan.body:
             plan.body["model"] = await upstream.model_name()
-        return await _forward(upstream, "/v1/chat/completions", plan.body, plan, metrics)
+        return await _until_disconnected(request, _forward(upstream, "/v1/chat/completions", plan.body, plan, metrics))
 
     app.include_router(memories.router())
     return app
@@ -193,15 +199,38 @@ def _memory_block(memory: Any, scope, query: str, options: MemoryOptions, instru
     return memory.serve.prepare_memory_block(scope, query, o, instructions=instructions)
 
 
+def _no_constant(name: str):
+    raise ChatRequestError(f"the request body holds {name}, which is not JSON: send a number or null")
+
+
 async def _json_body(request: Request) -> dict:
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ChatRequestError(f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ChatRequestError("the request body is nested too deeply to read: flatten it") from None
     if not isinstance(body, dict):
         raise ChatRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    if not isinstance(body.get("stream", False), bool):
+        raise ChatRequestError(f"'stream' must be true or false, got {body['stream']!r:.40}")
     return body
+
+
+async def _until_disconnected(request: Request, work):
+    """Await ``work``; cancel it (closing the request to vLLM, which then aborts it) when the
+    client goes away first."""
+    import asyncio
+
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
 
 async def _forward(upstream: Upstream, path: str, body: dict, plan: ChatPlan | None,

@@ -71,7 +71,7 @@ def scope_id(value: Any, name: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not _SCOPE_ID.fullmatch(value) or not value.strip():
-        raise ChatRequestError(f"{name} must be 1-128 characters without control characters, got {value!r}")
+        raise ChatRequestError(f"{name} must be 1-128 characters without control characters, got {value!r:.80}")
     return value
 
 
@@ -115,7 +115,19 @@ def check_messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ChatRequestError(f"messages[{i}] must be an object with a string 'role', got {m!r:.200}")
+        if m["role"] in ("system", "developer", "user") and not _text_content(m.get("content"), m["role"] != "user"):
+            kind = "a string or a list of text parts" if m["role"] != "user" else "a string or a list of content parts"
+            raise ChatRequestError(f"messages[{i}] ({m['role']}) content must be {kind}, got {m.get('content')!r:.80}")
     return messages
+
+
+def _text_content(content: Any, text_only: bool) -> bool:
+    if isinstance(content, str):
+        return True
+    if not isinstance(content, list) or not content:
+        return False
+    return all(isinstance(p, dict) and (p.get("type") == "text" and isinstance(p.get("text"), str)
+                                        or not text_only and isinstance(p.get("type"), str)) for p in content)
 
 
 def split_messages(messages: list[dict]) -> tuple[str | None, list[dict], str]:

@@ -26,7 +26,7 @@ from inferscale.server.chat import ChatRequestError, scope_id
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: str = Field(description="'user' or 'assistant' (or another speaker name)")
+    role: str = Field(min_length=1, max_length=128, description="'user' or 'assistant' (or another speaker name)")
     content: str
 
 
@@ -44,12 +44,12 @@ class ScopeFields(BaseModel):
 class MemoryCreate(ScopeFields):
     messages: list[Message] | str = Field(description="messages to remember, or one text")
     metadata: dict[str, Any] | None = None
-    infer: bool = Field(default=False, description="extract facts with the served LLM (Mem0's infer=True)")
+    infer: bool = Field(default=False, strict=True, description="extract facts with the served LLM (Mem0's infer=True)")
 
 
 class SearchRequest(ScopeFields):
     query: str
-    limit: int = Field(default=100, ge=1, le=10_000)
+    limit: int = Field(default=100, ge=1, le=10_000, strict=True)
     threshold: float | None = None
     filters: dict[str, Any] | None = None
 
