@@ -195,3 +195,27 @@ def test_a_closed_memory_says_so(tmp_path):
         mem.generate("What do I like?", user_id="u")
     with Memory(data_dir=tmp_path / "store", dtype="float32", context_window=0) as again:
         assert again.wait_for_kv(timeout=600) and again.pending_kv() == 0
+
+
+def test_metadata_that_cannot_be_read_back_is_refused(mem):
+    before = state(mem, "u")
+    deep = 1
+    for _ in range(40):
+        deep = [deep]
+    for bad, match in (({"x": float("nan")}, "NaN"), ({"x": float("inf")}, "NaN and Infinity"),
+                       ({"a": deep}, "nested more than 32")):
+        with pytest.raises(ValueError, match=match):
+            mem.add("I like tea.", user_id="u", metadata=bad)
+    assert state(mem, "u") == before
+
+
+def test_a_memory_block_that_cannot_fit_the_context_is_refused_before_encoding(tmp_path):
+    from inferscale.options import GenerationOptions
+
+    m = new_memory(tmp_path / "store", max_model_len=256)
+    m.add_facts([f"Fact {i}: the user keeps a long list of things about topic {i} in a notebook." for i in range(12)],
+                user_id="u", encode_kv=False)
+    o = m.options(GenerationOptions(k=12, wait_for_kv=True))
+    with pytest.raises(ValueError, match="lower memory.k"):
+        m.serve.prepare_memory_block(Scope("u"), "what do I keep?", o)
+    assert m.pending_kv() == 0 and not any(m.kv_dir.rglob("*.safetensors"))  # nothing was encoded

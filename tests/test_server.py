@@ -243,6 +243,20 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(server):
         ("POST", "/memories", dict(json={"messages": "x", "user_id": "a\x00b"}), 400),
         ("POST", "/memories", dict(content=b"{not json", headers={"content-type": "application/json"}), 400),
         ("DELETE", "/memories", {}, 400),
+        # from the breaker
+        ("POST", "/v1/chat/completions", dict(content=b'{"user": "alice", "x": ' + b"[" * 5000 + b"]" * 5000
+                                               + b', "messages": [{"role": "user", "content": "hi"}]}',
+                                               headers={"content-type": "application/json"}), 400),
+        ("POST", "/v1/chat/completions", dict(json={"model": model, "user": "alice", "stream": "no",
+                                                    "messages": [{"role": "user", "content": "hi"}]}), 400),
+        ("POST", "/v1/chat/completions", dict(content=b'{"user": "alice", "temperature": NaN, "messages": '
+                                               b'[{"role": "user", "content": "hi"}]}',
+                                               headers={"content-type": "application/json"}), 400),
+        ("POST", "/v1/chat/completions", dict(json={"model": model, "user": "alice", "messages": [
+            {"role": "system", "content": {"x": 1}}, {"role": "user", "content": "hi"}]}), 400),
+        ("POST", "/memories", dict(json={"messages": "x", "user_id": "alice", "metadata": {"a": [[[[[[[[[[[[[[[[[
+            [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}), 400),
+        ("POST", "/memories", dict(json={"messages": "x", "user_id": "alice", "infer": "yes"}), 422),
     ]
     for method, path, kw, status in cases:
         r = server.http(method, path, **kw)
