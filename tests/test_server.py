@@ -328,7 +328,7 @@ def test_langchain_forced_tool_call_and_structured_output_through_the_server(ser
 
         food: str = Field(description="the food, one word")
 
-    llm = langchain_chat(server, "alice", max_tokens=48)
+    llm = langchain_chat(server, "alice", max_tokens=200)  # room for the whole <tool_call> envelope
     tooled = llm.bind_tools([Allergy], tool_choice="Allergy")
     msg = tooled.invoke([("user", "Which food am I allergic to?")])
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "Allergy"

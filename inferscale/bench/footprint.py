@@ -54,7 +54,7 @@ def stored_files(kv_dir: Path) -> list[dict]:
         with safe_open(str(path), framework="pt") as fh:
             shapes = {name: fh.get_slice(name).get_shape() for name in fh.keys()}
             dtypes = {name: fh.get_slice(name).get_dtype() for name in fh.keys()}
-        if set(shapes) != {"keys", "values"}:
+        if not {"keys", "values"} <= set(shapes):  # format 2 also stores token_ids (file overhead)
             continue
         itemsize = {"F32": 4, "BF16": 2, "F16": 2}[dtypes["keys"]]
         n = 1
