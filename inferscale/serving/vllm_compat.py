@@ -118,7 +118,7 @@ def openai_server_command(python: str, model_path: Path, *, served_model_name: s
            "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--max-num-seqs", str(max_num_seqs),
            # structured outputs (json_schema, forced tool calls) without free whitespace between JSON
            # tokens: small models otherwise loop on newlines until max_tokens (seen with SmolLM2)
-           "--structured-outputs-config", json.dumps({"disable_any_whitespace": True})]
+           "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
     if tool_call_parser:
         # "parameter": a forced or required tool call is constrained to the tool's argument
         # schema even when the client did not mark the tool strict (small models write
