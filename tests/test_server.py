@@ -378,3 +378,43 @@ def test_sigkill_during_adds_then_restart_keeps_every_acknowledged_add(server):
         again.proc.send_signal(signal.SIGTERM)
         assert again.proc.wait(120) == 0
         assert not listening(again.vllm_url), "SIGTERM left vLLM's server running"
+
+
+def test_fronting_a_vllm_server_that_is_already_running(tmp_path):
+    """``--vllm-url``: the front joins a vLLM OpenAI server started as docs/server.md shows
+    (here by the same helper, whose command is that one), injects into it, and leaves it
+    running when it stops."""
+    from inferscale.config import MemoryConfig
+    from inferscale.models import resolve_llm
+    from inferscale.server.vllm_process import VLLMProcess
+
+    data = tmp_path / "data"
+    config = MemoryConfig(data_dir=data, dtype="float32")
+    vllm = VLLMProcess(resolve_llm(config.llm), served_model_name="smol", kv_dir=data / "kv", dtype="float32",
+                       max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                       device_budget_bytes=config.device_kv_budget_bytes, log_path=tmp_path / "vllm.log")
+    vllm.start()
+    try:
+        vllm.wait_ready(600)
+        port = free_port()
+        exe = Path(sys.executable).with_name("inferscale")
+        with open(tmp_path / "front.log", "w") as out:
+            front = subprocess.Popen([str(exe), "serve", "--port", str(port), "--data-dir", str(data), "--vllm-url",
+                                      vllm.url], stdout=out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "INFERSCALE_DTYPE": "float32"})
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while not listening(url):
+            assert front.poll() is None and time.monotonic() < deadline, (tmp_path / "front.log").read_text()
+            time.sleep(1)
+        httpx.post(url + "/memories", json={"messages": "My bike is red.", "user_id": "gus"}, timeout=60)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        resp = client.chat.completions.create(model="smol", user="gus", max_tokens=8, temperature=0,
+                                              messages=[{"role": "user", "content": "What colour is my bike?"}],
+                                              extra_body={"memory": {"wait_for_kv": True}})
+        assert report(resp)["injected_tokens"] > 0 and report(resp)["kv_memory_ids"]
+        front.send_signal(signal.SIGTERM)
+        assert front.wait(120) == 0
+        assert listening(vllm.url), "the front stopped a vLLM server it did not start"
+    finally:
+        vllm.stop()
