@@ -119,7 +119,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
             for user_id, conv, facts, _qs in tqdm(plan, desc="store users' memories + KV", unit="user"):
                 store_conversation(memory, conv, user_id, facts=facts, batch=len(facts))
             memory.wait_for_kv()
-        server = ServerProcess(store_dir, dtype, max(levels), out_dir / f"{NAME}.server.log")
+        (store_dir / "logs").mkdir(parents=True, exist_ok=True)  # beside the server's vLLM log
+        server = ServerProcess(store_dir, dtype, max(levels), store_dir / "logs" / "bench-serve.log")
         try:
             server.wait_ready()
             asyncio.run(_measure(server, plan, todo, log, k=k, w=context_window, max_tokens=max_tokens))
