@@ -1,6 +1,6 @@
 """The README's results section, built from the benchmarks' JSON summaries.
 
-``inferscale bench report`` reads ``<results>/{latency,throughput,quality,footprint}/*.json``
+``inferscale bench report`` reads ``<results>/{latency,throughput,serve,quality,footprint}/*.json``
 and rewrites the part of ``README.md`` between the markers below, so the headline
 numbers are never typed by hand.
 """
@@ -53,6 +53,13 @@ def summary_rows(results: Path) -> list[list[str]]:
                 rows.append(["throughput at 16 concurrent users, inject vs text",
                              f"{i['requests_per_s']:.2f} vs {t['requests_per_s']:.2f} req/s: **{ratio:.2f}x**",
                              ">= 3.7x", "[throughput](docs/results/throughput/throughput.md)"])
+    sv = _load(results, "serve")
+    if sv and "16" in sv["inject_over_text_requests_per_s"]:
+        i, t = _cell(sv["cells"], mode="inject", users=16), _cell(sv["cells"], mode="text", users=16)
+        rows.append(["through `inferscale serve` (HTTP, openai client) at 16 users, inject vs text",
+                     f"{i['requests_per_s']:.2f} vs {t['requests_per_s']:.2f} req/s: "
+                     f"**{sv['inject_over_text_requests_per_s']['16']:.2f}x**", ">= 4x",
+                     "[serve](docs/results/serve/serve.md)"])
     q = _load(results, "quality")
     if q:
         cells = q["cells"]
