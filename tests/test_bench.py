@@ -176,6 +176,21 @@ def test_throughput_on_the_async_engine(tmp_path, store, locomo_path):
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
 
 
+def test_serve_bench_through_http(tmp_path, store, locomo_path):
+    """``bench serve`` starts ``inferscale serve`` on the store and drives it with the openai client."""
+    _bench("serve", "--data", str(locomo_path), "--out", str(tmp_path), "--store", str(store), "--users", "1,2",
+           "--facts-per-user", "8", "--requests-per-user", "1", "--k", "5", "--max-tokens", "4")
+    summary = json.loads((tmp_path / "serve.json").read_text())
+    cells = {(c["mode"], c["users"]): c for c in summary["cells"]}
+    assert set(cells) == {("inject", 1), ("inject", 2), ("text", 1), ("text", 2)}
+    for (mode, users), c in cells.items():
+        assert c["requests"] == users and c["requests_per_s"] > 0 and c["ttft_p50_ms"] > 0
+        assert 0 < c["output_tokens_mean"] <= 4
+    assert cells[("inject", 2)]["kv_tokens_mean"] > 0 and cells[("text", 2)]["kv_tokens_mean"] == 0
+    assert set(summary["inject_over_text_requests_per_s"]) == {"1", "2"}
+    assert (tmp_path / "serve.png").stat().st_size > 10_000
+
+
 def test_footprint_formula_matches_the_stored_kv(tmp_path, store, locomo_path, latency_run):
     _bench("footprint", "--data", str(locomo_path), "--out", str(tmp_path), "--store", str(store), "--samples", "0",
            "--budgets-mib", "1024,4")

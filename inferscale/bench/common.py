@@ -133,6 +133,14 @@ def mean(values: Iterable[float]) -> float:
     return statistics.fmean(xs) if xs else math.nan
 
 
+def inject_over_text(cells: Sequence[dict], levels: Sequence[int], field: str) -> dict[str, float]:
+    """``cell[inject][field] / cell[text][field]`` per users level that has both modes
+    (``cells``: dicts with ``mode``, ``users`` and ``field``), keyed by the level as a string."""
+    cell = {(c["mode"], c["users"]): c for c in cells}
+    return {str(n): cell[("inject", n)][field] / cell[("text", n)][field]
+            for n in levels if ("inject", n) in cell and ("text", n) in cell}
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub Markdown table; floats keep what ``format`` gave them."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

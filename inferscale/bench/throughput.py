@@ -26,7 +26,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from inferscale.bench.common import ResultLog, markdown_table, percentile, write_outputs
+from inferscale.bench.common import ResultLog, inject_over_text, markdown_table, percentile, write_outputs
 from inferscale.bench.plots import plot_throughput
 from inferscale.datasets.locomo import LocomoFact, LocomoSample, load_locomo, store_conversation
 from inferscale.memory import Memory
@@ -161,13 +161,8 @@ def summarize(rows: list[dict], levels: Sequence[int]) -> dict:
                 "output_tokens_mean": sum(r["output_tokens"]) / len(r["output_tokens"]),
                 "output_tokens_per_s": sum(r["output_tokens"]) / r["wall_s"],
             })
-    cell = {(c["mode"], c["users"]): c for c in cells}
-    both = [n for n in levels if ("inject", n) in cell and ("text", n) in cell]
-    ratios = {str(n): cell[("inject", n)]["requests_per_s"] / cell[("text", n)]["requests_per_s"] for n in both}
-    token_ratios = {str(n): cell[("inject", n)]["output_tokens_per_s"] / cell[("text", n)]["output_tokens_per_s"]
-                    for n in both}
-    return {"cells": cells, "inject_over_text_requests_per_s": ratios,
-            "inject_over_text_output_tokens_per_s": token_ratios}
+    return {"cells": cells, "inject_over_text_requests_per_s": inject_over_text(cells, levels, "requests_per_s"),
+            "inject_over_text_output_tokens_per_s": inject_over_text(cells, levels, "output_tokens_per_s")}
 
 
 def to_markdown(summary: dict) -> str:
