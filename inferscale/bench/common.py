@@ -21,7 +21,7 @@ import platform
 import statistics
 import subprocess
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from inferscale.datasets.locomo import LocomoSample, store_conversation
 from inferscale.memory import Memory
@@ -131,6 +131,32 @@ def mean(values: Iterable[float]) -> float:
     """Mean, NaN for no values."""
     xs = list(values)
     return statistics.fmean(xs) if xs else math.nan
+
+
+def summarize_levels(rows: Sequence[dict], levels: Sequence[int], extra: Callable[[dict], dict]) -> dict:
+    """Per (mode, users) level of a concurrent-users benchmark: requests/s and output tokens/s
+    over the level's wall time, TTFT p50/p99 (ms), mean prompt and output tokens, plus
+    ``extra(row)``; and the inject/text ratios of both rates.
+
+    Args:
+        rows: one per level: ``mode``, ``users``, ``requests``, ``wall_s`` (seconds), and per
+            request ``ttft_s``, ``prompt_tokens``, ``output_tokens``.
+    """
+    cells = []
+    for mode in ("inject", "text"):
+        for n in levels:
+            r = next((r for r in rows if r["mode"] == mode and r["users"] == n), None)
+            if r is None:
+                continue
+            cells.append({
+                "mode": mode, "users": n, "requests": r["requests"], "requests_per_s": r["requests"] / r["wall_s"],
+                "output_tokens_per_s": sum(r["output_tokens"]) / r["wall_s"],
+                "ttft_p50_ms": 1000 * percentile(r["ttft_s"], 50), "ttft_p99_ms": 1000 * percentile(r["ttft_s"], 99),
+                "prompt_tokens_mean": mean(r["prompt_tokens"]), "output_tokens_mean": mean(r["output_tokens"]),
+                **extra(r),
+            })
+    return {"cells": cells, "inject_over_text_requests_per_s": inject_over_text(cells, levels, "requests_per_s"),
+            "inject_over_text_output_tokens_per_s": inject_over_text(cells, levels, "output_tokens_per_s")}
 
 
 def inject_over_text(cells: Sequence[dict], levels: Sequence[int], field: str) -> dict[str, float]:

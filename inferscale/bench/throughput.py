@@ -26,7 +26,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from inferscale.bench.common import ResultLog, inject_over_text, markdown_table, percentile, write_outputs
+from inferscale.bench.common import ResultLog, markdown_table, summarize_levels, write_outputs
 from inferscale.bench.plots import plot_throughput
 from inferscale.datasets.locomo import LocomoFact, LocomoSample, load_locomo, store_conversation
 from inferscale.memory import Memory
@@ -146,23 +146,9 @@ async def _measure(memory: Memory, plan, todo, log: ResultLog, *, k: int, w: int
 
 def summarize(rows: list[dict], levels: Sequence[int]) -> dict:
     """Requests/s and TTFT p50/p99 per (mode, users); inject/text throughput ratios."""
-    cells = []
-    for mode in ("inject", "text"):
-        for n in levels:
-            r = next((r for r in rows if r["mode"] == mode and r["users"] == n), None)
-            if r is None:
-                continue
-            cells.append({
-                "mode": mode, "users": n, "requests": r["requests"], "requests_per_s": r["requests"] / r["wall_s"],
-                "ttft_p50_ms": 1000 * percentile(r["ttft_s"], 50), "ttft_p99_ms": 1000 * percentile(r["ttft_s"], 99),
-                "prompt_tokens_mean": sum(r["prompt_tokens"]) / len(r["prompt_tokens"]),
-                "prefilled_tokens_mean": sum(p - c for p, c in zip(r["prompt_tokens"], r["cached_tokens"]))
-                / len(r["prompt_tokens"]),
-                "output_tokens_mean": sum(r["output_tokens"]) / len(r["output_tokens"]),
-                "output_tokens_per_s": sum(r["output_tokens"]) / r["wall_s"],
-            })
-    return {"cells": cells, "inject_over_text_requests_per_s": inject_over_text(cells, levels, "requests_per_s"),
-            "inject_over_text_output_tokens_per_s": inject_over_text(cells, levels, "output_tokens_per_s")}
+    return summarize_levels(rows, levels, lambda r: {
+        "prefilled_tokens_mean": sum(p - c for p, c in zip(r["prompt_tokens"], r["cached_tokens"]))
+        / len(r["prompt_tokens"])})
 
 
 def to_markdown(summary: dict) -> str:
