@@ -266,8 +266,6 @@ def bench_report(
         _fail(str(exc))
 
 
-if __name__ == "__main__":
-    app()
 
 
 @app.command()
@@ -325,3 +323,7 @@ def bench_serve(
     _run_bench("serve", out, lambda: run(
         data, out, store, levels=levels, facts_per_user=facts_per_user, requests_per_user=requests_per_user, k=k,
         context_window=context_window, max_tokens=max_tokens, dtype=dtype, fresh=fresh))
+
+
+if __name__ == "__main__":
+    app()
