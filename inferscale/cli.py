@@ -149,6 +149,15 @@ _FRESH = typer.Option(False, "--fresh", help="Discard earlier results in --out i
 _DTYPE = typer.Option("auto", callback=_check_dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16.")
 
 
+# the options of the two concurrent-users benchmarks (throughput, serve)
+_USERS = typer.Option("1,2,4,8,16,32", help="Concurrent users per level, comma-separated.")
+_FACTS_PER_USER = typer.Option(40, min=1, help="Facts in each user's own memory.")
+_REQUESTS_PER_USER = typer.Option(2, min=1, help="Questions each user asks in a row, per level.")
+_LEVEL_K = typer.Option(20, min=0, max=200, help="Facts per request.")
+_LEVEL_W = typer.Option(0, min=0, help="w the KV is encoded with (serving cost does not depend on it).")
+_LEVEL_MAX_TOKENS = typer.Option(32, min=1, help="Answer budget (tokens).")
+
+
 def _run_bench(name: str, out: Path, call) -> None:
     from inferscale.datasets.locomo import LocomoFormatError
     from inferscale.models import ModelNotFoundError
@@ -213,12 +222,12 @@ def bench_throughput(
     data: Optional[Path] = _DATA,
     out: Path = typer.Option(Path("results/throughput"), help="Results folder (resumes what it holds)."),
     store: Optional[Path] = _STORE,
-    users: str = typer.Option("1,2,4,8,16,32", help="Concurrent users per level, comma-separated."),
-    facts_per_user: int = typer.Option(40, min=1, help="Facts in each user's own memory."),
-    requests_per_user: int = typer.Option(2, min=1, help="Questions each user asks in a row, per level."),
-    k: int = typer.Option(20, min=0, help="Facts per request."),
-    context_window: int = typer.Option(0, min=0, help="w the KV is encoded with (serving cost does not depend on it)."),
-    max_tokens: int = typer.Option(32, min=1, help="Answer budget (tokens)."),
+    users: str = _USERS,
+    facts_per_user: int = _FACTS_PER_USER,
+    requests_per_user: int = _REQUESTS_PER_USER,
+    k: int = _LEVEL_K,
+    context_window: int = _LEVEL_W,
+    max_tokens: int = _LEVEL_MAX_TOKENS,
     dtype: str = _DTYPE,
     fresh: bool = _FRESH,
 ) -> None:
@@ -306,12 +315,12 @@ def bench_serve(
     data: Optional[Path] = _DATA,
     out: Path = typer.Option(Path("results/serve"), help="Results folder (resumes what it holds)."),
     store: Optional[Path] = _STORE,
-    users: str = typer.Option("1,2,4,8,16,32", help="Concurrent users per level, comma-separated."),
-    facts_per_user: int = typer.Option(40, min=1, help="Facts in each user's own memory."),
-    requests_per_user: int = typer.Option(2, min=1, help="Questions each user asks in a row, per level."),
-    k: int = typer.Option(20, min=0, max=200, help="Facts per request."),
-    context_window: int = typer.Option(0, min=0, help="w the KV is encoded with."),
-    max_tokens: int = typer.Option(32, min=1, help="Answer budget (tokens)."),
+    users: str = _USERS,
+    facts_per_user: int = _FACTS_PER_USER,
+    requests_per_user: int = _REQUESTS_PER_USER,
+    k: int = _LEVEL_K,
+    context_window: int = _LEVEL_W,
+    max_tokens: int = _LEVEL_MAX_TOKENS,
     dtype: str = _DTYPE,
     fresh: bool = _FRESH,
 ) -> None:

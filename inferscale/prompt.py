@@ -126,6 +126,16 @@ class PromptBuilder:
     def _fact_line_ids(self, text: str) -> tuple[int, ...]:
         return tuple(self._tok(f"- {text}\n"))
 
+    def memory_segments(self, facts: Sequence[tuple[str, str]]) -> list[Segment]:
+        """The memory block's segments: the preamble at 0, then one line per ``(fact_id, text)``
+        in the order given, contiguous."""
+        segments, pos = [Segment("_preamble", 0, self.preamble_ids)], len(self.preamble_ids)
+        for fact_id, text in facts:
+            line = self.fact_line_ids(text)
+            segments.append(Segment(fact_id, pos, line))
+            pos += len(line)
+        return segments
+
     def build(self, question: str, facts: Sequence[tuple[str, str]], history: Sequence[dict] = (),
               instructions: str | None = None) -> PromptLayout:
         """Lay out a prompt.
@@ -145,12 +155,8 @@ class PromptBuilder:
             ValueError: the chat template renders the system turn differently with this
                 history, or cannot take a history at all.
         """
-        segments = [Segment("_preamble", 0, self.preamble_ids)]
-        ids = list(self.preamble_ids)
-        for fact_id, text in facts:
-            line = self.fact_line_ids(text)
-            segments.append(Segment(fact_id, len(ids), line))
-            ids.extend(line)
+        segments = self.memory_segments(facts)
+        ids = [t for seg in segments for t in seg.token_ids]
         after = self._after_template
         if history or instructions:
             before, after = self._split_template(history, instructions)

@@ -153,13 +153,9 @@ class ServePath:
             require_text(instructions, "instructions")
         sel = self._select(scope, query, options, allow_unknown_scope=True, max_block_tokens=self.max_model_len - 16)
         system = self.prompts.system_text([r.text for r in sel.ranked], instructions)
-        segments, pos = [Segment("_preamble", 0, self.prompts.preamble_ids)], len(self.prompts.preamble_ids)
-        for r in sel.ranked:
-            line = self.prompts.fact_line_ids(r.text)
-            segments.append(Segment(r.id, pos, line))
-            pos += len(line)
+        segments = self.prompts.memory_segments([(r.id, r.text) for r in sel.ranked])
         plan = sel.plan(segments) if options.mode == "inject" else None
-        memory_tokens = plan.memory_end if plan is not None else pos
+        memory_tokens = plan.memory_end if plan is not None else segments[-1].end
         return MemoryBlock(system, plan, sel.hits, sel.retrieval_s, memory_tokens, sel.kv_ids, sel.text_ids)
 
     def _select(self, scope: Scope, query: str, options: GenerationOptions, allow_unknown_scope: bool,

@@ -36,8 +36,8 @@ from tqdm import tqdm
 
 from inferscale.bench.common import ResultLog, markdown_table, summarize_levels, write_outputs
 from inferscale.bench.plots import plot_throughput
-from inferscale.bench.throughput import PAGED_CACHE_BYTES, user_plan
-from inferscale.datasets.locomo import load_locomo, store_conversation
+from inferscale.bench.throughput import PAGED_CACHE_BYTES, level_settings, store_users, user_plan
+from inferscale.datasets.locomo import load_locomo
 from inferscale.memory import Memory
 from inferscale.server.vllm_process import free_port
 
@@ -104,20 +104,13 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
         ValueError: bad settings, or results in ``out_dir`` made with other settings.
         RuntimeError: the server did not start.
     """
-    if not levels or min(levels) < 1:
-        raise ValueError(f"levels must be positive user counts, got {list(levels)}")
-    if k > facts_per_user:
-        raise ValueError(f"k={k} exceeds facts_per_user={facts_per_user}")
-    settings = {"levels": list(levels), "facts_per_user": facts_per_user, "requests_per_user": requests_per_user,
-                "k": k, "context_window": context_window, "max_tokens": max_tokens, "dtype": dtype,
-                "data": str(data)}
+    settings = level_settings(data, levels, facts_per_user, requests_per_user, k, context_window, max_tokens, dtype)
     log = ResultLog(out_dir, NAME, settings, fresh=fresh)
     plan = user_plan(load_locomo(data), max(levels), facts_per_user, requests_per_user)
     todo = [(n, mode) for n in levels for mode in ("inject", "text") if not log.done(f"{mode}|users={n}")]
     if todo:
         with Memory(data_dir=store_dir, dtype=dtype, precompute_kv=True, context_window=context_window) as memory:
-            for user_id, conv, facts, _qs in tqdm(plan, desc="store users' memories + KV", unit="user"):
-                store_conversation(memory, conv, user_id, facts=facts, batch=len(facts))
+            store_users(memory, plan, store_dir)
             memory.wait_for_kv()
         (store_dir / "logs").mkdir(parents=True, exist_ok=True)  # beside the server's vLLM log
         server = ServerProcess(store_dir, dtype, max(levels), store_dir / "logs" / "bench-serve.log")

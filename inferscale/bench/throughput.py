@@ -56,6 +56,36 @@ def user_plan(convs: Sequence[LocomoSample], users: int, facts_per_user: int, re
     return plan
 
 
+async def level_settings(data: Path, levels: Sequence[int], facts_per_user: int, requests_per_user: int, k: int,
+                   context_window: int, max_tokens: int, dtype: str) -> dict:
+    """The settings of a concurrent-users run (what its result log is keyed by), checked.
+
+    Raises:
+        ValueError: no level, a level below 1, or ``k`` above ``facts_per_user``.
+    """
+    if not levels or min(levels) < 1:
+        raise ValueError(f"levels must be positive user counts, got {list(levels)}")
+    if k > facts_per_user:
+        raise ValueError(f"k={k} exceeds facts_per_user={facts_per_user}")
+    return {"levels": list(levels), "facts_per_user": facts_per_user, "requests_per_user": requests_per_user,
+            "k": k, "context_window": context_window, "max_tokens": max_tokens, "dtype": dtype, "data": str(data)}
+
+
+def store_users(memory: Memory, plan, store_dir: Path) -> None:
+    """Store each planned user's facts (KV queued); an existing user must hold exactly them.
+
+    Raises:
+        ValueError: a user of the store holds other facts (a run with another ``facts_per_user``).
+    """
+    for user_id, conv, facts, _qs in tqdm(plan, desc="store users' memories + KV", unit="user"):
+        store_conversation(memory, conv, user_id, facts=facts, batch=len(facts))
+        held = memory.count(user_id=user_id)
+        if held != len({f.dated_text() for f in facts}):
+            raise ValueError(f"{user_id} in {store_dir} holds {held} facts, not the "
+                             f"{len(facts)} of this plan (an earlier run with another --facts-per-user): "
+                             "use another --store")
+
+
 async def _level(engine, requests: list[list[dict]], max_tokens: int) -> tuple[float, list]:
     """Run every user's requests (each user's one after another, users concurrently)."""
     async def user(reqs: list[dict]) -> list:
@@ -79,23 +109,11 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
     Raises:
         ValueError: bad settings, or results in ``out_dir`` made with other settings.
     """
-    if not levels or min(levels) < 1:
-        raise ValueError(f"levels must be positive user counts, got {list(levels)}")
-    if k > facts_per_user:
-        raise ValueError(f"k={k} exceeds facts_per_user={facts_per_user}")
-    settings = {"levels": list(levels), "facts_per_user": facts_per_user, "requests_per_user": requests_per_user,
-                "k": k, "context_window": context_window, "max_tokens": max_tokens, "dtype": dtype,
-                "data": str(data)}
+    settings = level_settings(data, levels, facts_per_user, requests_per_user, k, context_window, max_tokens, dtype)
     log = ResultLog(out_dir, NAME, settings, fresh=fresh)
     plan = user_plan(load_locomo(data), max(levels), facts_per_user, requests_per_user)
     memory = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=True, context_window=context_window)
-    for user_id, conv, facts, _qs in tqdm(plan, desc="store users' memories + KV", unit="user"):
-        store_conversation(memory, conv, user_id, facts=facts, batch=len(facts))
-        held = memory.count(user_id=user_id)
-        if held != len({f.dated_text() for f in facts}):
-            raise ValueError(f"{user_id} in {store_dir} holds {held} facts, not the "
-                             f"{len(facts)} of this plan (an earlier run with another --facts-per-user): "
-                             "use another --store")
+    store_users(memory, plan, store_dir)
     todo = [(n, mode) for n in levels for mode in ("inject", "text") if not log.done(f"{mode}|users={n}")]
     if todo:
         asyncio.run(_measure(memory, plan, todo, log, k=k, w=context_window, max_tokens=max_tokens))
