@@ -56,7 +56,7 @@ def user_plan(convs: Sequence[LocomoSample], users: int, facts_per_user: int, re
     return plan
 
 
-async def level_settings(data: Path, levels: Sequence[int], facts_per_user: int, requests_per_user: int, k: int,
+def level_settings(data: Path, levels: Sequence[int], facts_per_user: int, requests_per_user: int, k: int,
                    context_window: int, max_tokens: int, dtype: str) -> dict:
     """The settings of a concurrent-users run (what its result log is keyed by), checked.
 
