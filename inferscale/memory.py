@@ -43,6 +43,7 @@ from inferscale.options import GenerationOptions
 from inferscale.prompt import PromptBuilder
 from inferscale.serve_path import PreparedRequest, ServePath, run
 from inferscale.store import SCHEMA_VERSION, FactRecord, FactStore, Scope, StoreError
+from inferscale.tools import parse_tool_calls
 from inferscale.turns import Turn, TurnLog
 from inferscale.types import (
     FactInput,
@@ -55,6 +56,10 @@ from inferscale.types import (
 )
 
 _MANIFEST = "inferscale.json"
+
+
+#: The scope's fields, which Mem0's current API also takes inside ``filters``.
+SCOPE_FIELDS = frozenset({"user_id", "agent_id", "run_id"})
 
 
 class Memory:
@@ -391,26 +396,32 @@ class Memory:
                filters: dict | None = None) -> dict:
         """Facts of the scope most similar to ``query`` (exact cosine top-``limit``).
 
+        The scope is given as keywords (``user_id="alice"``, Mem0 2.x) or inside ``filters``
+        (``filters={"user_id": "alice"}``, Mem0's current style), or both when they agree.
+
         Args:
             threshold: minimum cosine similarity of a result.
             filters: metadata filters (:mod:`inferscale.filters`); a field no memory has
-                matches nothing.
+                matches nothing. Top-level ``user_id`` / ``agent_id`` / ``run_id`` keys are
+                the scope, not metadata.
 
         Returns:
             ``{"results": [{"id", "memory", "score", "metadata", ...}]}``, best first; empty
             for a scope with no facts.
 
         Raises:
-            ValueError: empty query, bad ``limit`` / ``threshold``, malformed filters.
+            ValueError: empty query, bad ``limit`` / ``threshold``, malformed filters, a
+                scope in ``filters`` that is not a string or disagrees with the keyword.
         """
-        scope = Scope.of(user_id, agent_id, run_id)
+        scope, filters = scope_and_filters(user_id, agent_id, run_id, filters)
         hits = self.facts.search(scope, query, limit, threshold, filters)
         return {"results": [self._item(r, s) for r, s in hits]}
 
     def get_all(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
                 limit: int = 100, filters: dict | None = None) -> dict:
-        """Every fact of the scope matching ``filters``, oldest first, at most ``limit``."""
-        scope = Scope.of(user_id, agent_id, run_id)
+        """Every fact of the scope matching ``filters``, oldest first, at most ``limit``; the scope
+        as keywords or inside ``filters``, as :meth:`search` takes it."""
+        scope, filters = scope_and_filters(user_id, agent_id, run_id, filters)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"limit must be a non-negative integer, got {limit!r}")
         return {"results": [self._item(r) for r in self.facts.list(scope, filters)[:limit]]}
@@ -508,7 +519,7 @@ class Memory:
     def prepare(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                 run_id: str | None = None, history: Sequence[dict] | None = None, instructions: str | None = None,
                 allow_unknown_scope: bool = False, options: GenerationOptions | None = None,
-                **overrides: Any) -> Injection:
+                followup: Sequence[dict] | None = None, **overrides: Any) -> Injection:
         """Retrieve and lay out one request without running it, in either mode (arguments as
         :meth:`generate`).
 
@@ -516,7 +527,7 @@ class Memory:
         back; in ``mode="text"`` the result has no ``plan`` and no ``kv_transfer_params``.
         """
         req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
-                            self.options(options, **overrides))
+                            self.options(options, **overrides), followup)
         return Injection(prompt_token_ids=req.prompt_token_ids, plan=req.plan,
                          memories=[self._item(r, s) for r, s in req.hits], memory_tokens=req.memory_tokens,
                          retrieval_s=req.retrieval_s, kv_memory_ids=list(req.kv_memory_ids),
@@ -543,22 +554,25 @@ class Memory:
                             context_window=context_window, mode="inject", max_tokens=1, wait_for_kv=wait_for_kv)
 
     def _prepare(self, query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
-                 options: GenerationOptions) -> PreparedRequest:
+                 options: GenerationOptions, followup=None) -> PreparedRequest:
         return self.serve.prepare(Scope.of(user_id, agent_id, run_id), query, options, history=history,
-                                  instructions=instructions, allow_unknown_scope=allow_unknown_scope)
+                                  instructions=instructions, allow_unknown_scope=allow_unknown_scope,
+                                  followup=followup)
 
     def generate(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                  run_id: str | None = None, history: Sequence[dict] | None = None, instructions: str | None = None,
                  allow_unknown_scope: bool = False, options: GenerationOptions | None = None,
-                 **overrides: Any) -> Generation:
+                 followup: Sequence[dict] | None = None, **overrides: Any) -> Generation:
         """Answer ``query`` with the scope's memory.
 
         Thread-safe: calls from several threads run concurrently and vLLM batches them.
 
         Args:
             history: earlier turns of the current conversation, ``{"role": "user" |
-                "assistant", "content"}`` dicts, oldest first; they are prefilled after the
-                memory block, before ``query``.
+                "assistant" | "tool", "content"}`` dicts, oldest first (an assistant turn may
+                carry ``"tool_calls"``); they are prefilled after the memory block, before ``query``.
+            followup: turns after ``query``, as ``history``: the assistant's tool calls and
+                the tools' results, when the model answers a question after calling tools.
             instructions: extra system text, placed after the memory block.
             allow_unknown_scope: answer a scope with no memories and no turns (a new user)
                 without memories instead of raising ``UnknownScopeError``.
@@ -566,7 +580,9 @@ class Memory:
             **overrides: its fields one by one: ``k``, ``context_window``, ``mode``
                 (``"inject"``: the memory block as precomputed KV; ``"text"``: the same
                 tokens prefilled, Mem0-style), ``max_tokens`` (default 64), ``temperature``
-                (0 is greedy), ``stop``, ``logprobs``.
+                (0 is greedy), ``stop``, ``logprobs``, ``json_schema`` (constrained decoding),
+                ``tools`` and ``tool_choice`` (:mod:`inferscale.tools`; the calls come back
+                in ``Generation.tool_calls``).
 
         Raises:
             UnknownScopeError: the scope has no memories and no turns.
@@ -575,7 +591,7 @@ class Memory:
         """
         for chunk in self.stream(query, user_id=user_id, agent_id=agent_id, run_id=run_id, history=history,
                                  instructions=instructions, allow_unknown_scope=allow_unknown_scope, options=options,
-                                 **overrides):
+                                 followup=followup, **overrides):
             if chunk.generation is not None:
                 return chunk.generation
         raise RuntimeError("the stream ended without a generation")
@@ -583,7 +599,7 @@ class Memory:
     def stream(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                run_id: str | None = None, history: Sequence[dict] | None = None, instructions: str | None = None,
                allow_unknown_scope: bool = False, options: GenerationOptions | None = None,
-               **overrides: Any) -> Iterator[GenerationChunk]:
+               followup: Sequence[dict] | None = None, **overrides: Any) -> Iterator[GenerationChunk]:
         """:meth:`generate`, streamed: the same request, its text yielded as the engine produces it.
 
         Retrieval, input checks and KV encoding happen in this call (errors are raised
@@ -598,7 +614,7 @@ class Memory:
             ...     print(chunk.text, end="")
         """
         req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
-                            self.options(options, **overrides))
+                            self.options(options, **overrides), followup)
         return self._chunks(self.engine, req, [self._item(r, s) for r, s in req.hits])
 
     @staticmethod
@@ -612,6 +628,7 @@ class Memory:
                 num_prefilled_tokens=out.num_prompt_tokens - out.num_cached_tokens, memories=memories,
                 first_logprobs=out.first_logprobs, num_generated_tokens=out.num_output_tokens,
                 kv_memory_ids=list(req.kv_memory_ids), text_memory_ids=list(req.text_memory_ids),
+                tool_calls=[c.to_dict() for c in parse_tool_calls(piece.text, req.options.offered_tools())],
             ))
 
     # ------------------------------------------------------------------ turns
@@ -636,6 +653,30 @@ class Memory:
                 isinstance(t, str) for t in turn_ids):
             raise TypeError(f"turn_ids must be a list of turn id strings, got {turn_ids!r}")
         return self.facts.delete_turns(scope, self.turns, list(turn_ids))
+
+
+def scope_and_filters(user_id: str | None, agent_id: str | None, run_id: str | None,
+                      filters: dict | None) -> tuple[Scope, dict | None]:
+    """The scope from keywords and/or the top-level ``user_id`` / ``agent_id`` / ``run_id`` keys
+    of Mem0-style ``filters``, and the filters left for metadata.
+
+    Raises:
+        ValueError: a scope key in ``filters`` is not a non-empty string (operators do not
+            apply to the scope), or disagrees with the keyword of the same name; no scope.
+    """
+    if not isinstance(filters, dict) or not SCOPE_FIELDS & filters.keys():
+        return Scope.of(user_id, agent_id, run_id), filters
+    given = {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}
+    rest = dict(filters)
+    for name in SCOPE_FIELDS & filters.keys():
+        value = rest.pop(name)
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"filters[{name!r}] is the scope and must be a non-empty string, got {value!r}: "
+                             "operators apply to metadata fields only")
+        if given[name] is not None and given[name] != value:
+            raise ValueError(f"{name}={given[name]!r} and filters[{name!r}]={value!r} disagree: give the scope once")
+        given[name] = value
+    return Scope.of(**given), rest or None
 
 
 def _results(events: Sequence[WriteEvent]) -> dict:

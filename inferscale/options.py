@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from inferscale.tools import check_tools, chosen_tool
 
 #: Most top logprobs a request may ask for (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
@@ -29,6 +31,13 @@ class GenerationOptions(BaseModel):
         wait_for_kv: in inject mode, encode the KV of retrieved facts that have none yet
             before answering (every fact injected); by default such facts are prefilled as
             text and their KV is encoded in the background.
+        json_schema: constrain the answer to JSON valid for this JSON Schema (vLLM's
+            structured outputs; ``{"type": "object"}`` for any JSON object).
+        tools: tools the model may call, in OpenAI's function format
+            (:mod:`inferscale.tools`); described in the system turn after the memory block.
+        tool_choice: ``"auto"`` (default: the model decides), ``"none"``, ``"required"`` /
+            ``"any"`` (a call is forced by constrained decoding), a tool's name, or OpenAI's
+            ``{"type": "function", "function": {"name": ...}}``.
 
     Raises:
         pydantic.ValidationError: (a ``ValueError``) naming the bad field and why; an
@@ -48,6 +57,35 @@ class GenerationOptions(BaseModel):
     stop: list[str] | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, strict=True)
     wait_for_kv: bool = Field(default=False, strict=True)
+    json_schema: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools(cls, value: Any) -> Any:
+        return check_tools(value)
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _json_schema(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(f"json_schema must be a JSON Schema dict, got {type(value).__name__}")
+        return value
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> "GenerationOptions":
+        if chosen_tool(self.tools, self.tool_choice) is not None and self.json_schema is not None:
+            raise ValueError("a forced tool call (tool_choice) and json_schema both constrain the answer: give one")
+        return self
+
+    def forced_tool(self) -> str | None:
+        """The tool a call is forced to (``"*"``: any tool), or ``None``."""
+        return chosen_tool(self.tools, self.tool_choice)
+
+    def offered_tools(self) -> list[dict]:
+        """The tools described to the model (none with ``tool_choice="none"``)."""
+        return [] if self.tool_choice == "none" else list(self.tools or [])
 
     @field_validator("temperature", mode="before")
     @classmethod

@@ -101,14 +101,16 @@ class PromptBuilder:
     def _system(self, memory: str, instructions: str | None) -> str:
         return self.system_prompt + self.memory_header + memory + (f"\n{instructions}" if instructions else "")
 
-    def _split_template(self, history: Sequence[dict] = (), instructions: str | None = None) -> tuple[str, str]:
+    def _split_template(self, history: Sequence[dict] = (), instructions: str | None = None,
+                        followup: Sequence[dict] = ()) -> tuple[str, str]:
         system = self._system(_SENTINEL, instructions)
         question = "\u27e6Q\u27e7"
-        messages = [{"role": "system", "content": system}, *history, {"role": "user", "content": question}]
+        messages = [{"role": "system", "content": system}, *history, {"role": "user", "content": question},
+                    *followup]
         try:
             rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception:  # templates that reject a system turn: put it in the user turn
-            if history:
+            if history or followup:
                 raise ValueError("this model's chat template has no system turn, so a conversation history cannot "
                                  "follow the memory block: send the question alone") from None
             rendered = self.tokenizer.apply_chat_template(
@@ -137,7 +139,7 @@ class PromptBuilder:
         return segments
 
     def build(self, question: str, facts: Sequence[tuple[str, str]], history: Sequence[dict] = (),
-              instructions: str | None = None) -> PromptLayout:
+              instructions: str | None = None, followup: Sequence[dict] = ()) -> PromptLayout:
         """Lay out a prompt.
 
         Args:
@@ -147,6 +149,8 @@ class PromptBuilder:
                 "content"}`` dicts, oldest first; they follow the memory block, before the question.
             instructions: extra system text, placed after the memory block in the system turn
                 (the memory block, and so its KV, stays the same).
+            followup: messages after the question (an assistant's tool calls and the tool
+                results), ``{"role", "content"}`` dicts, oldest first.
 
         Returns:
             The :class:`PromptLayout`.
@@ -158,8 +162,8 @@ class PromptBuilder:
         segments = self.memory_segments(facts)
         ids = [t for seg in segments for t in seg.token_ids]
         after = self._after_template
-        if history or instructions:
-            before, after = self._split_template(history, instructions)
+        if history or instructions or followup:
+            before, after = self._split_template(history, instructions, followup)
             if tuple(self._tok(before)) != self.preamble_ids:
                 raise ValueError("the chat template changes the system turn when a history is given; "
                                  "send the question alone")

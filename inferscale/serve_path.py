@@ -8,6 +8,7 @@ Mem0's result dicts are made by the facade (:class:`inferscale.Memory`) only.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
@@ -18,6 +19,7 @@ from inferscale.kv.manager import KVManager
 from inferscale.options import GenerationOptions
 from inferscale.prompt import PromptBuilder, Segment
 from inferscale.store import FactRecord, Scope
+from inferscale.tools import call_schema, render_tool_calls, tool_instructions
 from inferscale.turns import TurnLog
 from inferscale.types import UnknownScopeError, require_text
 
@@ -43,6 +45,8 @@ class PreparedRequest:
         kv_memory_ids: facts whose KV the plan injects (in inject mode).
         text_memory_ids: facts placed as text, to be prefilled (all of them in text mode;
             in inject mode those whose KV is not encoded yet).
+        json_schema: the JSON Schema the answer is decoded under (``options.json_schema``,
+            or a forced tool call's), ``None`` for free text.
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -53,6 +57,7 @@ class PreparedRequest:
     options: GenerationOptions
     kv_memory_ids: tuple[str, ...] = ()
     text_memory_ids: tuple[str, ...] = ()
+    json_schema: dict | None = None
 
     @property
     def kv_transfer_params(self) -> dict | None:
@@ -63,8 +68,14 @@ class PreparedRequest:
         return None if self.plan is None else self.plan.cache_salt()
 
 
-def check_history(history: Sequence[dict] | None) -> tuple[dict, ...]:
-    """Validate a conversation history: ``{"role": "user" | "assistant", "content": str}`` dicts.
+def check_history(history: Sequence[dict] | None, what: str = "history") -> tuple[dict, ...]:
+    """Validate conversation messages: ``{"role": "user" | "assistant" | "tool", "content": str}``
+    dicts; an assistant message may instead (or also) carry ``"tool_calls"`` (``{"name",
+    "arguments"}`` dicts, OpenAI's ``{"function": {...}}`` form too), rendered into its text
+    as :func:`inferscale.tools.render_tool_calls` writes them.
+
+    Returns:
+        The messages as ``{"role", "content"}`` dicts, ready for the chat template.
 
     Raises:
         TypeError / ValueError: naming the first bad message.
@@ -72,16 +83,46 @@ def check_history(history: Sequence[dict] | None) -> tuple[dict, ...]:
     if history is None:
         return ()
     if isinstance(history, (str, bytes, dict)) or not isinstance(history, Sequence):
-        raise TypeError(f"history must be a list of message dicts, got {type(history).__name__}")
+        raise TypeError(f"{what} must be a list of message dicts, got {type(history).__name__}")
     out = []
     for i, m in enumerate(history):
         if not isinstance(m, dict):
-            raise TypeError(f"history message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
-        if m.get("role") not in ("user", "assistant"):
-            raise ValueError(f"history message {i} has role {m.get('role')!r}: use 'user' or 'assistant' (give system "
+            raise TypeError(f"{what} message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ("user", "assistant", "tool"):
+            raise ValueError(f"{what} message {i} has role {role!r}: use 'user', 'assistant' or 'tool' (give system "
                              "text as instructions=...)")
-        out.append({"role": m["role"], "content": require_text(m.get("content"), f"history message {i} content")})
+        calls = _tool_calls(m.get("tool_calls"), f"{what} message {i}") if role == "assistant" else []
+        if calls and not m.get("content"):
+            content = render_tool_calls(calls)
+        else:
+            content = require_text(m.get("content"), f"{what} message {i} content")
+            if calls:
+                content = f"{content}\n{render_tool_calls(calls)}"
+        out.append({"role": role, "content": content})
     return tuple(out)
+
+
+def _tool_calls(calls: object, what: str) -> list[dict]:
+    if calls is None:
+        return []
+    if not isinstance(calls, (list, tuple)):
+        raise TypeError(f"{what}: tool_calls must be a list of {{'name', 'arguments'}} dicts, got {type(calls).__name__}")
+    out = []
+    for j, c in enumerate(calls):
+        c = c.get("function", c) if isinstance(c, dict) else c
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+            raise TypeError(f"{what}: tool_calls[{j}] must be a dict with a 'name' and 'arguments', got {c!r:.200}")
+        args = c.get("arguments") or {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{what}: tool_calls[{j}].arguments is not JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise TypeError(f"{what}: tool_calls[{j}].arguments must be a JSON object, got {type(args).__name__}")
+        out.append({"name": c["name"], "arguments": args})
+    return out
 
 
 class ServePath:
@@ -99,7 +140,8 @@ class ServePath:
         self.max_model_len = max_model_len
 
     def prepare(self, scope: Scope, query: str, options: GenerationOptions, *, history: Sequence[dict] | None = None,
-                instructions: str | None = None, allow_unknown_scope: bool = False) -> PreparedRequest:
+                instructions: str | None = None, allow_unknown_scope: bool = False,
+                followup: Sequence[dict] | None = None) -> PreparedRequest:
         """Retrieve the top ``options.k`` facts, lay out the prompt and, in inject mode, plan the injection.
 
         Text mode: the facts best-ranked last. Inject mode never waits for encoding unless
@@ -108,18 +150,30 @@ class ServePath:
         then the question; the missing KV is queued for the background encoder, so a
         later request injects it.
 
+        Tools (``options.tools``) are described after ``instructions`` in the system turn,
+        after the memory block, so the memory block and its KV do not change; a forced tool
+        call or ``options.json_schema`` becomes the request's ``json_schema``.
+
         Args:
             options: with ``k`` and ``context_window`` resolved (not ``None``).
+            followup: messages after the question (an assistant's tool calls, then the tool
+                results), as :func:`check_history` takes them.
 
         Raises:
             UnknownScopeError: the scope has no facts and no turns (unless ``allow_unknown_scope``).
             ValueError: the prompt plus ``max_tokens`` exceeds ``max_model_len``; a bad history.
         """
         history = check_history(history)
+        followup = check_history(followup, "followup")
         if instructions is not None:
             require_text(instructions, "instructions")
+        if options.offered_tools():
+            tools = tool_instructions(options.offered_tools())
+            instructions = f"{instructions}\n\n{tools}" if instructions else tools
+        forced = options.forced_tool()
+        json_schema = call_schema(options.tools, forced) if forced else options.json_schema
         sel = self._select(scope, query, options, allow_unknown_scope)
-        layout = self.prompts.build(query, [(r.id, r.text) for r in sel.ranked], history, instructions)
+        layout = self.prompts.build(query, [(r.id, r.text) for r in sel.ranked], history, instructions, followup)
         if len(layout.token_ids) + options.max_tokens > self.max_model_len:
             raise ValueError(
                 f"the prompt is {len(layout.token_ids)} tokens with k={options.k} memories; with "
@@ -129,7 +183,7 @@ class ServePath:
         plan = sel.plan(layout.segments) if options.mode == "inject" else None
         memory_tokens = plan.memory_end if plan is not None else layout.memory_end
         return PreparedRequest(layout.token_ids, plan, sel.hits, sel.retrieval_s, memory_tokens, options,
-                               sel.kv_ids, sel.text_ids)
+                               sel.kv_ids, sel.text_ids, json_schema)
 
     def prepare_memory_block(self, scope: Scope, query: str, options: GenerationOptions, *,
                              instructions: str | None = None) -> "MemoryBlock":
@@ -252,7 +306,7 @@ def run(engine: EngineLike, request: PreparedRequest) -> Iterator[ServedChunk]:
     emitted = ""
     for chunk in engine.stream(request.prompt_token_ids, kv_transfer_params=request.kv_transfer_params,
                                cache_salt=request.cache_salt, max_tokens=o.max_tokens, temperature=o.temperature,
-                               stop=o.stop, logprobs=o.logprobs):
+                               stop=o.stop, logprobs=o.logprobs, json_schema=request.json_schema):
         visible = chunk.text.strip()
         delta = visible[len(emitted):] if visible.startswith(emitted) else ""
         emitted += delta

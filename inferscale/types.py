@@ -124,6 +124,8 @@ class Generation:
         kv_memory_ids: memories whose KV was injected.
         text_memory_ids: memories prefilled as text (in inject mode: their KV was not
             encoded yet; it is being encoded in the background).
+        tool_calls: the calls of offered tools parsed from ``text`` (``{"id", "name",
+            "arguments"}`` dicts; :mod:`inferscale.tools`), empty when none.
     """
 
     text: str
@@ -139,6 +141,7 @@ class Generation:
     num_generated_tokens: int = 0
     kv_memory_ids: list[str] = field(default_factory=list)
     text_memory_ids: list[str] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

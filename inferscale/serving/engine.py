@@ -30,7 +30,8 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from inferscale.config import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
 from inferscale.kv.injection import injected_tokens
-from inferscale.serving.vllm_compat import check_vllm_version, engine_kwargs, engine_process_environment
+from inferscale.serving.vllm_compat import (check_vllm_version, engine_kwargs, engine_process_environment,
+                                            structured_outputs)
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -189,13 +190,13 @@ class Engine:
 
     async def _run(self, prompt_token_ids: Sequence[int], emit: Callable[[EngineChunk], None], *,
                    kv_transfer_params: dict | None, cache_salt: str | None, max_tokens: int, temperature: float,
-                   stop: Sequence[str] | None, logprobs: int | None) -> EngineOutput:
+                   stop: Sequence[str] | None, logprobs: int | None, json_schema: dict | None) -> EngineOutput:
         """The one request loop, on the engine's event loop: ``emit`` each chunk, return the output."""
         from vllm import SamplingParams
 
         extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=list(stop or []),
-                                logprobs=logprobs, extra_args=extra)
+                                logprobs=logprobs, extra_args=extra, structured_outputs=structured_outputs(json_schema))
         prompt: dict = {"prompt_token_ids": list(prompt_token_ids)}
         if cache_salt:
             prompt["cache_salt"] = cache_salt
@@ -233,7 +234,8 @@ class Engine:
 
     def stream(self, prompt_token_ids: Sequence[int], *, kv_transfer_params: dict | None = None,
                cache_salt: str | None = None, max_tokens: int = 64, temperature: float = 0.0,
-               stop: Sequence[str] | None = None, logprobs: int | None = None) -> Iterator[EngineChunk]:
+               stop: Sequence[str] | None = None, logprobs: int | None = None,
+               json_schema: dict | None = None) -> Iterator[EngineChunk]:
         """Run one request, yielding its text after each engine step that produced tokens.
 
         Args:
@@ -244,6 +246,8 @@ class Engine:
             temperature: sampling temperature; 0 is greedy.
             stop: stop strings.
             logprobs: return the top-N logprobs of the first generated position.
+            json_schema: decode only JSON valid for this JSON Schema (vLLM's structured
+                outputs, no free whitespace), ``None`` for free text.
 
         Yields:
             :class:`EngineChunk` s; the last one carries the :class:`EngineOutput`.
@@ -252,7 +256,8 @@ class Engine:
         chunks: queue.Queue = queue.Queue()
         future = asyncio.run_coroutine_threadsafe(self._run(
             prompt_token_ids, chunks.put, kv_transfer_params=kv_transfer_params, cache_salt=cache_salt,
-            max_tokens=max_tokens, temperature=temperature, stop=stop, logprobs=logprobs), self._loop)
+            max_tokens=max_tokens, temperature=temperature, stop=stop, logprobs=logprobs, json_schema=json_schema),
+            self._loop)
         future.add_done_callback(lambda _f: chunks.put(_DONE))
         try:
             while (chunk := chunks.get()) is not _DONE:
@@ -299,7 +304,7 @@ def _ignore(_chunk: EngineChunk) -> None:
 
 
 _OPTIONS = {"kv_transfer_params": None, "cache_salt": None, "max_tokens": 64, "temperature": 0.0, "stop": None,
-            "logprobs": None}
+            "logprobs": None, "json_schema": None}
 
 
 def _defaults(options: dict) -> dict:

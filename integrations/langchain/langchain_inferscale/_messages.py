@@ -34,30 +34,39 @@ def from_session_message(message: SessionMessage) -> BaseMessage:
     return _CLASS_OF[message.role](message.content, id=message.turn_id)
 
 
-def split_prompt(messages: Sequence[BaseMessage]) -> tuple[str, list[dict], str | None]:
+def _history_message(m: BaseMessage, i: int) -> dict:
+    if isinstance(m, AIMessage) and m.tool_calls:
+        calls = [{"name": c["name"], "arguments": c["args"]} for c in m.tool_calls]
+        return {"role": "assistant", "content": str(m.text) or None, "tool_calls": calls}
+    if isinstance(m, (HumanMessage, AIMessage, ToolMessage)):
+        return {"role": _ROLE_OF[m.type], "content": _text(m, i)}
+    raise ValueError(f"message {i} is a {type(m).__name__}: ChatInferScale takes system, human, AI and tool messages")
+
+
+def split_prompt(messages: Sequence[BaseMessage]) -> tuple[str, list[dict], str | None, list[dict]]:
     """Split a chat prompt into InferScale's request parts.
 
     Returns:
-        ``(query, history, instructions)``: the last message (a human message) is the
-        query; earlier human/AI messages are the history (``{"role", "content"}``,
-        oldest first); system messages' texts, joined, are the instructions.
+        ``(query, history, instructions, followup)``: the last human message is the query
+        (what memories are retrieved for); messages before it are the history and those
+        after it (an AI message's tool calls and the tool results of an agent's loop) the
+        followup, as ``{"role", "content"}`` dicts (``"tool_calls"`` on AI messages that
+        call tools), oldest first; system messages' texts, joined, are the instructions.
 
     Raises:
-        ValueError: no messages, the last is not a human message, or a message of
-            another kind (tool messages: InferScale serves text chat).
+        ValueError: no messages, no human message, an empty message, or a message of
+            another kind.
     """
     if not messages:
         raise ValueError("messages is empty: give at least one HumanMessage (the question)")
-    *earlier, last = messages
-    if not isinstance(last, HumanMessage):
-        raise ValueError(f"the last message must be a HumanMessage (the question), got {type(last).__name__}")
-    history, system = [], []
-    for i, m in enumerate(earlier):
+    asked = [i for i, m in enumerate(messages) if isinstance(m, HumanMessage)]
+    if not asked:
+        raise ValueError("the messages have no HumanMessage: give the question as a HumanMessage")
+    q = asked[-1]
+    history, followup, system = [], [], []
+    for i, m in enumerate(messages):
         if isinstance(m, SystemMessage):
             system.append(_text(m, i))
-        elif isinstance(m, (HumanMessage, AIMessage)):
-            history.append({"role": _ROLE_OF[m.type], "content": _text(m, i)})
-        else:
-            raise ValueError(f"message {i} is a {type(m).__name__}: ChatInferScale takes system, human and AI "
-                             "messages (no tool calls)")
-    return _text(last, len(earlier)), history, "\n\n".join(system) or None
+        elif i != q:
+            (history if i < q else followup).append(_history_message(m, i))
+    return _text(messages[q], q), history, "\n\n".join(system) or None, followup

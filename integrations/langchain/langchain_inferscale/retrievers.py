@@ -36,9 +36,17 @@ class InferScaleRetriever(MemoryScope, BaseRetriever):
     threshold: float | None = None
     filters: dict | None = None
 
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
+                                k: int | None = None, threshold: float | None = None,
+                                filters: dict | None = None) -> list[Document]:
+        """The documents; ``k``, ``threshold`` and ``filters`` may be given per call
+        (``retriever.invoke(query, k=1)``) and override the attributes."""
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"k must be a positive integer, got {k!r}")
         found = self.memory.search(query, user_id=self.user_id, agent_id=self.agent_id, run_id=self.run_id,
-                                   limit=self.k, threshold=self.threshold, filters=self.filters)["results"]
+                                   limit=self.k if k is None else k,
+                                   threshold=self.threshold if threshold is None else threshold,
+                                   filters=self.filters if filters is None else filters)["results"]
         return [_document(item) for item in found]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -18,18 +18,23 @@ from llama_index.core.base.llms.types import (
     MessageRole,
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.prompts import BasePromptTemplate
 from llama_index.llms.inferscale.messages import split_prompt
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from inferscale import Generation, GenerationChunk, GenerationOptions, Memory
+
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
 
 #: Per-call overrides accepted by every method (``llm.complete(q, k=3)``): the scope and
 #: every generation option (:class:`inferscale.GenerationOptions`).
 CALL_OPTIONS = ("user_id", "agent_id", "run_id", *GenerationOptions.option_names())
 
 
-class InferScaleLLM(GenerationOptions, CustomLLM):
+class InferScaleLLM(GenerationOptions, FunctionCallingLLM):
     """LLM answering through InferScale's vLLM engine with the scope's memories supplied
     as precomputed KV.
 
@@ -38,6 +43,13 @@ class InferScaleLLM(GenerationOptions, CustomLLM):
     messages as the conversation (prefilled after the memory block) and system messages
     added to the system turn after the memories. Streaming variants yield the same answer
     in pieces; async variants run the same code in a worker thread.
+
+    Agents: a ``FunctionCallingLLM`` (``chat_with_tools``, ``predict_and_call``,
+    ``FunctionAgent``): tools are described in the system turn after the memory block, a
+    required tool call is decoded under the tool's JSON Schema (vLLM's structured outputs),
+    and the calls come back in ``message.additional_kwargs["tool_calls"]``.
+    ``structured_predict`` / ``as_structured_llm`` decode the answer under the output
+    class's JSON Schema.
 
     Each response's ``additional_kwargs`` carry the engine's counters: ``ttft_s``,
     ``num_prompt_tokens``, ``num_injected_tokens`` (supplied as KV),
@@ -53,6 +65,10 @@ class InferScaleLLM(GenerationOptions, CustomLLM):
         max_tokens: answer budget (tokens, default 256).
         allow_unknown_scope: answer a user with no memories yet without memories
             (``False`` raises ``UnknownScopeError``).
+        call_tools_first: in ``chat_with_tools`` (and so in a ``FunctionAgent``), force one
+            round of tool calls per question, then answer in text with the tools withheld:
+            for models that do not call tools on their own, such as the 135M default
+            (llama-index-core 0.12 agents cannot set a tool choice per step).
 
     Example:
         >>> llm = InferScaleLLM(memory=Memory(), user_id="alice", k=5)
@@ -66,6 +82,7 @@ class InferScaleLLM(GenerationOptions, CustomLLM):
     run_id: str | None = None
     max_tokens: int = Field(default=256, ge=1, strict=True)  # chat answers run longer than Memory's 64
     allow_unknown_scope: bool = True
+    call_tools_first: bool = False
 
     @classmethod
     def class_name(cls) -> str:
@@ -76,38 +93,92 @@ class InferScaleLLM(GenerationOptions, CustomLLM):
     def metadata(self) -> LLMMetadata:
         """Context window and answer budget of the served model."""
         return LLMMetadata(context_window=self.memory.config.max_model_len, num_output=self.max_tokens,
-                           is_chat_model=True, model_name=self.memory.config.llm)
+                           is_chat_model=True, is_function_calling_model=True, model_name=self.memory.config.llm)
 
     # one request path: every method goes through _request and Memory.stream / Memory.generate
 
-    def _request(self, query: str, history: Sequence[dict], instructions: str | None, kwargs: dict) -> dict:
+    def _request(self, query: str, history: Sequence[dict], instructions: str | None, followup: Sequence[dict],
+                 kwargs: dict) -> dict:
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for InferScaleLLM; valid per-call options: {CALL_OPTIONS}")
         overrides = {name: kwargs[name] for name in self.option_names() if name in kwargs}
         scope = {name: kwargs.get(name, getattr(self, name)) for name in ("user_id", "agent_id", "run_id")}
-        return dict(query=query, **scope, history=list(history), instructions=instructions,
+        return dict(query=query, **scope, history=list(history), instructions=instructions, followup=list(followup),
                     allow_unknown_scope=self.allow_unknown_scope, options=self.options().merged(**overrides))
 
     def _complete(self, prompt: str, kwargs: dict) -> CompletionResponse:
-        gen = self.memory.generate(**self._request(prompt, (), None, kwargs))
+        gen = self.memory.generate(**self._request(prompt, (), None, (), kwargs))
         return CompletionResponse(text=gen.text, raw=gen, additional_kwargs=_counters(gen))
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> ChatResponse:
         gen = self.memory.generate(**self._request(*split_prompt(messages), kwargs))
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=gen.text), raw=gen,
-                            additional_kwargs=_counters(gen))
+        return ChatResponse(message=_answer(gen.text, gen), raw=gen, additional_kwargs=_counters(gen))
 
     def _stream_complete(self, prompt: str, kwargs: dict) -> CompletionResponseGen:
-        parts = self.memory.stream(**self._request(prompt, (), None, kwargs))  # checks and retrieval happen here
+        parts = self.memory.stream(**self._request(prompt, (), None, (), kwargs))  # checks and retrieval happen here
         return (CompletionResponse(text=text, delta=delta, raw=gen, additional_kwargs=_counters(gen) if gen else {})
                 for text, delta, gen in _accumulate(parts))
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict) -> ChatResponseGen:
-        parts = self.memory.stream(**self._request(*split_prompt(messages), kwargs))
-        return (ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, raw=gen,
+        request = self._request(*split_prompt(messages), kwargs)
+        parts = self.memory.stream(**request)
+        # with tools offered, the text may turn out to be a call: it is sent whole, at the end
+        hold = bool(request["options"].offered_tools())
+        return (ChatResponse(message=_answer(text, gen), delta=delta, raw=gen,
                              additional_kwargs=_counters(gen) if gen else {})
-                for text, delta, gen in _accumulate(parts))
+                for text, delta, gen in _accumulate(parts, hold))
+
+    # ------------------------------------------------------------------ tools and structured output
+
+    def _prepare_chat_with_tools(self, tools: Sequence["BaseTool"], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 tool_choice: str | dict | None = None, **kwargs: Any) -> dict[str, Any]:
+        """``chat`` arguments offering ``tools`` (OpenAI format, from each tool's metadata); a
+        call is forced by ``tool_required=True``, a ``tool_choice`` (``"required"`` or a
+        name), or ``call_tools_first`` while the question has no tool result yet."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
+                            else user_msg)
+        if tool_choice is None and tool_required:
+            tool_choice = "required"
+        if tool_choice is None and self.call_tools_first and tools:
+            asked = max((i for i, m in enumerate(messages) if m.role == MessageRole.USER), default=-1)
+            answered = any(m.role == MessageRole.TOOL for m in messages[asked + 1:])
+            tool_choice = "none" if answered else "required"
+        return {"messages": messages, "tools": [t.metadata.to_openai_tool() for t in tools] or None,
+                "tool_choice": tool_choice, **kwargs}
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        """The tool calls of a response (``message.additional_kwargs["tool_calls"]``).
+
+        Raises:
+            ValueError: no call, with ``error_on_no_tool_call``.
+        """
+        calls = response.message.additional_kwargs.get("tool_calls") or []
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"expected at least one tool call, got the text {response.message.content!r:.200}")
+        return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]) for c in calls]
+
+    def structured_predict(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+                           llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> BaseModel:
+        """An ``output_cls`` instance answering ``prompt``: the answer is decoded under the
+        class's JSON Schema (vLLM's structured outputs) and validated.
+
+        Raises:
+            pydantic.ValidationError: the answer ran out of ``max_tokens`` before the object closed.
+        """
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        response = self.chat(messages, json_schema=output_cls.model_json_schema(), **(llm_kwargs or {}))
+        return output_cls.model_validate_json(response.message.content)
+
+    async def astructured_predict(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+                                  llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> BaseModel:
+        """:meth:`structured_predict` in a worker thread."""
+        return await asyncio.to_thread(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -151,12 +222,24 @@ class InferScaleLLM(GenerationOptions, CustomLLM):
         return _in_thread(await asyncio.to_thread(self._stream_chat, messages, kwargs))
 
 
-def _accumulate(parts: Iterator[GenerationChunk]) -> Iterator[tuple[str, str, Generation | None]]:
-    """``(text so far, delta, generation on the last chunk)`` of a streamed answer."""
+def _accumulate(parts: Iterator[GenerationChunk], hold: bool = False) -> Iterator[tuple[str, str, Generation | None]]:
+    """``(text so far, delta, generation on the last chunk)`` of a streamed answer; with
+    ``hold``, only the last (the whole answer, or ``""`` when it is a tool call)."""
     text = ""
     for part in parts:
         text += part.text
-        yield text, part.text, part.generation
+        if not hold:
+            yield text, part.text, part.generation
+        elif part.generation is not None:
+            whole = "" if part.generation.tool_calls else text
+            yield whole, whole, part.generation
+
+
+def _answer(text: str, gen: Generation | None) -> ChatMessage:
+    """The assistant's message; tool calls (``{"id", "name", "arguments"}``) in ``additional_kwargs``."""
+    calls = gen.tool_calls if gen else []
+    return ChatMessage(role=MessageRole.ASSISTANT, content="" if calls else text,
+                       additional_kwargs={"tool_calls": calls} if calls else {})
 
 
 async def _in_thread(iterator: Iterator) -> AsyncIterator:

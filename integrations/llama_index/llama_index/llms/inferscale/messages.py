@@ -26,6 +26,16 @@ def _text(message: ChatMessage, i: int) -> str:
     return text
 
 
+def _history_message(m: ChatMessage, role: str, i: int) -> dict:
+    calls = m.additional_kwargs.get("tool_calls") if role == "assistant" else None
+    if calls:
+        return {"role": "assistant", "content": m.content or None, "tool_calls": list(calls)}
+    if role in ("user", "assistant", "tool"):
+        return {"role": role, "content": _text(m, i)}
+    raise ValueError(f"message {i} has role {m.role.value!r}: InferScaleLLM takes system, user, assistant and tool "
+                     "messages")
+
+
 def to_session_message(message: ChatMessage, i: int = 0) -> SessionMessage:
     """A ``ChatMessage`` as a :class:`SessionMessage` (chatbot/model -> assistant, developer -> system)."""
     text = _text(message, i)
@@ -37,30 +47,34 @@ def from_session_message(message: SessionMessage) -> ChatMessage:
     return ChatMessage(role=_MESSAGE_ROLE[message.role], content=message.content)
 
 
-def split_prompt(messages: Sequence[ChatMessage]) -> tuple[str, list[dict], str | None]:
+def split_prompt(messages: Sequence[ChatMessage]) -> tuple[str, list[dict], str | None, list[dict]]:
     """Split chat messages into InferScale's request parts.
 
     Returns:
-        ``(query, history, instructions)``: the last message (the user's) is the query;
-        earlier user/assistant messages are the history, oldest first; system messages'
-        texts, joined, are the instructions.
+        ``(query, history, instructions, followup)``: the last user message is the query
+        (what memories are retrieved for); messages before it are the history and those
+        after it (an assistant's tool calls, in ``additional_kwargs["tool_calls"]``, and the
+        tool results of an agent's loop) the followup, ``{"role", "content"}`` dicts oldest
+        first; system messages' texts, joined, are the instructions.
 
     Raises:
-        ValueError: no messages, the last is not a user message, or a tool message.
+        TypeError: a message that is not a ``ChatMessage``.
+        ValueError: no messages, no user message, an empty message.
     """
     if not messages:
         raise ValueError("messages is empty: give at least one user ChatMessage (the question)")
     roles = [_ROLE_OF[m.role] if isinstance(m, ChatMessage) else None for m in messages]
-    if roles[-1] != "user":
-        raise ValueError(f"the last message must be the user's (the question), got role {roles[-1]!r}")
-    history, system = [], []
-    for i, (m, role) in enumerate(zip(messages[:-1], roles)):
-        text = _text(m, i)
+    for i, (m, role) in enumerate(zip(messages, roles)):
+        if role is None:
+            raise TypeError(f"message {i} must be a llama_index ChatMessage, got {type(m).__name__}")
+    asked = [i for i, role in enumerate(roles) if role == "user"]
+    if not asked:
+        raise ValueError("the messages have no user message: give the question as a user ChatMessage")
+    q = asked[-1]
+    history, followup, system = [], [], []
+    for i, (m, role) in enumerate(zip(messages, roles)):
         if role == "system":
-            system.append(text)
-        elif role in ("user", "assistant"):
-            history.append({"role": role, "content": text})
-        else:
-            raise ValueError(f"message {i} has role {m.role.value!r}: InferScaleLLM takes system, user and assistant "
-                             "messages (no tool calls)")
-    return _text(messages[-1], len(messages) - 1), history, "\n\n".join(system) or None
+            system.append(_text(m, i))
+        elif i != q:
+            (history if i < q else followup).append(_history_message(m, role, i))
+    return _text(messages[q], q), history, "\n\n".join(system) or None, followup

@@ -54,6 +54,6 @@ def engine(model_path, serving_dir):
 
 @pytest.fixture(scope="session")
 def locomo_path() -> Path:
-    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo10.json"
+    path = Path(__file__).resolve().parents[1] / "shared" / "data" / "locomo" / "locomo10.json"
     assert path.is_file(), f"LoCoMo data expected at {path} (../shared beside the checkout)"
     return path

@@ -17,7 +17,7 @@ from langchain_inferscale import ChatInferScale, InferScaleChatMessageHistory, I
 
 from inferscale import Memory
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "integrations" / "langchain" / "examples" / "remembering_agent.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "remembering_agent.py"
 FACT, QUESTION = "My dog's name is Biscuit.", "What is my dog's name?"
 
 
