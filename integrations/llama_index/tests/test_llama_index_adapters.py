@@ -14,10 +14,12 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
 from llama_index.core.memory import ChatMemoryBuffer
 from llama_index.core.memory import Memory as LlamaMemory
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.tools import FunctionTool
 from llama_index.llms.inferscale import InferScaleLLM
 from llama_index.memory.inferscale import InferScaleMemoryBlock
 from llama_index.storage.chat_store.inferscale import InferScaleChatStore
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from inferscale import Memory
 
@@ -151,14 +153,62 @@ def test_llm_bad_input_gets_a_clear_error(memory, user):
     llm = InferScaleLLM(memory=memory, user_id=user)
     with pytest.raises(ValueError, match="valid per-call options"):
         llm.complete(QUESTION, top_p=0.5)
-    with pytest.raises(ValueError, match="last message must be the user's"):
-        llm.chat([_user("user", QUESTION), _user("assistant", "Biscuit")])
-    with pytest.raises(ValueError, match="no tool calls"):
-        llm.chat([_user("tool", "42"), _user("user", QUESTION)])
+    with pytest.raises(ValueError, match="no user message"):
+        llm.chat([_user("system", "Be brief."), _user("assistant", "Biscuit")])
+    with pytest.raises(TypeError, match="message 1 must be a llama_index ChatMessage"):
+        llm.chat([_user("user", QUESTION), {"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="names no given tool"):
+        llm.chat([_user("user", QUESTION)], tools=[_ADD.metadata.to_openai_tool()], tool_choice="multiply")
     with pytest.raises(ValueError, match="has no text"):
         llm.chat([_user("user", "  ")])
     with pytest.raises(ValueError):
         InferScaleLLM(memory=None)
+
+
+class Pet(BaseModel):
+    """A pet and its owner."""
+
+    name: str = Field(max_length=40)
+    species: str = Field(max_length=20)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+_ADD = FunctionTool.from_defaults(add)
+
+
+def test_structured_predict_and_as_structured_llm_decode_under_the_schema(memory, user):
+    memory.add(FACT, user_id=user)
+    llm = InferScaleLLM(memory=memory, user_id=user, k=3, max_tokens=64)
+    pet = llm.structured_predict(Pet, PromptTemplate("Describe my dog as a {kind}."), kind="pet record")
+    assert isinstance(pet, Pet) and pet.name and pet.species
+    structured = llm.as_structured_llm(Pet).chat([_user("user", "Describe my dog.")])
+    assert isinstance(structured.raw, Pet) and Pet.model_validate_json(structured.message.content) == structured.raw
+    assert isinstance(asyncio.run(llm.astructured_predict(Pet, PromptTemplate("Describe my dog."))), Pet)
+
+
+def test_function_calling_llm_calls_a_forced_tool_and_answers_from_its_result(memory, user):
+    memory.add(FACT, user_id=user)
+    llm = InferScaleLLM(memory=memory, user_id=user, k=3, max_tokens=48)
+    assert llm.metadata.is_function_calling_model
+    response = llm.chat_with_tools([_ADD], user_msg="What is 2 + 3?", tool_required=True)
+    (selection,) = llm.get_tool_calls_from_response(response)
+    assert selection.tool_name == "add" and set(selection.tool_kwargs) == {"a", "b"}
+    assert not response.message.content and response.additional_kwargs["memory_ids"]  # a call, no text
+    called = llm.predict_and_call([_ADD], user_msg="What is 2 + 3?", tool_required=True)
+    assert called.sources[0].tool_name == "add" and called.response == str(add(**selection.tool_kwargs))
+
+    # the call and its result go back as the conversation; the answer is text
+    answer = llm.chat([_user("user", "What is 2 + 3?"), response.message,
+                       ChatMessage(role=MessageRole.TOOL, content=called.response,
+                                   additional_kwargs={"tool_call_id": selection.tool_id})])
+    assert answer.message.content.strip() and "tool_calls" not in answer.message.additional_kwargs
+    with pytest.raises(ValueError, match="expected at least one tool call"):
+        llm.get_tool_calls_from_response(answer)
+    assert llm.get_tool_calls_from_response(answer, error_on_no_tool_call=False) == []
 
 
 def test_chat_store_implements_every_method(memory, user):

