@@ -289,6 +289,9 @@ def test_memory_routes_follow_mem0(server):
     assert [m["id"] for m in server.http("GET", "/memories?user_id=erin").json()["results"]] == [mid]
     found = server.http("POST", "/search", json={"query": "tea", "user_id": "erin", "filters": {"topic": "food"}})
     assert [m["id"] for m in found.json()["results"]] == [mid]
+    current = server.http("POST", "/search", json={"query": "tea", "filters": {"user_id": "erin", "topic": "food"}})
+    assert current.json() == found.json()  # Mem0's current style: the scope inside filters
+    assert server.http("POST", "/search", json={"query": "tea", "filters": {"topic": "food"}}).status_code == 400
     assert server.http("PUT", f"/memories/{mid}?user_id=erin", json={"text": "I drink black tea."}).status_code == 200
     events = server.http("GET", f"/memories/{mid}/history?user_id=erin").json()
     assert [e["event"] for e in events] == ["ADD", "UPDATE"]

@@ -51,7 +51,15 @@ class SearchRequest(ScopeFields):
     query: str
     limit: int = Field(default=100, ge=1, le=10_000, strict=True)
     threshold: float | None = None
-    filters: dict[str, Any] | None = None
+    filters: dict[str, Any] | None = Field(default=None, description="metadata filters; Mem0's current style "
+                                           "puts the scope here too ({'user_id': 'alice', ...})")
+
+    def scope(self) -> dict[str, str]:
+        """The body's scope fields, or none when ``filters`` carries the scope (Mem0's current style)."""
+        if not any((self.user_id, self.agent_id, self.run_id)) and isinstance(self.filters, dict) and any(
+                isinstance(self.filters.get(k), str) for k in ("user_id", "agent_id", "run_id")):
+            return {}
+        return super().scope()
 
 
 class MemoryUpdate(BaseModel):

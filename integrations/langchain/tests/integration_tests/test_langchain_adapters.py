@@ -13,6 +13,7 @@ import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.tools import tool
 from langchain_inferscale import ChatInferScale, InferScaleChatMessageHistory, InferScaleRetriever
 
 from inferscale import Memory
@@ -102,15 +103,27 @@ def test_langchain_knobs_and_per_call_options(memory, user):
     assert isinstance(chain.invoke({"q": QUESTION}), AIMessage)
 
 
+@tool
+def add_numbers(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
 def test_bad_input_gets_a_clear_error(memory, user):
     memory.add(FACT, user_id=user)
     model = ChatInferScale(memory=memory, user_id=user)
     with pytest.raises(ValueError, match="valid per-call options"):
         model.invoke(QUESTION, top_p=0.9)
-    with pytest.raises(ValueError, match="last message must be a HumanMessage"):
-        model.invoke([HumanMessage(QUESTION), AIMessage("Biscuit.")])
-    with pytest.raises(ValueError, match="no tool calls"):
-        model.invoke([ToolMessage("42", tool_call_id="t"), HumanMessage(QUESTION)])
+    with pytest.raises(ValueError, match="no HumanMessage"):
+        model.invoke([SystemMessage("Be brief."), AIMessage("Biscuit.")])
+    with pytest.raises(ValueError, match="message 1 .* has no text"):
+        model.invoke([HumanMessage(QUESTION), ToolMessage("", tool_call_id="t")])
+    with pytest.raises(ValueError, match="names no given tool"):
+        model.bind_tools([add_numbers], tool_choice="multiply").invoke(QUESTION)
+    with pytest.raises(ValueError, match="method must be"):
+        model.with_structured_output({"title": "Pet", "type": "object", "properties": {}}, method="xml")
+    with pytest.raises(ValueError, match="k must be a positive integer"):
+        InferScaleRetriever(memory=memory, user_id=user).invoke("pets", k=0)
     with pytest.raises(ValueError, match="user_id, agent_id or run_id"):
         ChatInferScale(memory=memory).invoke(QUESTION)
     with pytest.raises(ValueError):
