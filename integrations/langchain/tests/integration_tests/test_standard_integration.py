@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 from langchain_core.language_models import BaseChatModel
-from langchain_inferscale import ChatInferScale, InferScaleRetriever
+from langchain_inferscale import InferScaleRetriever
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
+from suite_config import ChatInferScaleSuite
 
 # Answer quality of the 135M default model, not missing plumbing: the call is made, well
 # formed and valid for the tool's schema, but the model writes another argument. Not
@@ -20,35 +21,10 @@ WRONG_ARGUMENT = pytest.mark.xfail(reason="SmolLM2-135M calls magic_function wit
                                           "'magic_function(3)' (the forced call is well formed)", strict=False)
 
 
-class TestChatInferScaleIntegration(ChatModelIntegrationTests):
+class TestChatInferScaleIntegration(ChatInferScaleSuite, ChatModelIntegrationTests):
     @pytest.fixture(autouse=True)
     def _memory(self, suite_memory, suite_user):
         type(self).memory, type(self).user = suite_memory, suite_user
-
-    @property
-    def chat_model_class(self) -> type[ChatInferScale]:
-        return ChatInferScale
-
-    @property
-    def standard_chat_model_params(self) -> dict:
-        # an in-process engine: no HTTP timeout or retries to set
-        return {"temperature": 0, "max_tokens": 100, "stop": []}
-
-    @property
-    def chat_model_params(self) -> dict:
-        return {"memory": self.memory, "user_id": self.user}
-
-    @property
-    def has_tool_choice(self) -> bool:
-        return True
-
-    @property
-    def has_structured_output(self) -> bool:
-        return True
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
 
     @WRONG_ARGUMENT
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
