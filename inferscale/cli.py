@@ -334,5 +334,22 @@ def bench_serve(
         context_window=context_window, max_tokens=max_tokens, dtype=dtype, fresh=fresh))
 
 
+@bench_app.command("retrieval")
+def bench_retrieval(
+    data: Optional[Path] = _DATA,
+    out: Path = typer.Option(Path("results/retrieval"), help="Results folder; the run's temporary store is its "
+                             "retrieval-store/ subfolder, deleted at the end."),
+    big: int = typer.Option(20_000, min=0, help="Facts in the large scope timed for latency (0: skip)."),
+    latency_queries: int = typer.Option(50, min=1, help="LoCoMo questions timed per mode."),
+    repeats: int = typer.Option(3, min=1, help="Timed passes over those questions."),
+) -> None:
+    """Evidence recall@k and hit@k on LoCoMo, dense vs hybrid search, plus search latency at one
+    conversation and at 20,000 facts."""
+    from inferscale.bench.retrieval import run
+
+    data, _ = _bench_paths(data, None)
+    _run_bench("retrieval", out, lambda: run(data, out, big=big, latency_queries=latency_queries, repeats=repeats))
+
+
 if __name__ == "__main__":
     app()

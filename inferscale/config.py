@@ -75,6 +75,8 @@ class MemoryConfig(BaseSettings):
         context_window: default w of Context-Window Encoding, in conversation turns
             preceding each fact's source turn.
         top_k: default number of facts retrieved for a query.
+        search_mode: how facts are ranked for a query: ``"hybrid"`` (default: cosine and
+            BM25 keyword ranks fused, :mod:`inferscale.keyword`) or ``"dense"`` (cosine only).
         system_prompt: system prompt placed before the memory block.
         max_model_len: context length given to vLLM, in tokens.
         kv_cache_memory_bytes: vLLM's paged KV cache size, in bytes.
@@ -96,6 +98,7 @@ class MemoryConfig(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     context_window: int = Field(default=5, ge=0)
     top_k: int = Field(default=10, ge=0)
+    search_mode: Literal["hybrid", "dense"] = "hybrid"
     system_prompt: str = (
         "You are a helpful assistant with a memory of past conversations. "
         "Answer the question in a short phrase, using the memories below."

@@ -24,6 +24,7 @@ from inferscale.embedding import Embedder
 from inferscale.filters import compile_filter
 from inferscale.history import HistoryLog
 from inferscale.index import VectorIndex
+from inferscale.keyword import SEARCH_MODES
 from inferscale.kv.manager import KVManager
 from inferscale.store import FactRecord, FactStore, Scope
 from inferscale.turns import TurnLog
@@ -54,12 +55,14 @@ class FactService:
         default_w: context window (turns) KV is encoded at on write.
         precompute_kv: queue KV encoding on write (else on first injection).
         max_fact_tokens: longest fact accepted (tokens of its memory line).
+        search_mode: default ranking, ``"hybrid"`` or ``"dense"`` (:meth:`search`).
     """
 
     def __init__(
         self, store: FactStore, index: VectorIndex, embedder: Embedder, kv: KVManager, history: HistoryLog,
-        default_w: int, precompute_kv: bool = True, max_fact_tokens: int = 512,
+        default_w: int, precompute_kv: bool = True, max_fact_tokens: int = 512, search_mode: str = "hybrid",
     ) -> None:
+        self.search_mode = search_mode
         self.store, self.index, self.embedder, self.kv, self.history = store, index, embedder, kv, history
         self.default_w = default_w
         self.precompute_kv = precompute_kv
@@ -223,18 +226,23 @@ class FactService:
         return self.index.records(scope.key, where)
 
     def search(
-        self, scope: Scope, query: str, limit: int, threshold: float | None = None, filters: dict | None = None
+        self, scope: Scope, query: str, limit: int, threshold: float | None = None, filters: dict | None = None,
+        mode: str | None = None,
     ) -> list[tuple[FactRecord, float]]:
-        """Exact cosine top-``limit`` of ``scope`` for ``query``, best first.
+        """Top-``limit`` of ``scope`` for ``query``, best first, each with its cosine similarity.
 
         Args:
-            threshold: drop results scoring below it (cosine, -1..1).
+            threshold: drop results whose cosine similarity is below it (-1..1), after ranking.
             filters: metadata filters (:mod:`inferscale.filters`), applied as a mask inside
                 the scope's index partition: the search runs over the matching memories
                 only, so ``limit`` results come back when that many match.
+            mode: ``"hybrid"`` (cosine and BM25 ranks fused by reciprocal rank fusion,
+                :mod:`inferscale.keyword`) or ``"dense"`` (cosine order); default
+                ``search_mode``. Under fusion the order is the fused rank, so scores need
+                not descend.
 
         Raises:
-            ValueError: empty query, bad limit / threshold, malformed filters.
+            ValueError: empty query, bad limit / threshold / mode, malformed filters.
         """
         require_text(query, "query")
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
@@ -242,10 +250,14 @@ class FactService:
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                       or not -1.0 <= threshold <= 1.0):
             raise ValueError(f"threshold must be a cosine similarity in [-1, 1], got {threshold!r}")
+        mode = self.search_mode if mode is None else mode
+        if mode not in SEARCH_MODES:
+            raise ValueError(f"mode must be one of {SEARCH_MODES}, got {mode!r}")
         where = None if filters is None else compile_filter(filters)
         if limit == 0 or self.index.size(scope.key) == 0:
             return []
-        hits = self.index.search(scope.key, self.embedder.encode([query])[0], limit, where=where)
+        hits = self.index.search(scope.key, self.embedder.encode([query])[0], limit, where=where,
+                                 keyword_query=query if mode == "hybrid" else None)
         if threshold is not None:
             hits = [(r, s) for r, s in hits if s >= threshold]
         return hits

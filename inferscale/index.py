@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from inferscale.filters import MISSING, Filter
+from inferscale.keyword import KeywordIndex, fuse
 from inferscale.store import FactRecord
 
 Loader = Callable[[str], "tuple[list[FactRecord], object]"]
@@ -37,6 +38,17 @@ class _Partition:
     rows: torch.Tensor | None = None  # [capacity, dim]
     lock: threading.RLock = field(default_factory=threading.RLock)
     columns: dict[str, np.ndarray] = field(default_factory=dict)  # field -> [n] object values, MISSING if absent
+    keyword: KeywordIndex | None = None  # BM25 over the rows' texts, built on the first keyword search
+
+    def changed(self) -> None:
+        """Drop what is derived from the rows (filter columns, the keyword index)."""
+        self.columns.clear()
+        self.keyword = None
+
+    def keyword_index(self) -> KeywordIndex:
+        if self.keyword is None:
+            self.keyword = KeywordIndex([r.text for r in self.records])
+        return self.keyword
 
     def column(self, key: str) -> np.ndarray:
         """The values of filter field ``key`` down the rows (built once per change)."""
@@ -109,7 +121,7 @@ class VectorIndex:
             elif emb.shape[1] != self.dim:
                 raise ValueError(f"embedding dimension {emb.shape[1]} does not match the index's {self.dim}")
         with part.lock:
-            part.columns.clear()
+            part.changed()
             fresh = [i for i, r in enumerate(records) if r.id not in part.pos]
             for i, r in enumerate(records):
                 if r.id in part.pos:  # a load already brought it: replace in place
@@ -154,7 +166,7 @@ class VectorIndex:
             keep = [i for i, r in enumerate(part.records) if r.id not in ids]
             if len(keep) == len(part.records):
                 return
-            part.columns.clear()
+            part.changed()
             part.rows = part.rows[keep].clone() if keep else None
             part.records = [part.records[i] for i in keep]
             part.fields = [part.fields[i] for i in keep]
@@ -170,13 +182,16 @@ class VectorIndex:
     # ------------------------------------------------------------------ reads
 
     def search(
-        self, scope: str, query: torch.Tensor, k: int, where: Filter | None = None
+        self, scope: str, query: torch.Tensor, k: int, where: Filter | None = None, keyword_query: str | None = None
     ) -> list[tuple[FactRecord, float]]:
         """Top ``k`` of ``scope`` for ``query`` ``[dim]``: ``(record, cosine)`` pairs, best first.
 
         Args:
             where: when given, only records whose filter fields satisfy it can be returned;
                 it is evaluated as a mask over the partition's columns.
+            keyword_query: the query's text: rank by the fusion of cosine and BM25 over it
+                (:func:`inferscale.keyword.fuse`) instead of by cosine alone; the pairs
+                still carry the cosine.
         """
         part = self._partition(scope)
         with part.lock:
@@ -185,13 +200,18 @@ class VectorIndex:
                 return []
             q = torch.nn.functional.normalize(query.to(self.device, torch.float32), dim=-1)
             scores = part.rows[:n] @ q
+            eligible = n
             if where is not None:
                 mask = torch.from_numpy(where.mask(part.column, n)).to(self.device)
                 scores = scores.masked_fill(~mask, float("-inf"))
-                n = int(mask.sum())
-                if n == 0:
+                eligible = int(mask.sum())
+                if eligible == 0:
                     return []
-            top = torch.topk(scores, min(k, n))
+            if keyword_query is not None:
+                dense = scores.cpu().numpy()
+                top = fuse(dense, part.keyword_index().scores(keyword_query), k)
+                return [(part.records[i], float(dense[i])) for i in top.tolist()]
+            top = torch.topk(scores, min(k, eligible))
             return [(part.records[i], float(s)) for s, i in zip(top.values.tolist(), top.indices.tolist())]
 
     def find_hashes(self, scope: str, hashes) -> dict[str, str]:

@@ -127,7 +127,8 @@ class Memory:
             jobs=self.kv_jobs, store=self.store,
         )
         self.facts = FactService(self.store, self.index, self.embedder, self.kv, self.history_log,
-                                 self.config.context_window, self.config.precompute_kv, self.config.max_fact_tokens)
+                                 self.config.context_window, self.config.precompute_kv, self.config.max_fact_tokens,
+                                 self.config.search_mode)
         self._engine = engine
         self.extractor = extractor or LLMFactExtractor()
         self.reconciler = reconciler or SimilarityReconciler()
@@ -393,8 +394,9 @@ class Memory:
 
     def search(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                run_id: str | None = None, limit: int = 100, threshold: float | None = None,
-               filters: dict | None = None) -> dict:
-        """Facts of the scope most similar to ``query`` (exact cosine top-``limit``).
+               filters: dict | None = None, mode: str | None = None) -> dict:
+        """The scope's facts best matching ``query``: hybrid (cosine and BM25 keyword ranks
+        fused) or dense (exact cosine) top-``limit``.
 
         The scope is given as keywords (``user_id="alice"``, Mem0 2.x) or inside ``filters``
         (``filters={"user_id": "alice"}``, Mem0's current style), or both when they agree.
@@ -404,17 +406,19 @@ class Memory:
             filters: metadata filters (:mod:`inferscale.filters`); a field no memory has
                 matches nothing. Top-level ``user_id`` / ``agent_id`` / ``run_id`` keys are
                 the scope, not metadata.
+            mode: ``"hybrid"`` or ``"dense"`` (default: ``config.search_mode``, hybrid).
 
         Returns:
             ``{"results": [{"id", "memory", "score", "metadata", ...}]}``, best first; empty
-            for a scope with no facts.
+            for a scope with no facts. ``score`` is the cosine similarity in both modes;
+            under ``"hybrid"`` the order is the fused rank, so scores need not descend.
 
         Raises:
-            ValueError: empty query, bad ``limit`` / ``threshold``, malformed filters, a
+            ValueError: empty query, bad ``limit`` / ``threshold`` / ``mode``, malformed filters, a
                 scope in ``filters`` that is not a string or disagrees with the keyword.
         """
         scope, filters = scope_and_filters(user_id, agent_id, run_id, filters)
-        hits = self.facts.search(scope, query, limit, threshold, filters)
+        hits = self.facts.search(scope, query, limit, threshold, filters, mode)
         return {"results": [self._item(r, s) for r, s in hits]}
 
     def get_all(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,

@@ -1,0 +1,210 @@
+"""Retrieval quality and latency: dense vs hybrid search on LoCoMo, side by side, one process.
+
+For every LoCoMo conversation, its observations are stored as facts (KV off: retrieval
+only) in one scope of a fresh store, and every question with evidence is searched in
+both modes through :meth:`inferscale.Memory.search`:
+
+- **evidence recall@k**: the share of a question's evidence turns that are a source turn
+  of one of the top-k facts; **hit@k**: whether at least one is (k = 5, 10, 20, 50, 100);
+- the **fusion constant** of :func:`inferscale.keyword.fuse`, chosen on conversations 0-2
+  only (recall@10 for c in :data:`TUNE_C`); conversations 3-9 are reported as held out;
+- **search latency** (median of timed searches, query embedding included) at one
+  conversation and in one scope of 20,000 facts (LoCoMo's facts repeated, each copy
+  numbered so texts stay distinct).
+
+Writes ``retrieval.json``, ``retrieval.md`` and ``retrieval.png`` to the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from inferscale.datasets.locomo import LocomoSample, load_locomo, store_conversation
+from inferscale.keyword import RRF_C, KeywordIndex, fuse
+from inferscale.types import FactInput
+
+KS = (5, 10, 20, 50, 100)
+MODES = ("dense", "hybrid")
+TUNE_C = (5, 10, 20, 60)
+TUNE_CONVERSATIONS = (0, 1, 2)
+
+
+def _recall(sample: LocomoSample, ids: list[str], evidence: tuple[str, ...], by_id: dict) -> tuple[float, bool]:
+    found = {d for i in ids for d in by_id[i]}
+    hits = sum(e in found for e in evidence)
+    return hits / len(evidence), hits > 0
+
+
+def _conversation(memory, sample: LocomoSample, user: str) -> dict:
+    """Recall@k and hit@k per mode, and recall@10 per fusion constant, for one conversation."""
+    store_conversation(memory, sample, user)
+    records = memory.get_all(user_id=user, limit=100_000)["results"]
+    by_id = {r["id"]: r["source_turn_ids"] for r in records}
+    questions = [qa for qa in sample.qa if qa.evidence]
+    out = {"sample": sample.sample_id, "facts": len(records), "questions": len(questions),
+           "recall": {m: {k: [] for k in KS} for m in MODES}, "hit": {m: {k: [] for k in KS} for m in MODES},
+           "tune_recall_at_10": {c: [] for c in TUNE_C}}
+    texts = [r["memory"] for r in records]
+    keyword = KeywordIndex(texts)
+    facts = memory.embedder.encode(texts).numpy()
+    for qa in questions:
+        for mode in MODES:
+            ids = [r["id"] for r in memory.search(qa.question, user_id=user, limit=max(KS), mode=mode)["results"]]
+            for k in KS:
+                recall, hit = _recall(sample, ids[:k], qa.evidence, by_id)
+                out["recall"][mode][k].append(recall)
+                out["hit"][mode][k].append(hit)
+        dense = facts @ memory.embedder.encode([qa.question])[0].numpy()
+        scores = keyword.scores(qa.question)
+        for c in TUNE_C:
+            top = fuse(dense, scores, 10, c)
+            out["tune_recall_at_10"][c].append(_recall(sample, [records[i]["id"] for i in top], qa.evidence, by_id)[0])
+    return out
+
+
+def _timed(memory, user: str, queries: list[str], mode: str, repeats: int) -> float:
+    """Median search time (ms) over ``repeats`` passes of ``queries`` (one warm-up pass)."""
+    times = []
+    for rep in range(repeats + 1):
+        for q in queries:
+            t = time.perf_counter()
+            memory.search(q, user_id=user, limit=10, mode=mode)
+            if rep:
+                times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def _big_scope(memory, samples: list[LocomoSample], user: str, size: int) -> None:
+    """One scope of ``size`` facts: LoCoMo's observations repeated, each copy numbered."""
+    base = [f.dated_text() for s in samples for f in s.facts]
+    if memory.count(user_id=user) >= size:
+        return
+    inputs = [FactInput(f"{base[i % len(base)]} (copy {i // len(base)})") for i in range(size)]
+    for start in tqdm(range(0, size, 256), desc=f"storing {size:,} facts", leave=False):
+        memory.add_facts(inputs[start:start + 256], user_id=user)
+
+
+def run(data: Path, out_dir: Path, *, big: int = 20_000, latency_queries: int = 50, repeats: int = 3,
+        store: Path | None = None) -> dict:
+    """Run the benchmark (see the module docstring); returns what ``retrieval.json`` holds.
+
+    Args:
+        data: locomo10.json. out_dir: results folder.
+        big: facts in the large scope timed for latency (0: skip).
+        latency_queries: LoCoMo questions timed per mode; repeats: timed passes over them.
+        store: the benchmark's memory store (default: ``out_dir/retrieval-store``, deleted
+            at the end).
+    """
+    from inferscale import Memory
+
+    samples = load_locomo(data)
+    own_store = store is None
+    store = store or out_dir / "retrieval-store"
+    memory = Memory(data_dir=store, dtype="float32", precompute_kv=False)
+    try:
+        convs = [_conversation(memory, s, f"retrieval-{s.sample_id}") for s in tqdm(samples, desc="conversations")]
+        queries = [qa.question for qa in samples[0].qa[:latency_queries]]
+        latency = {"one conversation": {"facts": convs[0]["facts"], **{
+            m: _timed(memory, f"retrieval-{samples[0].sample_id}", queries, m, repeats) for m in MODES}}}
+        if big:
+            _big_scope(memory, samples, "retrieval-big", big)
+            latency[f"{big:,} facts"] = {"facts": big, **{m: _timed(memory, "retrieval-big", queries, m, repeats)
+                                                          for m in MODES}}
+    finally:
+        memory.close()
+        if own_store:
+            shutil.rmtree(store, ignore_errors=True)
+    result = _summarize(convs, latency)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "retrieval.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "retrieval.md").write_text(_markdown(result))
+    _plot(result, out_dir / "retrieval.png")
+    return result
+
+
+def _mean(values: list) -> float:
+    return float(np.mean(values)) if values else float("nan")
+
+
+def _summarize(convs: list[dict], latency: dict) -> dict:
+    held = [c for i, c in enumerate(convs) if i not in TUNE_CONVERSATIONS]
+    tune = [c for i, c in enumerate(convs) if i in TUNE_CONVERSATIONS]
+
+    def pooled(group: list[dict], what: str, mode: str) -> dict:
+        return {k: _mean([v for c in group for v in c[what][mode][k]]) for k in KS}
+
+    return {
+        "ks": list(KS), "rrf_c": RRF_C,
+        "tuning": {"conversations": [c["sample"] for c in tune],
+                   "recall_at_10": {c: _mean([v for conv in tune for v in conv["tune_recall_at_10"][c]])
+                                    for c in TUNE_C}},
+        "held_out": {"conversations": [c["sample"] for c in held], "questions": sum(c["questions"] for c in held),
+                     **{f"{what}_{mode}": pooled(held, what, mode) for what in ("recall", "hit") for mode in MODES}},
+        "per_conversation": [{"sample": c["sample"], "facts": c["facts"], "questions": c["questions"],
+                              "held_out": i not in TUNE_CONVERSATIONS,
+                              **{f"recall_at_10_{m}": _mean(c["recall"][m][10]) for m in MODES}}
+                             for i, c in enumerate(convs)],
+        "latency_ms": latency,
+    }
+
+
+def _markdown(r: dict) -> str:
+    h = r["held_out"]
+    lines = ["# Retrieval: dense vs hybrid (dense + BM25, reciprocal rank fusion)", "",
+             f"LoCoMo, every question with evidence; held out: {', '.join(h['conversations'])} "
+             f"({h['questions']} questions). Reproduce: `inferscale bench retrieval`.", "",
+             "## Held-out evidence recall@k and hit@k", "",
+             "| k | " + " | ".join(f"recall {m}" for m in MODES) + " | recall gain | "
+             + " | ".join(f"hit {m}" for m in MODES) + " |",
+             "|---|" + "---|" * (2 * len(MODES) + 1)]
+    for k in r["ks"]:
+        k = str(k) if str(k) in h["recall_dense"] else k
+        rec = [h[f"recall_{m}"][k] for m in MODES]
+        lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in rec) + f" | {rec[1] - rec[0]:+.3f} | "
+                     + " | ".join(f"{h[f'hit_{m}'][k]:.3f}" for m in MODES) + " |")
+    lines += ["", "## Per conversation: recall@10", "", "| conversation | facts | questions | held out | dense | hybrid |",
+              "|---|---|---|---|---|---|"]
+    for c in r["per_conversation"]:
+        lines.append(f"| {c['sample']} | {c['facts']} | {c['questions']} | {'yes' if c['held_out'] else 'tuning'} | "
+                     f"{c['recall_at_10_dense']:.3f} | {c['recall_at_10_hybrid']:.3f} |")
+    t = r["tuning"]
+    lines += ["", f"## Fusion constant, tuned on {', '.join(t['conversations'])} only", "",
+              "| c | recall@10 |", "|---|---|"]
+    lines += [f"| {c}{' (used)' if int(c) == r['rrf_c'] else ''} | {v:.3f} |" for c, v in t["recall_at_10"].items()]
+    lines += ["", "## Search latency (median, query embedding included, limit 10)", "",
+              "| scope | facts | dense (ms) | hybrid (ms) | hybrid - dense (ms) | hybrid / dense |", "|---|---|---|---|---|---|"]
+    for name, row in r["latency_ms"].items():
+        lines.append(f"| {name} | {row['facts']:,} | {row['dense']:.2f} | {row['hybrid']:.2f} | "
+                     f"{row['hybrid'] - row['dense']:+.2f} | {row['hybrid'] / row['dense']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = r["held_out"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, style in zip(MODES, ("--o", "-o")):
+        for what, alpha in (("recall", 1.0), ("hit", 0.45)):
+            values = h[f"{what}_{mode}"]
+            ax.plot(r["ks"], [values[k] for k in values], style, alpha=alpha, label=f"{what}@k, {mode}")
+    ax.set_xscale("log")
+    ax.set_xticks(r["ks"], [str(k) for k in r["ks"]])
+    ax.set_xlabel("k (facts retrieved)")
+    ax.set_ylabel("held-out LoCoMo questions")
+    ax.set_title("Evidence recall@k and hit@k: dense vs hybrid")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
