@@ -97,7 +97,7 @@ class MemoryConfig(BaseSettings):
     embedder_backend: Literal["auto", "onnx", "torch"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     context_window: int = Field(default=5, ge=0)
-    top_k: int = Field(default=10, ge=0)
+    top_k: int = Field(default=20, ge=0)  # docs/decisions.md, "Hybrid search and the default k"
     search_mode: Literal["hybrid", "dense"] = "hybrid"
     system_prompt: str = (
         "You are a helpful assistant with a memory of past conversations. "

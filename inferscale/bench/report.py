@@ -1,6 +1,6 @@
 """The README's results section, built from the benchmarks' JSON summaries.
 
-``inferscale bench report`` reads ``<results>/{latency,throughput,serve,quality,footprint}/*.json``
+``inferscale bench report`` reads ``<results>/{latency,throughput,serve,quality,retrieval,footprint}/*.json``
 and rewrites the part of ``README.md`` between the markers below, so the headline
 numbers are never typed by hand.
 """
@@ -73,6 +73,13 @@ def summary_rows(results: Path) -> list[list[str]]:
                 rows.append([f"gold-answer NLL at k=50, {mode} vs text", f"{i['nll_mean']:.3f} vs {t['nll_mean']:.3f} "
                              f"nats/token: **{i['nll_mean'] / t['nll_mean'] - 1:+.1%}**", "within 5%",
                              "[quality](docs/results/quality/quality.md)"])
+    rt = _load(results, "retrieval")
+    if rt:
+        h = rt["held_out"]
+        d, y = h["recall_dense"]["10"], h["recall_hybrid"]["10"]
+        rows.append([f"evidence recall@10, hybrid vs dense search (LoCoMo, {h['questions']} held-out questions)",
+                     f"{y:.3f} vs {d:.3f}: **{y - d:+.3f}**", "hybrid > dense",
+                     "[retrieval](docs/results/retrieval/retrieval.md)"])
     fp = _load(results, "footprint")
     if fp:
         sizes = [c["kv_mib"] for c in fp["conversations"]]

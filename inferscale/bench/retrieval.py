@@ -8,7 +8,8 @@ both modes through :meth:`inferscale.Memory.search`:
   of one of the top-k facts; **hit@k**: whether at least one is (k = 5, 10, 20, 50, 100);
 - the **fusion constant** of :func:`inferscale.keyword.fuse`, chosen on conversations 0-2
   only (recall@10 for c in :data:`TUNE_C`); conversations 3-9 are reported as held out;
-- **search latency** (median of timed searches, query embedding included) at one
+- **search latency** (median of timed searches, query embedding included, the two modes
+  alternating query by query) at one
   conversation and in one scope of 20,000 facts (LoCoMo's facts repeated, each copy
   numbered so texts stay distinct).
 
@@ -32,7 +33,7 @@ from inferscale.types import FactInput
 
 KS = (5, 10, 20, 50, 100)
 MODES = ("dense", "hybrid")
-TUNE_C = (5, 10, 20, 60)
+TUNE_C = (1, 2, 5, 10, 20, 60)
 TUNE_CONVERSATIONS = (0, 1, 2)
 
 
@@ -69,16 +70,18 @@ def _conversation(memory, sample: LocomoSample, user: str) -> dict:
     return out
 
 
-def _timed(memory, user: str, queries: list[str], mode: str, repeats: int) -> float:
-    """Median search time (ms) over ``repeats`` passes of ``queries`` (one warm-up pass)."""
-    times = []
+def _timed(memory, user: str, queries: list[str], repeats: int) -> dict[str, float]:
+    """Median search time (ms) per mode over ``repeats`` passes of ``queries`` (one warm-up
+    pass); the modes alternate query by query, so both see the same machine state."""
+    times: dict[str, list[float]] = {m: [] for m in MODES}
     for rep in range(repeats + 1):
-        for q in queries:
-            t = time.perf_counter()
-            memory.search(q, user_id=user, limit=10, mode=mode)
-            if rep:
-                times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+        for i, q in enumerate(queries):
+            for mode in (MODES if (i + rep) % 2 == 0 else MODES[::-1]):
+                t = time.perf_counter()
+                memory.search(q, user_id=user, limit=10, mode=mode)
+                if rep:
+                    times[mode].append(time.perf_counter() - t)
+    return {m: statistics.median(v) * 1000 for m, v in times.items()}
 
 
 def _big_scope(memory, samples: list[LocomoSample], user: str, size: int) -> None:
@@ -111,12 +114,11 @@ def run(data: Path, out_dir: Path, *, big: int = 20_000, latency_queries: int = 
     try:
         convs = [_conversation(memory, s, f"retrieval-{s.sample_id}") for s in tqdm(samples, desc="conversations")]
         queries = [qa.question for qa in samples[0].qa[:latency_queries]]
-        latency = {"one conversation": {"facts": convs[0]["facts"], **{
-            m: _timed(memory, f"retrieval-{samples[0].sample_id}", queries, m, repeats) for m in MODES}}}
+        latency = {"one conversation": {"facts": convs[0]["facts"],
+                                        **_timed(memory, f"retrieval-{samples[0].sample_id}", queries, repeats)}}
         if big:
             _big_scope(memory, samples, "retrieval-big", big)
-            latency[f"{big:,} facts"] = {"facts": big, **{m: _timed(memory, "retrieval-big", queries, m, repeats)
-                                                          for m in MODES}}
+            latency[f"{big:,} facts"] = {"facts": big, **_timed(memory, "retrieval-big", queries, repeats)}
     finally:
         memory.close()
         if own_store:
