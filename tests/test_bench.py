@@ -253,3 +253,25 @@ def test_synthetic_store_grows_and_reopens_lazily(tmp_path):
     topic3 = mem.get_all(user_id=BIG_SCOPE, filters={"topic": "t3"}, limit=1000)["results"]
     assert len(topic3) == 20 and all(r["metadata"]["topic"] == "t3" for r in topic3)
     mem.close()
+
+
+# ---------------------------------------------------------------- retrieval
+
+def test_retrieval_bench_compares_dense_and_hybrid_on_held_out_conversations(tmp_path, locomo_path):
+    """Four LoCoMo conversations (0-2 tune the fusion, the fourth is held out), a small big scope."""
+    data = tmp_path / "locomo4.json"
+    data.write_text(json.dumps(json.loads(locomo_path.read_text())[:4]))
+    out = tmp_path / "retrieval"
+    proc = _bench("retrieval", "--data", str(data), "--out", str(out), "--big", "500", "--latency-queries", "3",
+                  "--repeats", "1")
+    result = json.loads((out / "retrieval.json").read_text())
+    assert (out / "retrieval.png").stat().st_size > 0 and "held out" in proc.stdout
+    held = result["held_out"]
+    assert len(held["conversations"]) == 1 and result["tuning"]["conversations"][0] == "conv-26"
+    for mode in ("dense", "hybrid"):
+        recall = [held[f"recall_{mode}"][str(k)] for k in result["ks"]]
+        hit = [held[f"hit_{mode}"][str(k)] for k in result["ks"]]
+        assert recall == sorted(recall) and all(0 <= r <= h <= 1 for r, h in zip(recall, hit))  # grow with k
+    assert held["recall_hybrid"]["100"] >= held["recall_dense"]["10"]
+    assert set(result["latency_ms"]) == {"one conversation", "500 facts"}
+    assert not (out / "retrieval-store").exists()  # its own store is deleted
