@@ -619,6 +619,8 @@ class Memory:
         """
         req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
                             self.options(options, **overrides), followup)
+        if req.json_schema is not None:  # refused here, not when the iterator first runs
+            self.engine.check_json_schema(req.json_schema)
         return self._chunks(self.engine, req, [self._item(r, s) for r, s in req.hits])
 
     @staticmethod
@@ -633,6 +635,7 @@ class Memory:
                 first_logprobs=out.first_logprobs, num_generated_tokens=out.num_output_tokens,
                 kv_memory_ids=list(req.kv_memory_ids), text_memory_ids=list(req.text_memory_ids),
                 tool_calls=[c.to_dict() for c in parse_tool_calls(piece.text, req.options.offered_tools())],
+                finish_reason=out.finish_reason,
             ))
 
     # ------------------------------------------------------------------ turns
@@ -668,6 +671,10 @@ def scope_and_filters(user_id: str | None, agent_id: str | None, run_id: str | N
         ValueError: a scope key in ``filters`` is not a non-empty string (operators do not
             apply to the scope), or disagrees with the keyword of the same name; no scope.
     """
+    nested = _nested_scope_key(filters.values() if isinstance(filters, dict) else ())
+    if nested:
+        raise ValueError(f"filters has {nested!r} inside an AND / OR / NOT: the scope goes at the top level "
+                         f"(filters={{{nested!r}: ..., 'AND': [...]}}) or as a keyword ({nested}=...)")
     if not isinstance(filters, dict) or not SCOPE_FIELDS & filters.keys():
         return Scope.of(user_id, agent_id, run_id), filters
     given = {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}
@@ -681,6 +688,18 @@ def scope_and_filters(user_id: str | None, agent_id: str | None, run_id: str | N
             raise ValueError(f"{name}={given[name]!r} and filters[{name!r}]={value!r} disagree: give the scope once")
         given[name] = value
     return Scope.of(**given), rest or None
+
+
+def _nested_scope_key(values) -> str | None:
+    """A scope field used as a key below the top level of filters (inside a logical operator)."""
+    for value in values:
+        children = value if isinstance(value, list) else [value]
+        for child in children:
+            if isinstance(child, dict):
+                found = next((k for k in child if k in SCOPE_FIELDS), None) or _nested_scope_key(child.values())
+                if found:
+                    return found
+    return None
 
 
 def _results(events: Sequence[WriteEvent]) -> dict:

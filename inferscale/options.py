@@ -66,6 +66,14 @@ class GenerationOptions(BaseModel):
     def _tools(cls, value: Any) -> Any:
         return check_tools(value)
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_type(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, (str, dict)):
+            raise TypeError(f"tool_choice must be 'auto', 'none', 'required', 'any', a tool name or an OpenAI "
+                            f"tool_choice dict, got {value!r}")
+        return value
+
     @field_validator("json_schema", mode="before")
     @classmethod
     def _json_schema(cls, value: Any) -> Any:
@@ -75,8 +83,12 @@ class GenerationOptions(BaseModel):
 
     @model_validator(mode="after")
     def _tool_choice(self) -> "GenerationOptions":
-        if chosen_tool(self.tools, self.tool_choice) is not None and self.json_schema is not None:
+        forced = chosen_tool(self.tools, self.tool_choice) is not None
+        if forced and self.json_schema is not None:
             raise ValueError("a forced tool call (tool_choice) and json_schema both constrain the answer: give one")
+        if (forced or self.json_schema is not None) and self.stop:
+            raise ValueError("stop strings would cut a constrained JSON answer (a forced tool call or json_schema): "
+                             "drop stop")
         return self
 
     def forced_tool(self) -> str | None:
@@ -137,5 +149,8 @@ def plain_error(exc: ValidationError) -> TypeError | ValueError:
     msg = err["msg"].removeprefix("Value error, ")
     wrong_type = err["type"].endswith("_type") or err["type"] in ("is_instance_of", "bool_parsing", "int_parsing",
                                                                    "float_parsing")
-    text = f"{field}: {msg[0].lower() + msg[1:]}, got {err.get('input')!r}" if msg else f"{field} is invalid"
+    if not err["loc"]:  # a check across fields: the message names them, the input is every option
+        text = msg or "options are invalid"
+    else:
+        text = f"{field}: {msg[0].lower() + msg[1:]}, got {err.get('input')!r}" if msg else f"{field} is invalid"
     return TypeError(text) if wrong_type else ValueError(text)

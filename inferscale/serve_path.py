@@ -29,6 +29,8 @@ class EngineLike(Protocol):
 
     def stream(self, prompt_token_ids: Sequence[int], **options) -> Iterator: ...
 
+    def check_json_schema(self, schema: dict) -> None: ...
+
 
 @dataclass(frozen=True)
 class PreparedRequest:
@@ -92,13 +94,16 @@ def check_history(history: Sequence[dict] | None, what: str = "history") -> tupl
         if role not in ("user", "assistant", "tool"):
             raise ValueError(f"{what} message {i} has role {role!r}: use 'user', 'assistant' or 'tool' (give system "
                              "text as instructions=...)")
+        if m.get("tool_calls") is not None and role != "assistant":
+            raise ValueError(f"{what} message {i} ({role}) has tool_calls: only assistant messages call tools")
         calls = _tool_calls(m.get("tool_calls"), f"{what} message {i}") if role == "assistant" else []
-        if calls and not m.get("content"):
-            content = render_tool_calls(calls)
-        else:
-            content = require_text(m.get("content"), f"{what} message {i} content")
-            if calls:
-                content = f"{content}\n{render_tool_calls(calls)}"
+        content = m.get("content")
+        if role == "user" or not (content is None or content == ""):
+            content = require_text(content, f"{what} message {i} content")
+        elif content is None and not calls:
+            raise TypeError(f"{what} message {i} ({role}) has no content: give a string ('' for an empty tool result)")
+        # an empty tool result or assistant turn is valid (a tool may return nothing)
+        content = "\n".join(part for part in (content, render_tool_calls(calls)) if part)
         out.append({"role": role, "content": content})
     return tuple(out)
 
@@ -121,6 +126,10 @@ def _tool_calls(calls: object, what: str) -> list[dict]:
                 raise ValueError(f"{what}: tool_calls[{j}].arguments is not JSON: {exc}") from None
         if not isinstance(args, dict):
             raise TypeError(f"{what}: tool_calls[{j}].arguments must be a JSON object, got {type(args).__name__}")
+        try:
+            json.dumps(args)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{what}: tool_calls[{j}].arguments is not JSON ({exc}): give plain JSON values") from None
         out.append({"name": c["name"], "arguments": args})
     return out
 

@@ -76,6 +76,10 @@ def check_tools(tools: Any) -> list[dict] | None:
         params = t["function"].get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise ValueError(f"tools[{i}] ({name}): parameters must be a JSON Schema of type 'object', got {params!r:.200}")
+        try:
+            json.dumps(t)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"tools[{i}] ({name}) is not JSON: {exc} (e.g. a date default: give it as a string)") from None
     return list(tools)
 
 
@@ -96,14 +100,16 @@ def chosen_tool(tools: Sequence[dict] | None, tool_choice: Any) -> str | None:
         tool_choice = name
     if not isinstance(tool_choice, str):
         raise TypeError(f"tool_choice must be 'auto', 'none', 'required', 'any', a tool name or an OpenAI "
-                        f"tool_choice dict, got {type(tool_choice).__name__}")
+                        f"tool_choice dict, got {tool_choice!r}")
     if not tools:
         raise ValueError(f"tool_choice={tool_choice!r} forces a tool call, but no tools were given")
     if tool_choice in _FORCED:
         return "*"
     names = [t["function"]["name"] for t in tools]
     if tool_choice not in names:
-        raise ValueError(f"tool_choice={tool_choice!r} names no given tool; the tools are {names}")
+        hint = (f" (did you mean {tool_choice.lower()!r}?)"
+                if tool_choice.lower() in ("auto", "none", *_FORCED) else "")
+        raise ValueError(f"tool_choice={tool_choice!r} names no given tool{hint}; the tools are {names}")
     return tool_choice
 
 
@@ -113,12 +119,30 @@ def _parameters(tool: dict) -> dict:
 
 def call_schema(tools: Sequence[dict], chosen: str) -> dict:
     """The JSON Schema a forced call is decoded under: ``{"name": <const>, "arguments": <the
-    tool's parameters>}``, one alternative per allowed tool (``chosen`` is a name or ``"*"``)."""
+    tool's parameters>}``, one alternative per allowed tool (``chosen`` is a name or ``"*"``).
+
+    The parameters' own definitions (``$defs`` / ``definitions``, which pydantic writes for
+    nested models and ``#/$defs/...`` references point at) move to the root, where those
+    references resolve.
+
+    Raises:
+        ValueError: two allowed tools define the same name differently.
+    """
     allowed = [t for t in tools if chosen == "*" or t["function"]["name"] == chosen]
-    alternatives = [{"type": "object",
-                     "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
-                     "required": ["name", "arguments"], "additionalProperties": False} for t in allowed]
-    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    defs: dict[str, dict[str, Any]] = {}
+    alternatives = []
+    for t in allowed:
+        params = dict(_parameters(t))
+        for key in ("$defs", "definitions"):
+            for name, spec in (params.pop(key, None) or {}).items():
+                if defs.setdefault(key, {}).setdefault(name, spec) != spec:
+                    raise ValueError(f"tools define {key}[{name!r}] differently ({t['function']['name']} and another): "
+                                     "rename one, or force one tool with tool_choice=<name>")
+        alternatives.append({"type": "object",
+                             "properties": {"name": {"const": t["function"]["name"]}, "arguments": params},
+                             "required": ["name", "arguments"], "additionalProperties": False})
+    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    return {**schema, **defs}
 
 
 def tool_instructions(tools: Sequence[dict]) -> str:

@@ -126,6 +126,8 @@ class Generation:
             encoded yet; it is being encoded in the background).
         tool_calls: the calls of offered tools parsed from ``text`` (``{"id", "name",
             "arguments"}`` dicts; :mod:`inferscale.tools`), empty when none.
+        finish_reason: ``"stop"`` (the answer ended) or ``"length"`` (``max_tokens`` ran
+            out: a forced call or JSON answer cut there is not parsed, raise ``max_tokens``).
     """
 
     text: str
@@ -142,6 +144,7 @@ class Generation:
     kv_memory_ids: list[str] = field(default_factory=list)
     text_memory_ids: list[str] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)

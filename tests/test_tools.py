@@ -93,12 +93,38 @@ def test_history_renders_tool_calls_and_results_and_refuses_bad_ones():
     ])
     assert messages[1] == {"role": "assistant", "content": render_tool_calls([{"name": "add", "arguments": {"a": 1, "b": 2}}])}
     assert messages[2] == {"role": "tool", "content": "3"}
+    assert check_history([{"role": "tool", "content": ""}]) == ({"role": "tool", "content": ""},)  # a tool may return nothing
     for bad, error in (([{"role": "assistant", "tool_calls": "add"}], TypeError),
                        ([{"role": "assistant", "tool_calls": [{"name": "add", "arguments": "{oops"}]}], ValueError),
-                       ([{"role": "tool", "content": ""}], ValueError),
+                       ([{"role": "assistant", "tool_calls": [{"name": "add", "arguments": {"when": {1, 2}}}]}],
+                        TypeError),
+                       ([{"role": "user", "content": "hi", "tool_calls": []}], ValueError),
+                       ([{"role": "tool"}], TypeError),
+                       ([{"role": "user", "content": ""}], ValueError),
                        ([{"role": "function", "content": "3"}], ValueError)):
         with pytest.raises(error, match="history message 0"):
             check_history(bad)
+
+
+def test_nested_pydantic_parameters_keep_their_definitions_in_a_forced_call():
+    params = {"type": "object", "properties": {"pet": {"$ref": "#/$defs/Pet"}, "owner": {"type": "string"}},
+              "required": ["pet", "owner"], "$defs": {"Pet": {"type": "object", "properties": {
+                  "name": {"type": "string"}}, "required": ["name"]}}}
+    schema = call_schema([_tool("adopt", {}) | {"function": {"name": "adopt", "parameters": params}}], "adopt")
+    assert schema["$defs"] == params["$defs"] and "$defs" not in schema["properties"]["arguments"]
+    clash = {**params, "$defs": {"Pet": {"type": "string"}}}
+    with pytest.raises(ValueError, match="differently"):
+        call_schema([{"type": "function", "function": {"name": "a", "parameters": params}},
+                     {"type": "function", "function": {"name": "b", "parameters": clash}}], "*")
+
+
+def test_stop_strings_are_refused_with_a_constrained_answer():
+    with pytest.raises(ValueError, match="drop stop"):
+        GenerationOptions(tools=TOOLS, tool_choice="add", stop=["}"])
+    with pytest.raises(ValueError, match="drop stop"):
+        GenerationOptions(json_schema=JOKE, stop=["x"])
+    with pytest.raises(TypeError, match="got True"):
+        GenerationOptions().merged(tools=TOOLS, tool_choice=True)
 
 
 # ---------------------------------------------------------------- on the engine
@@ -139,7 +165,33 @@ def test_json_schema_constrains_the_answer(memory, user):
     gen = memory.generate("Tell me a joke about my dog.", user_id=user, json_schema=JOKE, max_tokens=96)
     joke = json.loads(gen.text)
     assert set(joke) == {"setup", "punchline"} and all(isinstance(v, str) for v in joke.values())
-    assert gen.tool_calls == [] and gen.num_injected_tokens > 0
+    assert gen.tool_calls == [] and gen.finish_reason == "stop"
+    cut = memory.generate("What is the weather like where I live?", user_id=user, tools=TOOLS, tool_choice="required",
+                          max_tokens=4)
+    assert cut.finish_reason == "length" and cut.tool_calls == []  # cut mid-object: no call, and it says why
+
+
+@pytest.mark.parametrize("schema", [{"type": "bogus"}, {"type": "integer", "minimum": 5, "maximum": 1},
+                                    {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}},
+                                    {"type": "number", "multipleOf": 3}])
+def test_a_schema_vllm_cannot_decode_is_refused_before_the_request(memory, user, schema):
+    count = len(memory.get_all(user_id=user)["results"])
+    with pytest.raises(ValueError, match="cannot be decoded by vLLM's structured outputs"):
+        memory.stream("Hi", user_id=user, json_schema=schema)  # raised by the call, not the iterator
+    assert len(memory.get_all(user_id=user)["results"]) == count
+    assert memory.generate("Hi", user_id=user, max_tokens=2).text is not None  # and the memory still serves
+
+
+def test_a_forced_call_of_a_tool_with_nested_models_decodes(memory, user):
+    pet = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                            "species": {"type": "string", "maxLength": 20}},
+           "required": ["name", "species"]}
+    adopt = {"type": "function", "function": {"name": "adopt", "description": "Register a pet.", "parameters": {
+        "type": "object", "properties": {"pet": {"$ref": "#/$defs/Pet"}, "owner": {"type": "string", "maxLength": 20}},
+        "required": ["pet", "owner"], "$defs": {"Pet": pet}}}}
+    gen = memory.generate("Register my dog.", user_id=user, tools=[adopt], tool_choice="adopt", max_tokens=64)
+    (call,) = gen.tool_calls
+    assert set(call["arguments"]) == {"pet", "owner"} and set(call["arguments"]["pet"]) == {"name", "species"}
 
 
 def test_an_answer_after_tool_results_has_the_same_logprobs_injected_as_prefilled(memory):
@@ -181,3 +233,5 @@ def test_scope_given_inside_filters_as_mem0_does(memory, user):
         memory.get_all(filters={"user_id": {"in": [user]}})
     with pytest.raises(ValueError, match="one of user_id"):
         memory.search("where do I live", filters={"topic": "home"})
+    with pytest.raises(ValueError, match="inside an AND"):
+        memory.search("where do I live", user_id=user, filters={"AND": [{"user_id": "bob"}]})

@@ -30,8 +30,8 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from inferscale.config import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
 from inferscale.kv.injection import injected_tokens
-from inferscale.serving.vllm_compat import (check_vllm_version, engine_kwargs, engine_process_environment,
-                                            structured_outputs)
+from inferscale.serving.vllm_compat import (check_json_schema, check_vllm_version, engine_kwargs,
+                                            engine_process_environment, structured_outputs)
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -52,6 +52,8 @@ class EngineOutput:
         num_cached_tokens: prompt tokens not prefilled (prefix cache plus injected), as vLLM reports.
         first_logprobs: ``{token_id: logprob}`` for the first generated position (top-N
             when ``logprobs=N`` was asked, else empty).
+        finish_reason: vLLM's: ``"stop"`` (end of answer or a stop string) or ``"length"``
+            (``max_tokens`` reached: a constrained JSON answer may be cut).
     """
 
     text: str
@@ -62,6 +64,7 @@ class EngineOutput:
     num_injected_tokens: int
     num_cached_tokens: int
     first_logprobs: dict[int, float] = field(default_factory=dict)
+    finish_reason: str | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -159,6 +162,12 @@ class Engine:
             raise RuntimeError("this Engine was closed; start a new one")
         return self._holder[0]
 
+    @staticmethod
+    def check_json_schema(schema: dict) -> None:
+        """Raise ``ValueError`` when vLLM cannot decode under ``schema`` (see
+        :func:`inferscale.serving.vllm_compat.check_json_schema`); call before :meth:`stream`."""
+        check_json_schema(schema)
+
     async def _start(self, kwargs: dict):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -226,6 +235,7 @@ class Engine:
             num_injected_tokens=injected_tokens(final.kv_transfer_params),
             num_cached_tokens=int(final.num_cached_tokens or 0),
             first_logprobs=first,
+            finish_reason=completion.finish_reason,
         )
         emit(EngineChunk(completion.text, output))
         return output

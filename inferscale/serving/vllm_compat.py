@@ -82,6 +82,24 @@ def structured_outputs(json_schema: dict | None):
     return StructuredOutputsParams(json=json_schema, disable_any_whitespace=True)
 
 
+def check_json_schema(schema: dict) -> None:
+    """Check that vLLM's xgrammar backend can decode under ``schema`` (vLLM's own request
+    validation, run before the request is sent).
+
+    Raises:
+        ValueError: naming what xgrammar cannot compile or does not support (one line).
+    """
+    from vllm import SamplingParams
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+    try:
+        validate_xgrammar_grammar(SamplingParams(structured_outputs=structured_outputs(schema)))
+    except Exception as exc:  # noqa: BLE001 - vLLM raises VLLMValidationError, xgrammar RuntimeError
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"the JSON Schema cannot be decoded by vLLM's structured outputs (xgrammar): {reason[:300]}"
+                         ) from None
+
+
 def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: int, kv_cache_memory_bytes: int,
                   device_budget_bytes: int, max_num_seqs: int) -> dict:
     """vLLM engine arguments for serving with :class:`InferScaleConnector`.

@@ -38,8 +38,10 @@ def _history_message(m: BaseMessage, i: int) -> dict:
     if isinstance(m, AIMessage) and m.tool_calls:
         calls = [{"name": c["name"], "arguments": c["args"]} for c in m.tool_calls]
         return {"role": "assistant", "content": str(m.text) or None, "tool_calls": calls}
-    if isinstance(m, (HumanMessage, AIMessage, ToolMessage)):
-        return {"role": _ROLE_OF[m.type], "content": _text(m, i)}
+    if isinstance(m, (AIMessage, ToolMessage)):  # an empty answer or tool result is valid
+        return {"role": _ROLE_OF[m.type], "content": str(m.text)}
+    if isinstance(m, HumanMessage):
+        return {"role": "user", "content": _text(m, i)}
     raise ValueError(f"message {i} is a {type(m).__name__}: ChatInferScale takes system, human, AI and tool messages")
 
 

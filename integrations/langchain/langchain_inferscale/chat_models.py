@@ -137,7 +137,11 @@ class ChatInferScale(MemoryScope, GenerationOptions, BaseChatModel):
         if kwargs:
             raise ValueError(f"unexpected arguments {sorted(kwargs)} for with_structured_output")
         pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
-        json_schema = convert_to_json_schema(schema)
+        plain = isinstance(schema, dict) and "title" not in schema and "function" not in schema
+        if plain and method == "function_calling":
+            raise ValueError("a JSON Schema for method='function_calling' needs a 'title' (the tool's name, letters, "
+                             "digits and _): add one, or use method='json_schema'")
+        json_schema = schema if plain else convert_to_json_schema(schema)
         trace = {"ls_structured_output_format": {"kwargs": {"method": method, "strict": strict}, "schema": json_schema}}
         if method == "json_schema":
             llm = self.bind(json_schema=json_schema, **trace)
@@ -211,6 +215,7 @@ def _metadata(gen: Generation, model_name: str) -> dict:
         "num_injected_tokens": gen.num_injected_tokens, "num_prefilled_tokens": gen.num_prefilled_tokens,
         "memory_ids": [m["id"] for m in gen.memories],
         "kv_memory_ids": gen.kv_memory_ids, "text_memory_ids": gen.text_memory_ids,
+        "finish_reason": gen.finish_reason,
     }
 
 

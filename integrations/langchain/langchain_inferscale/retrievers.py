@@ -11,7 +11,8 @@ from langchain_inferscale._scope import MemoryScope
 
 
 class InferScaleRetriever(MemoryScope, BaseRetriever):
-    """Retrieves the scope's memories most similar to the query (exact cosine top-``k``).
+    """Retrieves the scope's memories best matching the query (:meth:`inferscale.Memory.search`:
+    hybrid dense + BM25 by default, or dense cosine; top-``k``).
 
     Each ``Document`` has the memory's text as ``page_content``, its memory id as ``id``,
     and as ``metadata`` the memory's own metadata plus ``id``, ``score`` (cosine
@@ -25,6 +26,7 @@ class InferScaleRetriever(MemoryScope, BaseRetriever):
         k: number of documents.
         threshold: minimum cosine similarity of a result.
         filters: metadata filters, as :meth:`inferscale.Memory.search` takes them.
+        mode: ``"hybrid"`` or ``"dense"`` (default: the memory's ``search_mode``).
 
     Example:
         >>> retriever = InferScaleRetriever(memory=memory, user_id="alice", k=3)
@@ -35,18 +37,20 @@ class InferScaleRetriever(MemoryScope, BaseRetriever):
     k: int = Field(default=4, ge=1)
     threshold: float | None = None
     filters: dict | None = None
+    mode: str | None = None
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
                                 k: int | None = None, threshold: float | None = None,
-                                filters: dict | None = None) -> list[Document]:
-        """The documents; ``k``, ``threshold`` and ``filters`` may be given per call
+                                filters: dict | None = None, mode: str | None = None) -> list[Document]:
+        """The documents; ``k``, ``threshold``, ``filters`` and ``mode`` may be given per call
         (``retriever.invoke(query, k=1)``) and override the attributes."""
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"k must be a positive integer, got {k!r}")
         found = self.memory.search(query, user_id=self.user_id, agent_id=self.agent_id, run_id=self.run_id,
                                    limit=self.k if k is None else k,
                                    threshold=self.threshold if threshold is None else threshold,
-                                   filters=self.filters if filters is None else filters)["results"]
+                                   filters=self.filters if filters is None else filters,
+                                   mode=self.mode if mode is None else mode)["results"]
         return [_document(item) for item in found]
 
 

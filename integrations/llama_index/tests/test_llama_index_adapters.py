@@ -188,6 +188,8 @@ def test_structured_predict_and_as_structured_llm_decode_under_the_schema(memory
     structured = llm.as_structured_llm(Pet).chat([_user("user", "Describe my dog.")])
     assert isinstance(structured.raw, Pet) and Pet.model_validate_json(structured.message.content) == structured.raw
     assert isinstance(asyncio.run(llm.astructured_predict(Pet, PromptTemplate("Describe my dog."))), Pet)
+    (streamed,) = list(llm.stream_structured_predict(Pet, PromptTemplate("Describe my dog.")))
+    assert isinstance(streamed, Pet) and streamed.name
 
 
 def test_function_calling_llm_calls_a_forced_tool_and_answers_from_its_result(memory, user):
@@ -209,6 +211,15 @@ def test_function_calling_llm_calls_a_forced_tool_and_answers_from_its_result(me
     with pytest.raises(ValueError, match="expected at least one tool call"):
         llm.get_tool_calls_from_response(answer)
     assert llm.get_tool_calls_from_response(answer, error_on_no_tool_call=False) == []
+
+    class SdkCall:  # what OpenAI's LlamaIndex LLM leaves in a history: SDK objects, not dicts
+        def model_dump(self):
+            return {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+
+    again = llm.chat([_user("user", "What is 2 + 3?"),
+                      ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={"tool_calls": [SdkCall()]}),
+                      ChatMessage(role=MessageRole.TOOL, content="", additional_kwargs={"tool_call_id": "c1"})])
+    assert again.additional_kwargs["memory_ids"]  # an SDK-object call and an empty tool result are rendered
 
 
 def test_chat_store_implements_every_method(memory, user):

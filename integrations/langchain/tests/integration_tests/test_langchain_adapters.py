@@ -11,7 +11,7 @@ from pathlib import Path
 import langchain_inferscale
 import pytest
 from langchain_core.documents import Document
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.tools import tool
 from langchain_inferscale import ChatInferScale, InferScaleChatMessageHistory, InferScaleRetriever
@@ -116,8 +116,8 @@ def test_bad_input_gets_a_clear_error(memory, user):
         model.invoke(QUESTION, top_p=0.9)
     with pytest.raises(ValueError, match="no HumanMessage"):
         model.invoke([SystemMessage("Be brief."), AIMessage("Biscuit.")])
-    with pytest.raises(ValueError, match="message 1 .* has no text"):
-        model.invoke([HumanMessage(QUESTION), ToolMessage("", tool_call_id="t")])
+    with pytest.raises(ValueError, match="message 0 .* has no text"):
+        model.invoke([HumanMessage(" "), AIMessage("Hi"), HumanMessage(QUESTION)])
     with pytest.raises(ValueError, match="names no given tool"):
         model.bind_tools([add_numbers], tool_choice="multiply").invoke(QUESTION)
     with pytest.raises(ValueError, match="method must be"):
@@ -172,3 +172,24 @@ def test_retriever_returns_scored_documents(memory, user):
     filtered = InferScaleRetriever(memory=memory, user_id=user, filters={"topic": "home"}).invoke("my pet dog")
     assert [d.page_content for d in filtered] == ["I live in Lisbon."]
     assert InferScaleRetriever(memory=memory, user_id=f"other-{user}").invoke("dog") == []
+
+
+def test_empty_tool_results_untitled_schemas_and_search_mode(memory, user):
+    from langchain_core.messages import ToolMessage
+
+    memory.add(FACT, user_id=user)
+    model = ChatInferScale(memory=memory, user_id=user, k=3, max_tokens=24)
+    call = AIMessage("", tool_calls=[{"name": "add_numbers", "args": {"a": 1, "b": 2}, "id": "c1", "type": "tool_call"}])
+    reply = model.bind_tools([add_numbers]).invoke([HumanMessage("What is 1 + 2?"), call,
+                                                    ToolMessage("", tool_call_id="c1")])  # the tool returned nothing
+    assert isinstance(reply, AIMessage) and reply.response_metadata["memory_ids"]
+    pet = model.with_structured_output({"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}},
+                                        "required": ["name"]}).invoke("What is my dog's name?")
+    assert set(pet) == {"name"}
+    with pytest.raises(ValueError, match="needs a 'title'"):
+        model.with_structured_output({"type": "object", "properties": {}}, method="function_calling")
+    retriever = InferScaleRetriever(memory=memory, user_id=user, k=1)
+    dense = retriever.invoke("dog", mode="dense")
+    assert [d.id for d in dense] == [d.id for d in InferScaleRetriever(memory=memory, user_id=user, k=1,
+                                                                      mode="dense").invoke("dog")]
+    assert reply.response_metadata["finish_reason"] in ("stop", "length")

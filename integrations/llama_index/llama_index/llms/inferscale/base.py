@@ -180,6 +180,21 @@ class InferScaleLLM(GenerationOptions, FunctionCallingLLM):
         """:meth:`structured_predict` in a worker thread."""
         return await asyncio.to_thread(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)
 
+    def stream_structured_predict(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+                                  llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
+                                  ) -> Iterator[BaseModel]:
+        """:meth:`structured_predict` as a stream of one complete object (partial objects of a
+        constrained answer are not validated, so none is yielded)."""
+        yield self.structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+    async def astream_structured_predict(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+                                         llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
+                                         ) -> AsyncIterator[BaseModel]:
+        """:meth:`stream_structured_predict` for coroutines."""
+        async def one() -> AsyncIterator[BaseModel]:
+            yield await self.astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        return one()
+
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Answer ``prompt`` with the scope's memories injected."""
@@ -255,4 +270,5 @@ def _counters(gen: Generation) -> dict:
         "num_prefilled_tokens": gen.num_prefilled_tokens, "num_generated_tokens": gen.num_generated_tokens,
         "memory_ids": [m["id"] for m in gen.memories],
         "kv_memory_ids": gen.kv_memory_ids, "text_memory_ids": gen.text_memory_ids,
+        "finish_reason": gen.finish_reason,
     }

@@ -29,8 +29,12 @@ def _text(message: ChatMessage, i: int) -> str:
 def _history_message(m: ChatMessage, role: str, i: int) -> dict:
     calls = m.additional_kwargs.get("tool_calls") if role == "assistant" else None
     if calls:
-        return {"role": "assistant", "content": m.content or None, "tool_calls": list(calls)}
-    if role in ("user", "assistant", "tool"):
+        # OpenAI SDK objects (another LLM's history) as their dicts
+        calls = [c.model_dump() if hasattr(c, "model_dump") else c for c in calls]
+        return {"role": "assistant", "content": m.content or None, "tool_calls": calls}
+    if role in ("assistant", "tool"):  # an empty answer or tool result is valid
+        return {"role": role, "content": m.content or ""}
+    if role == "user":
         return {"role": role, "content": _text(m, i)}
     raise ValueError(f"message {i} has role {m.role.value!r}: InferScaleLLM takes system, user, assistant and tool "
                      "messages")
