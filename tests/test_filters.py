@@ -102,14 +102,21 @@ def _brute_force(mem: Memory, scope: str, query: str, flt: dict, limit: int) -> 
 
 def _check(mem: Memory, scope: str, query: str, flt: dict, limit: int) -> None:
     expected = _brute_force(mem, scope, query, flt, limit)
-    got = [(r["id"], r["score"]) for r in mem.search(query, user_id=scope, filters=flt, limit=limit)["results"]]
+    every = _brute_force(mem, scope, query, flt, 10_000)
+    # hybrid (the default) ranks by fused rank: the filter holds, and scores are the cosines
+    hybrid = mem.search(query, user_id=scope, filters=flt, limit=limit)["results"]
+    cosine = dict(every)
+    assert len(hybrid) == min(limit, len(every))
+    assert all(r["score"] == pytest.approx(cosine[r["id"]], abs=1e-5) for r in hybrid)
+    # dense: exactly the brute-force cosine top-k
+    got = [(r["id"], r["score"]) for r in mem.search(query, user_id=scope, filters=flt, limit=limit,
+                                                      mode="dense")["results"]]
     assert len(got) == min(limit, len(expected))
     assert [s for _, s in got] == pytest.approx([s for _, s in expected[:limit]], abs=1e-5)
     tie_at_cut = len(expected) > limit and abs(expected[limit - 1][1] - expected[limit][1]) < 1e-5
     if not tie_at_cut:
         assert {i for i, _ in got} == {i for i, _ in expected[:limit]}
     listed = {r["id"] for r in mem.get_all(user_id=scope, filters=flt, limit=10_000)["results"]}
-    every = _brute_force(mem, scope, query, flt, 10_000)
     assert listed == {i for i, _ in every}
 
 
