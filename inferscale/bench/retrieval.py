@@ -196,10 +196,10 @@ def _plot(r: dict, path: Path) -> None:
 
     h = r["held_out"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, style in zip(MODES, ("--o", "-o")):
-        for what, alpha in (("recall", 1.0), ("hit", 0.45)):
+    for mode, color in zip(MODES, ("tab:blue", "tab:green")):
+        for what, style in (("recall", "-o"), ("hit", ":s")):
             values = h[f"{what}_{mode}"]
-            ax.plot(r["ks"], [values[k] for k in values], style, alpha=alpha, label=f"{what}@k, {mode}")
+            ax.plot(r["ks"], [values[k] for k in values], style, color=color, label=f"{what}@k, {mode}")
     ax.set_xscale("log")
     ax.set_xticks(r["ks"], [str(k) for k in r["ks"]])
     ax.set_xlabel("k (facts retrieved)")
