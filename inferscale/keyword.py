@@ -13,7 +13,6 @@ conversation is held out.
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Sequence
 
@@ -63,7 +62,6 @@ class KeywordIndex:
         self._bm25 = None
         if texts:
             self._bm25 = bm25s.BM25()
-            logging.getLogger("bm25s").setLevel(logging.WARNING)
             self._bm25.index([tokens(t) for t in texts], show_progress=False)
 
     def scores(self, query: str) -> np.ndarray:
