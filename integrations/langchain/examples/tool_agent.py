@@ -87,7 +87,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with tempfile.TemporaryDirectory(prefix="inferscale-agent-") as scratch:  # removed at exit
-        run(Memory(data_dir=args.data_dir or scratch))
+        with Memory(data_dir=args.data_dir or scratch) as memory:  # closing it stops vLLM's engine
+            run(memory)
 
 
 if __name__ == "__main__":
