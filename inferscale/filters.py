@@ -4,14 +4,19 @@ A filter is a dict; each key is a field and its value either a plain value (equa
 an operator dict. Operators: ``eq``, ``ne``, ``gt``, ``gte``, ``lt``, ``lte``, ``in``,
 ``nin``, ``contains``, ``icontains`` (substring of a string field, the second ignoring
 case), each also spelled with a ``$`` as Chroma and MongoDB do (``{"$gte": 2}``).
-Combinators: ``AND`` / ``OR`` / ``NOT`` (or ``$and`` / ``$or`` / ``$not``) take a list of
-filters; ``NOT`` matches when none of its filters does. Fields are the keys of the
-memories' ``metadata`` plus ``created_at`` and ``updated_at``.
+Combinators: ``AND`` / ``OR`` / ``NOT`` (or ``$and`` / ``$or`` / ``$not``, or ``and`` /
+``or`` / ``not`` holding a list of filter dicts) take a list of filters; ``NOT`` matches
+when none of its filters does. ``{"field": "*"}`` (Mem0's wildcard) matches every memory
+that has the field. Fields are the keys of the memories' ``metadata`` plus ``created_at``
+and ``updated_at``.
 
 A memory that lacks a field never matches a condition on that field (``ne`` and ``nin``
 included), so a filter on a field no memory has returns nothing, as in Mem0 and Chroma.
-Comparing values of different types (``{"n": {"gt": 2}}`` against ``"n": "x"``) is not a
-match either. ``created_at`` / ``updated_at`` are ISO 8601 strings in UTC
+``gt`` / ``gte`` / ``lt`` / ``lte`` take a number or a string; when none of the scope's
+memories that have the field stores a value comparable with it (``{"topic": {"gt": 2}}``
+where every ``topic`` is a string) the filter is a ``ValueError`` naming the field and both
+types. Where a field holds mixed types, the rows of another type do not match, and
+``eq`` / ``ne`` / ``in`` / ``nin`` between different types never match. ``created_at`` / ``updated_at`` are ISO 8601 strings in UTC
 (``"2026-12-01T09:30:00+00:00"``): compare them with strings of the same form. Metadata is
 stored as JSON, so filters see it as JSON gives it back (tuples as lists, keys as strings).
 AND / OR / NOT nest at most 32 deep. ``NOT`` is logical negation: ``{"NOT": [{"n": {"gte":
@@ -43,7 +48,12 @@ _OPS: dict[str, Callable[[Any, Any], bool]] = {
     "icontains": lambda a, b: isinstance(a, str) and b.lower() in a.lower(),
 }
 _SCALARS = (str, int, float, bool, type(None))
+_ORDERING = frozenset({"gt", "gte", "lt", "lte"})
 _COMBINATORS = {"AND": "AND", "OR": "OR", "NOT": "NOT", "$and": "AND", "$or": "OR", "$not": "NOT"}
+#: Lower-case combinators, taken as such only when they hold a list of filter dicts (else a field).
+_LOWER_COMBINATORS = {"and": "AND", "or": "OR", "not": "NOT"}
+#: Mem0's wildcard value: the field is present, whatever its value.
+WILDCARD = "*"
 
 
 def _op_name(op: Any) -> str | None:
@@ -89,8 +99,8 @@ class _None(_Any):
 class _Leaf(Filter):
     """One condition on one field; a row without the field never matches."""
 
-    def __init__(self, key: str, op: Callable[[Any, Any], bool], arg: Any) -> None:
-        self.key, self.op, self.arg = key, op, arg
+    def __init__(self, key: str, op: Callable[[Any, Any], bool], arg: Any, name: str = "") -> None:
+        self.key, self.op, self.arg, self.name = key, op, arg, name
         self._vector = np.frompyfunc(self.check, 1, 1)
 
     def check(self, value: Any) -> bool:
@@ -120,15 +130,42 @@ class _Leaf(Filter):
                 lookup = frozenset(self.arg)
                 hit = np.frompyfunc(lambda v: _member(v, lookup), 1, 1)(col).astype(bool)
             return hit if op is _OPS["in"] else ~hit & _present(col)
-        if op in (_OPS["gt"], _OPS["gte"], _OPS["lt"], _OPS["lte"]) and isinstance(self.arg, _SCALARS):
+        if self.name in _ORDERING:
             present = _present(col)
+            out = np.zeros(n, dtype=bool)
             try:  # raises TypeError when some present value is incomparable with the argument
-                out = np.zeros(n, dtype=bool)
                 out[present] = np.asarray(op(col[present], self.arg), dtype=bool)
-                return out
-            except TypeError:
-                pass  # mixed types: row by row below, where an incomparable row is no match
+            except TypeError:  # mixed types: rows of another type do not match, unless none compares
+                values = col[present]
+                ok = np.frompyfunc(lambda v: _compares(op, v, self.arg), 1, 1)(values).astype(bool)
+                if not ok.any():
+                    raise self._mismatch(values[0]) from None
+                out[np.flatnonzero(present)[ok]] = np.asarray(op(values[ok], self.arg), dtype=bool)
+            return out
         return self._vector(col).astype(bool)
+
+    def _mismatch(self, stored: Any) -> ValueError:
+        return ValueError(f"filter {{{self.key!r}: {{{self.name!r}: {self.arg!r}}}}} compares a "
+                          f"{type(self.arg).__name__} with {self.key!r}, which this scope's memories store as "
+                          f"{type(stored).__name__} (e.g. {stored!r}): compare with a value of the stored type")
+
+
+def _compares(op: Callable[[Any, Any], bool], a: Any, b: Any) -> bool:
+    try:
+        op(a, b)
+        return True
+    except TypeError:
+        return False
+
+
+class _Present(Filter):
+    """Mem0's wildcard: the field is present."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def mask(self, column, n):
+        return _present(column(self.key)) if n else np.zeros(0, dtype=bool)
 
 
 def _member(value: Any, lookup: frozenset) -> bool:
@@ -184,11 +221,15 @@ def compile_filter(filters: dict | None, _depth: int = 0) -> Filter:
             raise ValueError(f"filter fields are non-empty strings, got {key!r}")
         if key in _COMBINATORS:
             parts.append(_combinator(_COMBINATORS[key], key, cond, _depth))
+        elif key in _LOWER_COMBINATORS and isinstance(cond, list) and cond and all(isinstance(c, dict) for c in cond):
+            parts.append(_combinator(_LOWER_COMBINATORS[key], key, cond, _depth))
         elif key.startswith("$"):
             raise ValueError(f"unknown filter key {key!r}: the '$' keys are {sorted(k for k in _COMBINATORS if k[0] == '$')}"
                              " (operators such as '$gte' go inside a field: {'n': {'$gte': 2}})")
         elif isinstance(cond, dict):
             parts.extend(_conditions(key, cond))
+        elif isinstance(cond, str) and cond == WILDCARD:
+            parts.append(_Present(key))
         else:
             parts.append(_Leaf(key, _OPS["eq"], cond))
     return parts[0] if len(parts) == 1 else _All(parts)
@@ -215,7 +256,9 @@ def _conditions(key: str, cond: dict) -> list[Filter]:
             raise ValueError(f"filter operator {op!r} on {key!r} takes a list, got {arg!r}")
         if name in ("contains", "icontains") and not isinstance(arg, str):
             raise ValueError(f"filter operator {op!r} on {key!r} takes a string, got {arg!r}")
+        if name in _ORDERING and (isinstance(arg, bool) or not isinstance(arg, (int, float, str))):
+            raise ValueError(f"filter operator {op!r} on {key!r} takes a number or a string, got {arg!r}")
         if name in ("in", "nin"):
             arg = tuple(arg)  # a set and a list mean the same: membership by ==
-        leaves.append(_Leaf(key, _OPS[name], arg))
+        leaves.append(_Leaf(key, _OPS[name], arg, name))
     return leaves

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from inferscale.checks import check_bool, check_id, check_int, check_role
 from inferscale.config import MemoryConfig
 from inferscale.embedding import Embedder
 from inferscale.extraction import (
@@ -88,6 +89,11 @@ class Memory:
 
     def __init__(self, config: MemoryConfig | None = None, *, engine=None, extractor: FactExtractor | None = None,
                  reconciler: Reconciler | None = None, **overrides: Any) -> None:
+        if isinstance(config, dict):  # Mem0's Memory.from_config(dict) style
+            config = MemoryConfig(**config)
+        if config is not None and not isinstance(config, MemoryConfig):
+            raise TypeError(f"config must be a MemoryConfig or a dict of its fields, got {type(config).__name__}: "
+                            "pass settings as keywords, e.g. Memory(data_dir='./mem')")
         if config is None:  # keywords win over INFERSCALE_* variables, which fill in the rest
             self.config = MemoryConfig(**overrides)
         else:
@@ -124,7 +130,7 @@ class Memory:
         self.kv = KVManager(
             self.model_path, model_fingerprint(self.model_path), self.config.resolved_dtype, self.prompts, self.pool,
             self.turns, self.config.encode_batch_tokens, self.config.max_model_len,
-            jobs=self.kv_jobs, store=self.store,
+            jobs=self.kv_jobs, store=self.store, verbose=self.config.verbose,
         )
         self.facts = FactService(self.store, self.index, self.embedder, self.kv, self.history_log,
                                  self.config.context_window, self.config.precompute_kv, self.config.max_fact_tokens,
@@ -183,6 +189,7 @@ class Memory:
         Raises:
             ValueError / TypeError: a message is malformed, or an id is reused (nothing is logged).
         """
+        self._check_open()
         scope = Scope.of(user_id, agent_id, run_id)
         if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
             raise TypeError(f"messages must be a list of message dicts, got {type(messages).__name__}")
@@ -213,6 +220,7 @@ class Memory:
         Raises:
             ValueError / TypeError: empty or non-string text, no scope (nothing is written).
         """
+        self._check_open()
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         elif isinstance(messages, dict):
@@ -224,6 +232,7 @@ class Memory:
             raise ValueError("messages is empty: give a string, a message dict or a list of message dicts")
         turns = [_turn(i, m) for i, m in enumerate(messages)]  # validates everything before writing
         meta = _check_metadata(metadata)
+        check_bool("infer", infer)
         scope = Scope.of(user_id, agent_id, run_id)
         if not infer:
             for i, t in enumerate(turns):
@@ -257,7 +266,10 @@ class Memory:
         Raises:
             ValueError / TypeError: empty text, or a source turn id not in the scope's log.
         """
+        self._check_open()
         scope = Scope.of(user_id, agent_id, run_id)
+        check_bool("encode_kv", encode_kv)
+        check_int("context_window", context_window, optional=True, unit="turns")
         if isinstance(facts, (str, bytes, FactInput)) or not isinstance(facts, Sequence):
             raise TypeError(f"facts must be a list of FactInput or strings, got {type(facts).__name__}")
         inputs = [FactInput(f) if isinstance(f, str) else f for f in facts]
@@ -275,22 +287,18 @@ class Memory:
         if len(known) != len(wanted):
             missing = [t for t in wanted if t not in known]
             raise ValueError(f"source turn ids {missing[:5]} are not in this scope's log: log them with log_turns first")
-        if not isinstance(encode_kv, bool):
-            raise TypeError(f"encode_kv must be True or False, got {encode_kv!r}")
-        if context_window is not None and (isinstance(context_window, bool) or not isinstance(context_window, int)):
-            raise TypeError(f"context_window must be an integer (turns) or None, got {context_window!r}")
-        if context_window is not None and context_window < 0:
-            raise ValueError(f"context_window must be >= 0 (turns), got {context_window}")
         return _results(self.facts.add(scope, inputs, encode_kv=encode_kv, context_window=context_window))
 
     def find_texts(self, texts: Sequence[str], *, user_id: str | None = None, agent_id: str | None = None,
                    run_id: str | None = None) -> dict[str, str]:
         """Map each of ``texts`` that the scope already stores (exact text) to its memory id."""
+        self._check_open()
         return self.facts.find_texts(Scope.of(user_id, agent_id, run_id), list(texts))
 
     def count_turns(self, *, user_id: str | None = None, agent_id: str | None = None,
                     run_id: str | None = None) -> int:
         """How many turns the scope's conversation log holds."""
+        self._check_open()
         return self.turns.count(Scope.of(user_id, agent_id, run_id).key)
 
     def fact_tokens(self, text: str) -> int:
@@ -332,6 +340,7 @@ class Memory:
 
     def count(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> int:
         """How many memories the scope holds."""
+        self._check_open()
         return self.facts.count(Scope.of(user_id, agent_id, run_id))
 
     def update(self, memory_id: str, data: str, *, user_id: str | None = None, agent_id: str | None = None,
@@ -345,6 +354,8 @@ class Memory:
             inferscale.types.MemoryNotFoundError: no such memory in this scope.
             ValueError: empty text, or the text duplicates another memory of the scope.
         """
+        self._check_open()
+        check_id("memory_id", memory_id)
         rec = self.facts.update(Scope.of(user_id, agent_id, run_id), memory_id, data,
                                 None if metadata is None else _check_metadata(metadata))
         return {"message": "Memory updated successfully!", "id": rec.id, "memory": rec.text}
@@ -356,11 +367,14 @@ class Memory:
         Raises:
             inferscale.types.MemoryNotFoundError: no such memory in this scope.
         """
+        self._check_open()
+        check_id("memory_id", memory_id)
         self.facts.delete(Scope.of(user_id, agent_id, run_id), [memory_id])
         return {"message": "Memory deleted successfully!"}
 
     def delete_all(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> dict:
         """Delete every memory of the scope (its turn log stays)."""
+        self._check_open()
         scope = Scope.of(user_id, agent_id, run_id)
         deleted = self.facts.delete_all(scope)
         n = len(deleted)
@@ -368,6 +382,7 @@ class Memory:
 
     def reset(self) -> None:
         """Delete everything in the data dir's store: every scope's memories, turns, history and KV."""
+        self._check_open()
         self.facts.reset(self.turns)
 
     # ------------------------------------------------------------------ reads
@@ -390,6 +405,8 @@ class Memory:
         Raises:
             inferscale.types.MemoryNotFoundError: no such memory in this scope.
         """
+        self._check_open()
+        check_id("memory_id", memory_id)
         return self._item(self.facts.get(Scope.of(user_id, agent_id, run_id), memory_id))
 
     def search(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
@@ -417,6 +434,7 @@ class Memory:
             ValueError: empty query, bad ``limit`` / ``threshold`` / ``mode``, malformed filters, a
                 scope in ``filters`` that is not a string or disagrees with the keyword.
         """
+        self._check_open()
         scope, filters = scope_and_filters(user_id, agent_id, run_id, filters)
         hits = self.facts.search(scope, query, limit, threshold, filters, mode)
         return {"results": [self._item(r, s) for r, s in hits]}
@@ -425,9 +443,9 @@ class Memory:
                 limit: int = 100, filters: dict | None = None) -> dict:
         """Every fact of the scope matching ``filters``, oldest first, at most ``limit``; the scope
         as keywords or inside ``filters``, as :meth:`search` takes it."""
+        self._check_open()
         scope, filters = scope_and_filters(user_id, agent_id, run_id, filters)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit must be a non-negative integer, got {limit!r}")
+        check_int("limit", limit)
         return {"results": [self._item(r) for r in self.facts.list(scope, filters)[:limit]]}
 
     def history(self, memory_id: str, *, user_id: str | None = None, agent_id: str | None = None,
@@ -437,6 +455,8 @@ class Memory:
         Raises:
             inferscale.types.MemoryNotFoundError: the scope never held this memory.
         """
+        self._check_open()
+        check_id("memory_id", memory_id)
         scope = Scope.of(user_id, agent_id, run_id)
         events = self.history_log.events(scope.key, memory_id)
         if not events:
@@ -462,7 +482,7 @@ class Memory:
                 self._engine = Engine(
                     self.model_path, dtype=self.config.resolved_dtype, kv_dir=self.kv_dir,
                     max_model_len=self.config.max_model_len, kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
-                    device_budget_bytes=self.config.device_kv_budget_bytes,
+                    device_budget_bytes=self.config.device_kv_budget_bytes, verbose=self.config.verbose,
                 )
             return self._engine
 
@@ -489,6 +509,10 @@ class Memory:
     def pending_kv(self) -> int:
         """How many ``(memory, context window)`` KV encodings are queued."""
         return self.kv.pending()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Memory was closed: open a new Memory(...) over the same data_dir")
 
     def close(self) -> None:
         """Stop the background encoder (queued encodes stay queued for the next start) and the
@@ -530,6 +554,7 @@ class Memory:
         In ``mode="inject"`` any missing KV is encoded first, so the request never falls
         back; in ``mode="text"`` the result has no ``plan`` and no ``kv_transfer_params``.
         """
+        self._check_open()
         req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
                             self.options(options, **overrides), followup)
         return Injection(prompt_token_ids=req.prompt_token_ids, plan=req.plan,
@@ -554,6 +579,7 @@ class Memory:
             UnknownScopeError: the scope has no memories and no turns.
             ValueError: empty query, negative k or w.
         """
+        self._check_open()
         return self.prepare(query, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k,
                             context_window=context_window, mode="inject", max_tokens=1, wait_for_kv=wait_for_kv)
 
@@ -593,6 +619,7 @@ class Memory:
             TypeError: an unknown option. ValueError: a bad option value, an empty query, a
                 bad history, or a prompt over ``max_model_len``.
         """
+        self._check_open()
         for chunk in self.stream(query, user_id=user_id, agent_id=agent_id, run_id=run_id, history=history,
                                  instructions=instructions, allow_unknown_scope=allow_unknown_scope, options=options,
                                  followup=followup, **overrides):
@@ -617,6 +644,7 @@ class Memory:
             >>> for chunk in m.stream("Suggest a snack for me.", user_id="alice"):
             ...     print(chunk.text, end="")
         """
+        self._check_open()
         req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
                             self.options(options, **overrides), followup)
         if req.json_schema is not None:  # refused here, not when the iterator first runs
@@ -643,6 +671,7 @@ class Memory:
     def get_turns(self, *, user_id: str | None = None, agent_id: str | None = None,
                   run_id: str | None = None) -> list[Turn]:
         """Every turn of the scope's conversation log, oldest first."""
+        self._check_open()
         return self.turns.scope_turns(Scope.of(user_id, agent_id, run_id).key)
 
     def delete_turns(self, turn_ids: Sequence[str], *, user_id: str | None = None, agent_id: str | None = None,
@@ -655,6 +684,7 @@ class Memory:
         Raises:
             TypeError: ``turn_ids`` is not a list of strings.
         """
+        self._check_open()
         scope = Scope.of(user_id, agent_id, run_id)
         if isinstance(turn_ids, (str, bytes)) or not isinstance(turn_ids, Sequence) or not all(
                 isinstance(t, str) for t in turn_ids):
@@ -711,11 +741,13 @@ def _turn(i: int, m: Any) -> Turn:
     if not isinstance(m, dict):
         raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
     content = require_text(m.get("content"), f"message {i} content")
-    for key in ("role", "name"):
-        if m.get(key) is not None and not isinstance(m[key], str):
-            raise TypeError(f"message {i} {key} must be a string, got {type(m[key]).__name__}")
+    if m.get("name") is not None and not isinstance(m["name"], str):
+        raise TypeError(f"message {i} name must be a string, got {type(m['name']).__name__}")
+    role = check_role(f"message {i}", m.get("role", "user"))
     turn_id = m.get("id")
-    return Turn(str(turn_id) if turn_id is not None else "", str(m.get("role", "user")), content, m.get("name"),
+    if turn_id is not None and (isinstance(turn_id, bool) or not isinstance(turn_id, (str, int))):
+        raise TypeError(f"message {i} id must be a string (or an int), got {type(turn_id).__name__}")
+    return Turn(str(turn_id) if turn_id is not None else "", role, content, m.get("name"),
                 metadata=_check_metadata(m.get("metadata")))
 
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
+from inferscale.checks import check_bool
 from inferscale.facts import FactService
 from inferscale.kv.injection import InjectionPlan
 from inferscale.kv.manager import KVManager
@@ -174,6 +175,7 @@ class ServePath:
         """
         history = check_history(history)
         followup = check_history(followup, "followup")
+        check_bool("allow_unknown_scope", allow_unknown_scope)
         if instructions is not None:
             require_text(instructions, "instructions")
         if options.offered_tools():

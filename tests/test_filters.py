@@ -26,7 +26,7 @@ def _metadata(rng: random.Random) -> dict:
     if rng.random() < 0.8:
         meta["topic"] = rng.choice(TOPICS)
     if rng.random() < 0.7:
-        meta["n"] = rng.choice([0, 1, 2, 3, 4, "3"])  # a string among ints: incomparable, not a match
+        meta["n"] = rng.choice([0, 1, 2, 3, 4, "3"])  # a string among ints: that row does not match
     if rng.random() < 0.5:
         meta["flag"] = rng.random() < 0.5
     return meta
@@ -51,12 +51,45 @@ def _reference(flt: dict, fields: dict) -> bool:
         if name in ("AND", "OR", "NOT"):
             results = [_reference(sub, fields) for sub in cond]
             ok = all(results) if name == "AND" else any(results) if name == "OR" else not any(results)
+        elif cond == "*":  # Mem0's wildcard: the field is present
+            ok = key in fields
         else:
             conds = cond if isinstance(cond, dict) else {"eq": cond}
             ok = key in fields and all(_compare(op.lstrip("$"), fields[key], arg) for op, arg in conds.items())
         if not ok:
             return False
     return True
+
+
+def _leaves(flt: dict):
+    for key, cond in flt.items():
+        if key.lstrip("$").upper() in ("AND", "OR", "NOT"):
+            for sub in cond:
+                yield from _leaves(sub)
+        else:
+            for op, arg in (cond.items() if isinstance(cond, dict) else [("eq", cond)]):
+                yield key, op.lstrip("$"), arg
+
+
+def _expected_error(flt: dict, rows: list[dict]) -> str | None:
+    """The error the filter must raise over these rows' fields, if any (written out plainly)."""
+    for key, op, arg in _leaves(flt):
+        if op not in ("gt", "gte", "lt", "lte"):
+            continue
+        if isinstance(arg, bool) or not isinstance(arg, (int, float, str)):
+            return "takes a number or a string"
+        present = [r[key] for r in rows if key in r]
+        if present and not any(_comparable(v, arg) for v in present):
+            return "compare with a value of the stored type"
+    return None
+
+
+def _comparable(value, arg) -> bool:
+    try:
+        value < arg
+        return True
+    except TypeError:
+        return False
 
 
 def _compare(op: str, value, arg) -> bool:
@@ -76,11 +109,12 @@ LEAF = st.one_of(
     st.builds(lambda k, op, v: {k: {op: v}}, FIELDS, OPS, VALUES),
     st.builds(lambda k, op, vs: {k: {op: vs}}, FIELDS, st.sampled_from(["in", "nin", "$in", "$nin"]),
               st.lists(VALUES, max_size=3)),
+    st.builds(lambda k: {k: "*"}, FIELDS),
 )
 FILTERS = st.recursive(
     LEAF,
     lambda inner: st.one_of(
-        st.builds(lambda c, subs: {c: subs}, st.sampled_from(["AND", "OR", "NOT", "$and", "$or", "$not"]),
+        st.builds(lambda c, subs: {c: subs}, st.sampled_from(["AND", "OR", "NOT", "$and", "$or", "$not", "and", "or", "not"]),
                   st.lists(inner, min_size=1, max_size=3)),
         st.builds(lambda a, b: {**a, **b}, inner, inner),  # several keys in one dict: all must hold
     ),
@@ -88,19 +122,34 @@ FILTERS = st.recursive(
 )
 
 
+def _rows(mem: Memory, scope: str) -> dict:
+    return mem.store._col.get(where={"scope": Scope(scope).key}, include=["embeddings", "metadatas"])
+
+
+def _fields(meta: dict) -> dict:
+    return {**json.loads(meta["metadata"]), "created_at": meta["created_at"], "updated_at": meta["updated_at"]}
+
+
 def _brute_force(mem: Memory, scope: str, query: str, flt: dict, limit: int) -> list[tuple[str, float]]:
-    got = mem.store._col.get(where={"scope": Scope(scope).key}, include=["embeddings", "metadatas"])
+    got = _rows(mem, scope)
     q = mem.embedder.encode([query])[0].numpy()
     rows = []
     for mid, emb, meta in zip(got["ids"], got["embeddings"], got["metadatas"]):
-        fields = {**json.loads(meta["metadata"]), "created_at": meta["created_at"], "updated_at": meta["updated_at"]}
-        if _reference(flt, fields):
+        if _reference(flt, _fields(meta)):
             e = np.asarray(emb, dtype=np.float64)
             rows.append((mid, float(e @ q / np.linalg.norm(e) / np.linalg.norm(q))))
     return sorted(rows, key=lambda r: -r[1])[:limit + 1]
 
 
 def _check(mem: Memory, scope: str, query: str, flt: dict, limit: int) -> None:
+    error = _expected_error(flt, [_fields(m) for m in _rows(mem, scope)["metadatas"]])
+    if error is not None:  # an ordering on a value of another type than the field's is refused
+        for mode in ("hybrid", "dense"):
+            with pytest.raises(ValueError, match=error):
+                mem.search(query, user_id=scope, filters=flt, limit=limit, mode=mode)
+        with pytest.raises(ValueError, match=error):
+            mem.get_all(user_id=scope, filters=flt)
+        return
     expected = _brute_force(mem, scope, query, flt, limit)
     every = _brute_force(mem, scope, query, flt, 10_000)
     # hybrid (the default) ranks by fused rank: the filter holds, and scores are the cosines
@@ -180,3 +229,34 @@ def test_keywords_win_over_environment_variables(tmp_path, monkeypatch):
     mem = Memory(data_dir=tmp_path / "store", dtype="float32", precompute_kv=False, embedder_backend="torch")
     assert mem.config.embedder_backend == "torch"
     mem.close()
+
+
+def test_both_spellings_the_wildcard_and_a_mismatched_type(tmp_path):
+    mem = Memory(data_dir=tmp_path / "store", dtype="float32", context_window=0, precompute_kv=False)
+    try:
+        for text, meta in (("I like tea.", {"topic": "food", "n": 1}), ("I live in Porto.", {"topic": "home", "n": 3}),
+                           ("I work nights.", {"topic": "work"})):
+            mem.add(text, user_id="u", metadata=meta)
+
+        def texts(flt: dict) -> set[str]:
+            return {r["memory"] for r in mem.get_all(user_id="u", filters=flt)["results"]}
+
+        # Mem0's operator names and Chroma's / MongoDB's $-spellings give the same answers
+        assert texts({"n": {"gte": 2}}) == texts({"n": {"$gte": 2}}) == {"I live in Porto."}
+        assert texts({"OR": [{"topic": "food"}, {"n": {"gt": 2}}]}) == texts(
+            {"$or": [{"topic": {"$eq": "food"}}, {"n": {"$gt": 2}}]}) == {"I like tea.", "I live in Porto."}
+        assert texts({"AND": [{"topic": {"in": ["food", "home"]}}, {"NOT": [{"n": 1}]}]}) == texts(
+            {"and": [{"topic": {"$in": ["food", "home"]}}, {"$not": [{"n": {"$eq": 1}}]}]}) == {"I live in Porto."}
+        assert texts({"n": "*"}) == {"I like tea.", "I live in Porto."}  # Mem0's wildcard: the field is present
+        before = mem.get_all(user_id="u")["results"]
+        for flt in ({"topic": {"gt": 2}}, {"n": {"$lt": "three"}}):  # no stored value compares with it
+            with pytest.raises(ValueError, match=r"which this scope's memories store as (str|int).*stored type"):
+                mem.search("tea", user_id="u", filters=flt)
+            with pytest.raises(ValueError, match="compare with a value of the stored type"):
+                mem.get_all(user_id="u", filters=flt)
+        with pytest.raises(ValueError, match="'gt' on 'n' takes a number or a string"):
+            mem.search("tea", user_id="u", filters={"n": {"gt": [1]}})
+        assert mem.search("tea", user_id="u", filters={"nowhere": {"gt": 1}})["results"] == []  # no such field
+        assert mem.get_all(user_id="u")["results"] == before
+    finally:
+        mem.close()

