@@ -96,15 +96,11 @@ def bench_memory_ops(
     """Per-call time of add (acknowledged, KV ready), search and inject() at ~2,500 LoCoMo facts; the
     embedder backends side by side; reopen and filtered search on large synthetic stores."""
     from inferscale.bench.memory_ops import run
-    from inferscale.datasets.locomo import default_locomo_path
 
     sizes = _ints(scale, "scale") if scale.strip() else []
     if any(s < 20_000 for s in sizes):
         _fail(f"--scale sizes must each be at least 20000 (the big scope's size), got {scale!r}")
-    try:
-        data = data or default_locomo_path()
-    except OSError as exc:  # no shared copy and no network (URLError is an OSError)
-        _fail(f"no LoCoMo data: not in ../shared and not downloadable ({exc}); pass --data path/to/locomo10.json")
+    data, _ = _bench_paths(data, None)
     if not data.is_file():
         _fail(f"LoCoMo data not found at {data} (not a file): pass --data path/to/locomo10.json")
     try:
@@ -132,7 +128,10 @@ def _bench_paths(data: Optional[Path], store: Optional[Path]) -> tuple[Path, Pat
     from inferscale.config import default_data_dir
     from inferscale.datasets.locomo import default_locomo_path
 
-    return data or default_locomo_path(), store or default_data_dir() / "bench"
+    try:
+        return data or default_locomo_path(), store or default_data_dir() / "bench"
+    except (FileNotFoundError, ValueError) as exc:  # no LoCoMo data; a blank INFERSCALE_DATA_DIR
+        _fail(str(exc))
 
 
 def _check_dtype(value: str) -> str:

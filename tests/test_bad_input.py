@@ -80,9 +80,11 @@ def test_malformed_provenance_and_messages(mem):
 
 
 def test_bad_search_and_generation_arguments(mem):
-    for bad in (float("nan"), 5, "0.5"):
+    for bad in (float("nan"), 5):
         with pytest.raises(ValueError, match="threshold"):
             mem.search("dog", user_id="u", threshold=bad)
+    with pytest.raises(TypeError, match="threshold must be a number"):
+        mem.search("dog", user_id="u", threshold="0.5")
     with pytest.raises(ValueError, match="filters must be a dict"):
         mem.search("dog", user_id="u", filters=[])
     assert mem.get_all(user_id="newcomer", filters={"topic": "x"})["results"] == []
@@ -188,12 +190,17 @@ def test_generation_options_are_checked_by_us_before_anything_runs(mem):
 
 def test_a_closed_memory_says_so(tmp_path):
     mem = Memory(data_dir=tmp_path / "store", dtype="float32", context_window=0)
+    mem.add("I like tea.", user_id="u")  # its KV may still be queued at close: the next Memory encodes it
     mem.close()
-    mem.add("I like tea.", user_id="u")  # durable: the next Memory over the data dir encodes it
-    assert mem.pending_kv() == 1 and mem.wait_for_kv(timeout=600) is False  # at once, not after the timeout
-    with pytest.raises(RuntimeError, match="closed"):
-        mem.generate("What do I like?", user_id="u")
+    calls = {"add": lambda: mem.add("I like coffee.", user_id="u"), "search": lambda: mem.search("tea", user_id="u"),
+             "get_all": lambda: mem.get_all(user_id="u"), "generate": lambda: mem.generate("What?", user_id="u"),
+             "inject": lambda: mem.inject("What?", user_id="u"), "delete_all": lambda: mem.delete_all(user_id="u")}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="this Memory was closed"):
+            call()
+    assert mem.wait_for_kv(timeout=600) in (True, False)  # at once, not after the timeout
     with Memory(data_dir=tmp_path / "store", dtype="float32", context_window=0) as again:
+        assert [r["memory"] for r in again.get_all(user_id="u")["results"]] == ["I like tea."]
         assert again.wait_for_kv(timeout=600) and again.pending_kv() == 0
 
 

@@ -108,8 +108,13 @@ def update_readme(readme: Path, results: Path) -> str:
     """Rewrite the marked section of ``readme``; returns the new section.
 
     Raises:
+        FileNotFoundError: no README at ``readme`` or no folder at ``results``.
         ValueError: the README lacks the markers.
     """
+    if not readme.is_file():
+        raise FileNotFoundError(f"no README at {readme}: run from the repository root or pass --readme")
+    if not results.is_dir():
+        raise FileNotFoundError(f"no results folder at {results}: run from the repository root or pass --results")
     text = readme.read_text()
     if START not in text or END not in text:
         raise ValueError(f"{readme} has no {START} ... {END} section to fill")

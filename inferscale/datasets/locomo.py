@@ -197,7 +197,11 @@ def store_conversation(memory: Memory, sample: LocomoSample, user_id: str, *,
 
 def default_locomo_path() -> Path:
     """``../shared/data/locomo/locomo10.json`` from the working directory when it exists,
-    else a copy in the cache, downloaded once from the public LoCoMo repository."""
+    else a copy in the cache, downloaded once from the public LoCoMo repository.
+
+    Raises:
+        FileNotFoundError: neither is there and the download failed (no network).
+    """
     from inferscale.config import cache_dir
 
     for base in (Path.cwd(), *Path.cwd().parents):
@@ -210,7 +214,12 @@ def default_locomo_path() -> Path:
 
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(".part")
-        urllib.request.urlretrieve(LOCOMO_URL, tmp)  # noqa: S310 - fixed https URL
+        try:
+            urllib.request.urlretrieve(LOCOMO_URL, tmp)  # noqa: S310 - fixed https URL
+        except OSError as exc:  # URLError, no network
+            raise FileNotFoundError(
+                f"no LoCoMo data: shared/data/locomo/locomo10.json is not in {Path.cwd()} or a folder above it, "
+                f"and downloading it failed ({exc}): pass --data path/to/locomo10.json") from None
         tmp.replace(cached)
     return cached
 
