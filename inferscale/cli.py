@@ -296,8 +296,16 @@ def serve(
     from inferscale.server.vllm_process import VLLMStartError
     from inferscale.store import StoreError
 
+    if tool_call_parser != "none" and vllm_url is None:
+        from inferscale.serving.vllm_compat import tool_call_parsers
+
+        if tool_call_parser not in tool_call_parsers():
+            _fail(f"--tool-call-parser {tool_call_parser!r} is not one of vLLM's: {', '.join(tool_call_parsers())} "
+                  "(or 'none')")
     overrides: dict = {} if dtype == "auto" else {"dtype": dtype}  # INFERSCALE_DTYPE applies otherwise
     if data_dir is not None:
+        if data_dir.exists() and not data_dir.is_dir():
+            _fail(f"--data-dir {data_dir} is a file: give a folder (created when missing)")
         overrides["data_dir"] = data_dir
     try:
         config = MemoryConfig(**overrides)

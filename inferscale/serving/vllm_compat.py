@@ -192,3 +192,10 @@ def engine_process_environment(verbose: bool = False) -> Iterator[None]:
     finally:
         for name in env:
             os.environ.pop(name, None)
+
+
+def tool_call_parsers() -> list[str]:
+    """The names vLLM's ``--tool-call-parser`` accepts (its ``ToolParserManager`` registry)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    return sorted(ToolParserManager.list_registered())

@@ -1,0 +1,81 @@
+"""Every CLI command answers a missing file or a bad option value with one short line and
+exit status 2, never a traceback (issue 18)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MISSING = "/nonexistent/inferscale-test/locomo10.json"
+
+# (command line, a word the one line must contain)
+MISSING_FILES = [
+    ("demo --data {missing}", "no LoCoMo file"),
+    ("bench memory-ops --data {missing}", "not found"),
+    ("bench latency --data {missing}", "no LoCoMo file"),
+    ("bench quality --data {missing}", "no LoCoMo file"),
+    ("bench throughput --data {missing}", "no LoCoMo file"),
+    ("bench footprint --data {missing}", "no LoCoMo file"),
+    ("bench serve --data {missing}", "no LoCoMo file"),
+    ("bench retrieval --data {missing}", "no LoCoMo file"),
+    ("bench report --readme {missing}.md", "no README"),
+    ("bench report --results {missing}.d", "no results folder"),
+    ("serve --data-dir {afile}", "is a file"),
+]
+BAD_VALUES = [
+    ("demo --sample 42", "--sample must be in 0..9"),
+    ("demo --dtype fp16", "--dtype must be"),
+    ("demo --k -1", "--k"),
+    ("bench memory-ops --scale abc", "--scale must be"),
+    ("bench latency --modes bogus", "unknown mode 'bogus'"),
+    ("bench latency --k abc", "--k must be"),
+    ("bench quality --samples 99", "--samples must be in 0..9"),
+    ("bench throughput --users 0", "positive user counts"),
+    ("bench footprint --split-sample 42", "must be in 0..9"),
+    ("bench serve --users x", "--users must be"),
+    ("bench retrieval --big -1", "--big"),
+    ("bench report --results {afile}", "no results folder"),
+    ("serve --port 0", "--port"),
+    ("serve --tool-call-parser bogus", "is not one of vLLM's"),
+    ("models prepare --bogus", "No such option"),
+]
+
+
+def run_cli(line: str, tmp_path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    args = line.format(missing=MISSING, afile=afile).split()
+    if args[0] == "bench" and args[1] not in ("report",):
+        args += ["--out", str(tmp_path / "out")]
+    return subprocess.run([sys.executable, "-m", "inferscale.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def check_one_line(proc: subprocess.CompletedProcess, expected: str) -> None:
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    assert "Traceback" not in output and "File \"" not in output, output
+    assert len(output.strip().splitlines()) <= 6, output  # one line, or typer's usage box (5 lines)
+    assert expected in output, output
+
+
+@pytest.mark.parametrize("line,expected", MISSING_FILES, ids=[c[0].split(" --")[0] for c in MISSING_FILES])
+def test_a_missing_file_is_one_line_and_exit_2(line, expected, tmp_path):
+    check_one_line(run_cli(line, tmp_path), expected)
+
+
+@pytest.mark.parametrize("line,expected", BAD_VALUES, ids=[c[0] for c in BAD_VALUES])
+def test_a_bad_option_value_is_one_line_and_exit_2(line, expected, tmp_path):
+    check_one_line(run_cli(line, tmp_path), expected)
+
+
+def test_a_bad_setting_in_the_environment_is_one_line(tmp_path):
+    import os
+
+    env = {**os.environ, "INFERSCALE_DTYPE": "fp16"}
+    proc = run_cli("serve --data-dir {afile}x", tmp_path, env)
+    check_one_line(proc, "INFERSCALE_DTYPE")
