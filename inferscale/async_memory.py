@@ -28,6 +28,10 @@ class AsyncMemory:
         config / memory / **overrides: either an existing ``memory=Memory(...)``, or the
             arguments :class:`Memory` takes.
 
+    Raises:
+        TypeError: ``memory`` is not a :class:`Memory`, or is given with other arguments;
+            as :class:`Memory` otherwise.
+
     Example:
         >>> m = AsyncMemory(data_dir="./mem")
         >>> await m.add("I like green tea.", user_id="alice")
@@ -35,6 +39,10 @@ class AsyncMemory:
     """
 
     def __init__(self, config=None, *, memory: Memory | None = None, **overrides: Any) -> None:
+        if memory is not None and not isinstance(memory, Memory):
+            raise TypeError(f"memory must be an inferscale.Memory, got {type(memory).__name__}")
+        if memory is not None and (config is not None or overrides):
+            raise TypeError("give either memory=Memory(...) or Memory's arguments, not both")
         self.sync = memory if memory is not None else Memory(config, **overrides)
 
     @classmethod

@@ -3,6 +3,7 @@ pydantic base class, by the LangChain and LlamaIndex adapters."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -15,7 +16,25 @@ MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
 
 
-class GenerationOptions(BaseModel):
+class PlainErrors:
+    """Mixin for pydantic models: the constructor raises a one-line ``TypeError`` (wrong
+    type) or ``ValueError`` (wrong value) naming the field (:func:`plain_error`) instead of
+    pydantic's multi-line ``ValidationError``. Put it first among the bases."""
+
+    def __init__(self, *args: Any, **data: Any) -> None:
+        try:
+            super().__init__(*args, **data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            if err["type"] == "extra_forbidden" and err["loc"]:  # as Python says of an unexpected keyword
+                name, fields = str(err["loc"][0]), list(type(self).model_fields)
+                near = difflib.get_close_matches(name, fields, n=1)
+                raise TypeError(f"{type(self).__name__} got an unknown argument {name!r}"
+                                f"{f': did you mean {near[0]!r}?' if near else ''}") from None
+            raise plain_error(exc) from None
+
+
+class GenerationOptions(PlainErrors, BaseModel):
     """How to answer one query.
 
     Attributes:
@@ -40,9 +59,8 @@ class GenerationOptions(BaseModel):
             ``{"type": "function", "function": {"name": ...}}``.
 
     Raises:
-        pydantic.ValidationError: (a ``ValueError``) naming the bad field and why; an
-            unknown field is refused too. :meth:`merged` raises plain ``TypeError`` /
-            ``ValueError`` instead.
+        TypeError: a field of the wrong type, or an unknown field.
+        ValueError: a bad value; each message is one line naming the field and why.
     """
 
     # unknown fields are refused (a typo such as max_token=3 must not be ignored); the
@@ -102,8 +120,8 @@ class GenerationOptions(BaseModel):
     @field_validator("temperature", mode="before")
     @classmethod
     def _number(cls, value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):  # a TypeError is not wrapped by pydantic
+            raise TypeError(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {value!r}")
         return value
 
     @field_validator("stop", mode="before")
@@ -112,7 +130,9 @@ class GenerationOptions(BaseModel):
         if value is None:
             return None
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not all(
-                isinstance(x, str) and x for x in value):
+                isinstance(x, str) for x in value):
+            raise TypeError(f"stop must be a list of strings, got {value!r}")
+        if not all(value):
             raise ValueError(f"stop must be a list of non-empty strings, got {value!r}")
         return list(value)
 
@@ -152,5 +172,6 @@ def plain_error(exc: ValidationError) -> TypeError | ValueError:
     if not err["loc"]:  # a check across fields: the message names them, the input is every option
         text = msg or "options are invalid"
     else:
-        text = f"{field}: {msg[0].lower() + msg[1:]}, got {err.get('input')!r}" if msg else f"{field} is invalid"
+        got = "" if "got " in msg else f", got {err.get('input')!r}"
+        text = f"{field}: {msg[0].lower() + msg[1:]}{got}" if msg else f"{field} is invalid"
     return TypeError(text) if wrong_type else ValueError(text)

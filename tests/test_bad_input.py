@@ -88,7 +88,7 @@ def test_bad_search_and_generation_arguments(mem):
     with pytest.raises(ValueError, match="filters must be a dict"):
         mem.search("dog", user_id="u", filters=[])
     assert mem.get_all(user_id="newcomer", filters={"topic": "x"})["results"] == []
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(TypeError, match="temperature"):
         mem.generate("dog?", user_id="u", temperature="hot")
     with pytest.raises(ValueError, match="logprobs"):
         mem.generate("dog?", user_id="u", logprobs=-1)

@@ -5,10 +5,16 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from inferscale import Memory
+from inferscale.options import PlainErrors
 
 
-class MemoryScope(BaseModel):
-    """An InferScale memory and whose memories to use (``user_id`` / ``agent_id`` / ``run_id``)."""
+class MemoryScope(PlainErrors, BaseModel):
+    """An InferScale memory and whose memories to use (``user_id`` / ``agent_id`` / ``run_id``).
+
+    Raises:
+        TypeError / ValueError: (from the constructor) a field of the wrong type or value,
+            as one line naming it.
+    """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 

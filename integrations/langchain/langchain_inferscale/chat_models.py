@@ -73,7 +73,7 @@ class ChatInferScale(MemoryScope, GenerationOptions, BaseChatModel):
     """
 
     max_tokens: int = Field(default=256, ge=1, strict=True)  # chat answers run longer than Memory's 64
-    allow_unknown_scope: bool = True
+    allow_unknown_scope: bool = Field(default=True, strict=True)
 
     @property
     def _llm_type(self) -> str:

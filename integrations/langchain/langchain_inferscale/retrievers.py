@@ -7,6 +7,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import Field
 
+from inferscale.checks import check_int
 from langchain_inferscale._scope import MemoryScope
 
 
@@ -34,7 +35,7 @@ class InferScaleRetriever(MemoryScope, BaseRetriever):
         "My dog's name is Biscuit."
     """
 
-    k: int = Field(default=4, ge=1)
+    k: int = Field(default=4, ge=1, strict=True)
     threshold: float | None = None
     filters: dict | None = None
     mode: str | None = None
@@ -44,8 +45,7 @@ class InferScaleRetriever(MemoryScope, BaseRetriever):
                                 filters: dict | None = None, mode: str | None = None) -> list[Document]:
         """The documents; ``k``, ``threshold``, ``filters`` and ``mode`` may be given per call
         (``retriever.invoke(query, k=1)``) and override the attributes."""
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"k must be a positive integer, got {k!r}")
+        check_int("k", k, 1, optional=True)
         found = self.memory.search(query, user_id=self.user_id, agent_id=self.agent_id, run_id=self.run_id,
                                    limit=self.k if k is None else k,
                                    threshold=self.threshold if threshold is None else threshold,

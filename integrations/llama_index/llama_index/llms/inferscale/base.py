@@ -81,8 +81,8 @@ class InferScaleLLM(GenerationOptions, FunctionCallingLLM):
     agent_id: str | None = None
     run_id: str | None = None
     max_tokens: int = Field(default=256, ge=1, strict=True)  # chat answers run longer than Memory's 64
-    allow_unknown_scope: bool = True
-    call_tools_first: bool = False
+    allow_unknown_scope: bool = Field(default=True, strict=True)
+    call_tools_first: bool = Field(default=False, strict=True)
 
     @classmethod
     def class_name(cls) -> str:

@@ -12,13 +12,14 @@ from llama_index.llms.inferscale.messages import to_session_message
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from inferscale import Memory
+from inferscale.options import PlainErrors
 from inferscale.sessions import ChatSessions
 
 #: Session id of messages flushed without one.
 DEFAULT_SESSION = "llama_index"
 
 
-class InferScaleMemoryBlock(BaseMemoryBlock[str]):
+class InferScaleMemoryBlock(PlainErrors, BaseMemoryBlock[str]):
     """A memory block backed by an InferScale :class:`~inferscale.Memory`.
 
     ``Memory`` flushes the messages that leave its short-term queue into the block: they
@@ -48,9 +49,9 @@ class InferScaleMemoryBlock(BaseMemoryBlock[str]):
     memory: Memory = Field(exclude=True)
     user_id: str | None = None
     agent_id: str | None = None
-    k: int = Field(default=5, ge=1)
-    include_text: bool = True
-    infer: bool = False
+    k: int = Field(default=5, ge=1, strict=True)
+    include_text: bool = Field(default=True, strict=True)
+    infer: bool = Field(default=False, strict=True)
     _sessions: ChatSessions = PrivateAttr()
 
     def model_post_init(self, context: Any) -> None:
