@@ -161,6 +161,17 @@ class GenerationOptions(PlainErrors, BaseModel):
             raise plain_error(exc) from None
 
 
+def check_call_options(who: str, kwargs: dict, allowed: tuple[str, ...]) -> None:
+    """Refuse per-call keyword arguments an adapter does not take.
+
+    Raises:
+        TypeError: naming the unknown ones and listing ``allowed``.
+    """
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown} for {who}; valid per-call options: {', '.join(allowed)}")
+
+
 def plain_error(exc: ValidationError) -> TypeError | ValueError:
     """One line naming the first bad field, what it got and what is accepted: a ``TypeError``
     for a value of the wrong type, a ``ValueError`` for a wrong value."""

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from inferscale.checks import check_bool
 from inferscale.memory import Memory
 from inferscale.store import Scope
 from inferscale.types import FactInput, require_text
@@ -64,7 +65,7 @@ class ChatSessions:
         bad = [r for r in fact_roles if r not in ROLES]
         if bad or isinstance(fact_roles, str):
             raise ValueError(f"fact_roles must be a list of roles among {ROLES}, got {fact_roles!r}")
-        self.infer = bool(infer)
+        self.infer = check_bool("infer", infer)
         self.fact_roles = tuple(fact_roles)
 
     def _ids(self) -> dict:
@@ -147,6 +148,8 @@ class ChatSessions:
 
 
 def _check_session(session_id: object) -> str:
-    if not isinstance(session_id, str) or not session_id.strip():
+    if not isinstance(session_id, str):
+        raise TypeError(f"session_id must be a string, got {type(session_id).__name__} {session_id!r}")
+    if not session_id.strip():
         raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
     return session_id

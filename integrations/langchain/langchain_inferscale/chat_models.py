@@ -19,9 +19,10 @@ from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, Runn
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from inferscale import Generation, GenerationOptions
+from inferscale.options import check_call_options
 from langchain_inferscale._messages import split_prompt
 from langchain_inferscale._scope import MemoryScope
 
@@ -56,6 +57,8 @@ class ChatInferScale(MemoryScope, GenerationOptions, BaseChatModel):
         max_tokens: answer budget (tokens, default 256).
         allow_unknown_scope: answer a user with no memories yet (a new user's first
             message) without memories; ``False`` raises ``UnknownScopeError``.
+        streaming: ``invoke`` streams internally (callbacks see each token), as LangChain's
+            ``streaming=True`` does for other chat models.
 
     Every attribute but ``memory`` can be overridden per call (``model.invoke(msgs,
     user_id="bob", k=3)``) or made configurable (``configurable_fields``).
@@ -72,8 +75,12 @@ class ChatInferScale(MemoryScope, GenerationOptions, BaseChatModel):
         "My dog's name is Biscuit."
     """
 
+    # a misspelt argument is refused (BaseChatModel ignores unknown ones)
+    model_config = ConfigDict(extra="forbid")
+
     max_tokens: int = Field(default=256, ge=1, strict=True)  # chat answers run longer than Memory's 64
     allow_unknown_scope: bool = Field(default=True, strict=True)
+    streaming: bool = Field(default=False, strict=True)
 
     @property
     def _llm_type(self) -> str:
@@ -107,11 +114,21 @@ class ChatInferScale(MemoryScope, GenerationOptions, BaseChatModel):
                 forced); a forced call is decoded under the tool's JSON Schema.
 
         Raises:
-            ValueError / TypeError: a tool that cannot be converted, or a ``tool_choice``
-                naming no bound tool (when the model is called).
+            TypeError: ``tools`` is not a list of tools, or ``tool_choice`` of a wrong type.
+            ValueError: a tool that cannot be converted; when the model is called, duplicate
+                tool names or a ``tool_choice`` naming no bound tool.
         """
+        if isinstance(tools, (str, dict)) or not isinstance(tools, Sequence):
+            raise TypeError(f"tools must be a list of tools, got {type(tools).__name__}")
+        for i, t in enumerate(tools):
+            if not isinstance(t, (dict, type, BaseTool)) and not callable(t):
+                raise TypeError(f"tool {i} must be a LangChain tool, a function, a pydantic model, a TypedDict or an "
+                                f"OpenAI tool dict, got {type(t).__name__} {t!r}")
         formatted = [convert_to_openai_tool(t) for t in tools]
         choice = "required" if tool_choice is True else (None if tool_choice is False else tool_choice)
+        if choice is not None and not isinstance(choice, (str, dict)):  # its value is checked per call
+            raise TypeError(f"tool_choice must be None, True/False, 'auto', 'none', 'any', 'required', a tool name "
+                            f"or an OpenAI tool_choice dict, got {type(choice).__name__} {choice!r}")
         return self.bind(tools=formatted, tool_choice=choice, **kwargs)
 
     def with_structured_output(self, schema: dict | type, *,
@@ -165,9 +182,7 @@ class ChatInferScale(MemoryScope, GenerationOptions, BaseChatModel):
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> dict:
-        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown option(s) {unknown} for ChatInferScale; valid per-call options: {CALL_OPTIONS}")
+        check_call_options("ChatInferScale", kwargs, CALL_OPTIONS)
         query, history, instructions, followup = split_prompt(messages)
         overrides = {name: kwargs[name] for name in self.option_names() if name in kwargs}
         if stop is not None:

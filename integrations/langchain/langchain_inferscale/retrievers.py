@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from inferscale.checks import check_int
+from inferscale.filters import compile_filter
 from langchain_inferscale._scope import MemoryScope
 
 
@@ -36,9 +39,15 @@ class InferScaleRetriever(MemoryScope, BaseRetriever):
     """
 
     k: int = Field(default=4, ge=1, strict=True)
-    threshold: float | None = None
+    threshold: float | None = Field(default=None, ge=-1.0, le=1.0)
     filters: dict | None = None
-    mode: str | None = None
+    mode: Literal["hybrid", "dense"] | None = None
+
+    @field_validator("filters")
+    @classmethod
+    def _filters(cls, value: dict | None) -> dict | None:
+        compile_filter(value)  # a malformed filter is refused here, not at the first search
+        return value
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
                                 k: int | None = None, threshold: float | None = None,

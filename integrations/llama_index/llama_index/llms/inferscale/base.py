@@ -25,6 +25,7 @@ from llama_index.llms.inferscale.messages import split_prompt
 from pydantic import BaseModel, Field
 
 from inferscale import Generation, GenerationChunk, GenerationOptions, Memory
+from inferscale.options import check_call_options
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
@@ -99,9 +100,7 @@ class InferScaleLLM(GenerationOptions, FunctionCallingLLM):
 
     def _request(self, query: str, history: Sequence[dict], instructions: str | None, followup: Sequence[dict],
                  kwargs: dict) -> dict:
-        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown option(s) {unknown} for InferScaleLLM; valid per-call options: {CALL_OPTIONS}")
+        check_call_options("InferScaleLLM", kwargs, CALL_OPTIONS)
         overrides = {name: kwargs[name] for name in self.option_names() if name in kwargs}
         scope = {name: kwargs.get(name, getattr(self, name)) for name in ("user_id", "agent_id", "run_id")}
         return dict(query=query, **scope, history=list(history), instructions=instructions, followup=list(followup),
