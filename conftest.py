@@ -57,3 +57,27 @@ def locomo_path() -> Path:
     path = Path(__file__).resolve().parents[1] / "shared" / "data" / "locomo" / "locomo10.json"
     assert path.is_file(), f"LoCoMo data expected at {path} (../shared beside the checkout)"
     return path
+
+
+@pytest.fixture(scope="session")
+def assert_refused():
+    """``assert_refused(memory, user_id, call, error, name)``: ``call()`` raises exactly
+    ``error`` (a ``TypeError`` is not a ``ValueError`` and back), in one line naming ``name``,
+    and changes none of ``user_id``'s memories, turns, nor the store's size (issue 18)."""
+    from inferscale.store import Scope
+
+    def snapshot(memory, user_id: str) -> tuple:
+        return (sorted((r["id"], r["memory"], str(r["metadata"]), r["updated_at"])
+                       for r in memory.get_all(user_id=user_id, limit=1000)["results"]),
+                memory.turns.count(Scope(user_id).key), memory.store.count(), memory.pending_kv())
+
+    def check(memory, user_id: str, call, error: type[Exception], name: str) -> None:
+        before = snapshot(memory, user_id)
+        with pytest.raises(error) as caught:
+            call()
+        assert not isinstance(caught.value, ValueError if error is TypeError else TypeError), repr(caught.value)
+        assert name in str(caught.value), str(caught.value)
+        assert "\n" not in str(caught.value).strip(), str(caught.value)  # one line
+        assert snapshot(memory, user_id) == before
+
+    return check

@@ -20,8 +20,8 @@ console = Console(soft_wrap=True)
 
 @app.callback()
 def _quiet() -> None:
-    """Keep the terminal for InferScale's own output: vLLM at WARNING, no known deprecation noise."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    """Keep the terminal for InferScale's own output (vLLM's engines are quieted by the library
+    itself, :mod:`inferscale.logs`), no known deprecation noise."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -57,24 +57,37 @@ def demo(
     context_window: int = typer.Option(5, min=0, help="w: turns before each fact's source turn encoded with it."),
     dtype: str = typer.Option("auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16."),
     data_dir: Optional[Path] = typer.Option(None, help="Memory store (default: <data dir>/demo; data dir: $INFERSCALE_DATA_DIR or ~/.local/share/inferscale)."),
+    record: Optional[Path] = typer.Option(None, help="Also write this run's transcript as a Markdown page (docs/results/demo.md)."),
 ) -> None:
     """Ingest a LoCoMo conversation, then answer questions with KV injection vs prompt text."""
+    import shlex
+    import sys
+
     from inferscale.datasets.locomo import LocomoFormatError
-    from inferscale.demo import run_demo
+    from inferscale.demo import timed_demo, write_page
     from inferscale.models import ModelNotFoundError
     from inferscale.store import StoreError
 
     if dtype not in ("auto", "float32", "bfloat16"):
         _fail(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    if record is not None and record.is_dir():
+        _fail(f"--record {record} is a folder: give the Markdown file to write, e.g. docs/results/demo.md")
+    # a fixed width: the recorded table looks the same whatever the terminal (tests compare its shape)
+    out = Console(soft_wrap=True, record=True, width=120) if record is not None else console
     try:
-        run_demo(
-            data=data, sample=sample, questions=questions, k=k, context_window=context_window, dtype=dtype,
-            data_dir=data_dir, console=console,
-        )
+        _rows, wall_s = timed_demo(data=data, sample=sample, questions=questions, k=k, context_window=context_window,
+                                   dtype=dtype, data_dir=data_dir, console=out)
     except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, StoreError, ValueError) as exc:
         _fail(str(exc))
-    console.print("Next, the benchmarks (README.md, section Benchmarks): `inferscale bench latency`, `bench throughput`, "
-                  "`bench quality`, `bench footprint` and `bench memory-ops`; each writes JSON, Markdown and a PNG.")
+    out.print("Next, the benchmarks (README.md, section Benchmarks): `inferscale bench latency`, `bench throughput`, "
+              "`bench quality`, `bench footprint` and `bench memory-ops`; each writes JSON, Markdown and a PNG.")
+    if record is not None:
+        command = "inferscale " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        try:
+            write_page(record, out.export_text(), command, wall_s)
+        except OSError as exc:
+            _fail(f"cannot write --record {record}: {exc}")
+        console.print(f"transcript written to {record}")
 
 
 def _fail(message: str) -> None:

@@ -2,16 +2,36 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 CLI = [sys.executable, "-m", "inferscale.cli", "demo"]
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "results" / "demo.md"
 
 
-def test_demo_answers_questions_with_injection(tmp_path, locomo_path):
+def transcript(page: str) -> list[str]:
+    """The transcript block of a demo page."""
+    return page.split("```\n", 1)[1].split("\n```", 1)[0].splitlines()
+
+
+def skeleton(line: str) -> str:
+    """A transcript line with what changes between runs masked: quoted answers, numbers,
+    the data path, table rules and padding."""
+    line = re.sub(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", "'…'", line)
+    line = re.sub(r"from \S*locomo10\.json", "from …", line)
+    line = re.sub(r"\d+(\.\d+)?", "#", line)
+    line = re.sub(r"[─━]+", "─", line)
+    return re.sub(r"\s+", " ", line).strip()
+
+
+def test_demo_answers_questions_and_the_committed_page_has_the_shape_of_a_run(tmp_path, locomo_path):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", COLUMNS="160")
+    page = tmp_path / "demo.md"
     proc = subprocess.run(
-        [*CLI, "--data", str(locomo_path), "--questions", "2", "--context-window", "0", "--data-dir", str(tmp_path)],
+        [*CLI, "--data", str(locomo_path), "--questions", "2", "--context-window", "0", "--data-dir",
+         str(tmp_path / "store"), "--record", str(page)],
         capture_output=True, text=True, timeout=1200, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -19,7 +39,21 @@ def test_demo_answers_questions_with_injection(tmp_path, locomo_path):
     assert out.count("TTFT inject") == 2
     assert "Summary over 2 questions" in out
     assert "median TTFT text / inject" in out
-    assert (tmp_path / "chroma").is_dir() and any((tmp_path / "kv").iterdir())
+    assert "pid=" not in out + proc.stderr  # no vLLM log line: library use is quiet
+    store = tmp_path / "store"
+    assert (store / "chroma").is_dir() and any((store / "kv").iterdir())
+
+    fresh = page.read_text()
+    assert fresh.startswith("# Demo run") and "Written by `inferscale demo " in fresh and f"--record {page}" in fresh
+    ran = transcript(fresh)
+    assert ran and all(line in out for line in ran if line.strip())  # the page is what the run printed
+    # the committed page is such a run, longer: same kinds of lines, masked numbers and answers
+    committed = transcript(PAGE.read_text())
+    assert not any("pid=" in line for line in committed)
+    shapes, committed_shapes = {skeleton(x) for x in ran}, {skeleton(x) for x in committed}
+    assert shapes <= committed_shapes, sorted(shapes - committed_shapes)
+    extra = committed_shapes - shapes
+    assert all(s.startswith("Q# (cat #)") for s in extra), sorted(extra)  # only its later questions
 
 
 def test_demo_rejects_a_file_that_is_not_locomo(tmp_path):
