@@ -175,7 +175,7 @@ def test_generation_options_are_checked_by_us_before_anything_runs(mem):
             mem.generate("dog?", user_id="u", **kwargs)
         with pytest.raises(error, match=name):
             mem.prepare("dog?", user_id="u", **kwargs)
-    with pytest.raises(ValueError, match="max_token"):  # a typo'd field is never ignored
+    with pytest.raises(TypeError, match="max_token"):  # a typo'd field is never ignored
         GenerationOptions(max_token=3)
     with pytest.raises(TypeError, match="encode_kv"):
         mem.add_facts(["A fact."], user_id="u", encode_kv="no")
