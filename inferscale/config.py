@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inferscale.options import plain_error
@@ -129,6 +129,13 @@ class MemoryConfig(BaseSettings):
             encoded the first time the fact is injected (faster writes, slower first read).
         verbose: let vLLM, torch and transformers log and show progress bars as they do on
             their own (default False: errors only, :mod:`inferscale.logs`).
+        chroma_url: a Chroma server (``http://host:port``, started with ``chroma run``) to hold
+            the memories instead of the embedded store in ``data_dir/chroma``.
+        chroma_headers: HTTP headers sent to the Chroma server with every request.
+        chroma_auth_token: token for Chroma's token authentication (sent as a Bearer token).
+        chroma_tenant / chroma_database: Chroma's tenant and database on that server.
+        chroma_collection: the server's collection for this deployment's memories (3-63
+            characters; deployments with different embedders need different ones).
     """
 
     model_config = SettingsConfigDict(env_prefix="INFERSCALE_", extra="forbid")
@@ -171,6 +178,38 @@ class MemoryConfig(BaseSettings):
     max_fact_tokens: int = Field(default=512, ge=8)
     precompute_kv: bool = True
     verbose: bool = False
+    chroma_url: str | None = None
+    chroma_headers: dict[str, str] | None = None
+    chroma_auth_token: SecretStr | None = None
+    chroma_tenant: str = "default_tenant"
+    chroma_database: str = "default_database"
+    chroma_collection: str = Field(default="inferscale_memories", min_length=3, max_length=63)
+
+    @field_validator("chroma_url")
+    @classmethod
+    def _chroma_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"chroma_url must look like http://host:port (a Chroma server, `chroma run`), got {value!r}")
+        try:
+            parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+        except ValueError:
+            raise ValueError(f"chroma_url has a port that is not a number, got {value!r}") from None
+        return value
+
+    def chroma_server(self):
+        """The :class:`~inferscale.store.ChromaServer` to use, or ``None`` for the embedded store."""
+        if self.chroma_url is None:
+            return None
+        from inferscale.store import ChromaServer
+
+        return ChromaServer(self.chroma_url, self.chroma_headers,
+                            self.chroma_auth_token.get_secret_value() if self.chroma_auth_token else None,
+                            self.chroma_tenant, self.chroma_database, self.chroma_collection)
 
     @property
     def resolved_dtype(self) -> str:

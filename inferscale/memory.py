@@ -112,7 +112,7 @@ class Memory:
         manifest = self._check_data_dir(data)
         self.device = best_device()
         try:
-            self.store = FactStore(data / "chroma")
+            self.store = FactStore(data / "chroma", self.config.chroma_server())
             self.turns = TurnLog(data / "turns.sqlite")
             self.history_log = HistoryLog(data / "history.sqlite")
             self.kv_jobs = KVJobQueue(data / "kv_jobs.sqlite")

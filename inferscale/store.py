@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -119,33 +120,94 @@ class StoreError(RuntimeError):
     """The store on disk cannot be used as is; the message says why and what to do."""
 
 
-class FactStore:
-    """Facts in an embedded Chroma database.
+@dataclass(frozen=True)
+class ChromaServer:
+    """Where a Chroma server is (``chroma run``), and how to authenticate to it.
 
-    Args:
-        path: folder of the Chroma database (created when missing).
-
-    Raises:
-        StoreError: the folder cannot be created or written, or the store was written by
-            an incompatible schema version.
+    Attributes:
+        url: ``http://host:port`` or ``https://host:port``.
+        headers: HTTP headers sent with every request (e.g. a proxy's auth header).
+        auth_token: a token for Chroma's token authentication (``Authorization: Bearer``,
+            Chroma's ``TokenAuthClientProvider``), or ``None``.
+        tenant / database: Chroma's tenant and database.
+        collection: the collection holding the facts (one per deployment: stores with
+            different embedders must not share one).
     """
 
-    def __init__(self, path: Path) -> None:
+    url: str
+    headers: dict[str, str] | None = None
+    auth_token: str | None = None
+    tenant: str = "default_tenant"
+    database: str = "default_database"
+    collection: str = _COLLECTION
+
+    def client(self):
+        """A ``chromadb.HttpClient`` for this server.
+
+        Raises:
+            StoreError: the server does not answer, or refuses the credentials.
+        """
         import chromadb
         from chromadb.config import Settings
 
+        parts = urlsplit(self.url)
+        settings = Settings(anonymized_telemetry=False)
+        if self.auth_token:
+            settings = Settings(anonymized_telemetry=False,
+                                chroma_client_auth_provider="chromadb.auth.token_authn.TokenAuthClientProvider",
+                                chroma_client_auth_credentials=self.auth_token)
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            self._client = chromadb.PersistentClient(path=str(path), settings=Settings(anonymized_telemetry=False))
+            return chromadb.HttpClient(host=parts.hostname or "localhost",
+                                       port=parts.port or (443 if parts.scheme == "https" else 8000),
+                                       ssl=parts.scheme == "https", headers=self.headers, settings=settings,
+                                       tenant=self.tenant, database=self.database)
+        except Exception as exc:  # noqa: BLE001 - chromadb raises ValueError, httpx errors, auth errors
+            raise StoreError(f"cannot reach the Chroma server at {self.url} ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}): start it (`chroma run --path DIR "
+                             "--port PORT`) or check chroma_url and its credentials") from None
+
+
+class FactStore:
+    """Facts in a Chroma database: embedded in ``path`` (default) or on a Chroma server.
+
+    Args:
+        path: folder of the embedded Chroma database (created when missing; unused with ``server``).
+        server: a Chroma server to use instead (:class:`ChromaServer`).
+
+    Raises:
+        StoreError: the folder cannot be created or written, the server cannot be reached,
+            or the store was written by an incompatible schema version.
+    """
+
+    def __init__(self, path: Path, server: ChromaServer | None = None) -> None:
+        import chromadb
+        from chromadb.config import Settings
+
+        where = server.url if server is not None else str(path)
+        try:
+            if server is not None:
+                self._client = server.client()
+            else:
+                path.mkdir(parents=True, exist_ok=True)
+                self._client = chromadb.PersistentClient(path=str(path), settings=Settings(anonymized_telemetry=False))
             self._col = self._client.get_or_create_collection(
-                _COLLECTION, metadata={"hnsw:space": "cosine", "inferscale_schema": SCHEMA_VERSION}
+                server.collection if server is not None else _COLLECTION,
+                metadata={"hnsw:space": "cosine", "inferscale_schema": SCHEMA_VERSION}
             )
         except PermissionError as exc:
             raise StoreError(f"cannot write the memory store at {path}: {exc}. Choose a writable data_dir.") from exc
+        except StoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a server that answers but refuses (auth, tenant)
+            if server is None:
+                raise
+            raise StoreError(f"the Chroma server at {server.url} refused the collection {server.collection!r} "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): check "
+                             "chroma_auth_token, chroma_headers, tenant and database") from None
         version = (self._col.metadata or {}).get("inferscale_schema", SCHEMA_VERSION)
         if version > SCHEMA_VERSION:
             raise StoreError(
-                f"the store at {path} has schema version {version}, newer than this InferScale's "
+                f"the store at {where} has schema version {version}, newer than this InferScale's "
                 f"{SCHEMA_VERSION}: upgrade inferscale"
             )
         self._lock = threading.Lock()
