@@ -129,6 +129,10 @@ class MemoryConfig(BaseSettings):
             encoded the first time the fact is injected (faster writes, slower first read).
         verbose: let vLLM, torch and transformers log and show progress bars as they do on
             their own (default False: errors only, :mod:`inferscale.logs`).
+        database_url: a SQLAlchemy URL of the database holding the turn log and the history
+            (``postgresql+psycopg://user:password@host:5432/db``, ``pip install
+            'inferscale[postgres]'``), shared by many processes; default: SQLite files in
+            ``data_dir``.
         chroma_url: a Chroma server (``http://host:port``, started with ``chroma run``) to hold
             the memories instead of the embedded store in ``data_dir/chroma``.
         chroma_headers: HTTP headers sent to the Chroma server with every request.
@@ -178,12 +182,29 @@ class MemoryConfig(BaseSettings):
     max_fact_tokens: int = Field(default=512, ge=8)
     precompute_kv: bool = True
     verbose: bool = False
+    database_url: str | None = None
     chroma_url: str | None = None
     chroma_headers: dict[str, str] | None = None
     chroma_auth_token: SecretStr | None = None
     chroma_tenant: str = "default_tenant"
     chroma_database: str = "default_database"
     chroma_collection: str = Field(default="inferscale_memories", min_length=3, max_length=63)
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from sqlalchemy.engine import make_url
+
+        try:
+            backend = make_url(value).get_backend_name()
+        except Exception:  # noqa: BLE001 - sqlalchemy.exc.ArgumentError
+            raise ValueError("database_url must be a SQLAlchemy URL such as "
+                             "postgresql+psycopg://user:password@host:5432/db, got one that does not parse") from None
+        if backend not in ("sqlite", "postgresql"):
+            raise ValueError(f"database_url must be a PostgreSQL (or SQLite) URL, got a {backend!r} one")
+        return value
 
     @field_validator("chroma_url")
     @classmethod

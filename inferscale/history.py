@@ -1,13 +1,23 @@
-"""Per-memory event history (Mem0's ``history``): ADD, UPDATE, DELETE, in order (SQLite)."""
+"""Per-memory event history (Mem0's ``history``): ADD, UPDATE, DELETE, in order (SQL: a
+SQLite file in the data dir by default, or the ``database_url`` database)."""
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
-from inferscale.sqlite import ThreadConnections
+from sqlalchemy import Column, Index, Integer, MetaData, String, Table, Text, delete, select
+
+from inferscale.sql import Database
+
+_META = MetaData()
+HISTORY = Table(
+    "history", _META,
+    Column("seq", Integer, primary_key=True, autoincrement=True), Column("scope", String, nullable=False),
+    Column("memory_id", String, nullable=False), Column("event", String, nullable=False),
+    Column("old_memory", Text), Column("new_memory", Text), Column("created_at", String, nullable=False),
+    Index("history_memory", "scope", "memory_id"),
+)
 
 
 @dataclass(frozen=True)
@@ -39,40 +49,37 @@ class HistoryEvent:
 
 
 class HistoryLog:
-    """Append-only event log in ``<data_dir>/history.sqlite``; thread-safe."""
+    """Append-only event log, shared by every process using the same database; thread-safe.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._db = ThreadConnections(path)
-        self._conn().execute(
-            "CREATE TABLE IF NOT EXISTS history (seq INTEGER PRIMARY KEY AUTOINCREMENT, scope TEXT NOT NULL,"
-            " memory_id TEXT NOT NULL, event TEXT NOT NULL, old_memory TEXT, new_memory TEXT, created_at TEXT NOT NULL)"
-        )
-        self._conn().execute("CREATE INDEX IF NOT EXISTS history_memory ON history (scope, memory_id)")
+    Args:
+        db: the database (:class:`inferscale.sql.Database`); its ``history`` table is
+            created when missing.
+    """
 
-    def _conn(self) -> sqlite3.Connection:
-        return self._db.get()
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        _META.create_all(db.engine)
 
     def record(self, scope: str, events: list[tuple[str, str, str | None, str | None]]) -> None:
         """Append ``(memory_id, event, old_memory, new_memory)`` tuples atomically."""
         if not events:
             return
         now = datetime.now(timezone.utc).isoformat()
-        with self._db.transaction() as con:
-            con.executemany(
-                "INSERT INTO history (scope, memory_id, event, old_memory, new_memory, created_at) VALUES (?, ?, ?, ?, ?, ?)",
-                [(scope, m, e, o, n, now) for m, e, o, n in events],
-            )
+        with self.db.write() as con:
+            con.execute(HISTORY.insert(), [
+                {"scope": scope, "memory_id": m, "event": e, "old_memory": o, "new_memory": n, "created_at": now}
+                for m, e, o, n in events])
 
     def events(self, scope: str, memory_id: str) -> list[HistoryEvent]:
         """The events of ``memory_id`` in ``scope``, oldest first."""
-        rows = self._conn().execute(
-            "SELECT memory_id, event, old_memory, new_memory, created_at FROM history"
-            " WHERE scope = ? AND memory_id = ? ORDER BY seq",
-            (scope, memory_id),
-        ).fetchall()
+        with self.db.read() as con:
+            rows = con.execute(
+                select(HISTORY.c.memory_id, HISTORY.c.event, HISTORY.c.old_memory, HISTORY.c.new_memory,
+                       HISTORY.c.created_at)
+                .where(HISTORY.c.scope == scope, HISTORY.c.memory_id == memory_id).order_by(HISTORY.c.seq)).all()
         return [HistoryEvent(*r) for r in rows]
 
     def clear(self) -> None:
         """Delete every event."""
-        self._conn().execute("DELETE FROM history")
+        with self.db.write() as con:
+            con.execute(delete(HISTORY))

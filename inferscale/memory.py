@@ -43,6 +43,7 @@ from inferscale.models import model_fingerprint, resolve_embedder, resolve_llm
 from inferscale.options import GenerationOptions
 from inferscale.prompt import PromptBuilder
 from inferscale.serve_path import PreparedRequest, ServePath, run
+from inferscale.sql import Database
 from inferscale.store import SCHEMA_VERSION, FactRecord, FactStore, Scope, StoreError
 from inferscale.tools import parse_tool_calls
 from inferscale.turns import Turn, TurnLog
@@ -113,11 +114,20 @@ class Memory:
         self.device = best_device()
         try:
             self.store = FactStore(data / "chroma", self.config.chroma_server())
-            self.turns = TurnLog(data / "turns.sqlite")
-            self.history_log = HistoryLog(data / "history.sqlite")
+            if self.config.database_url is None:  # the embedded default: two SQLite files in the data dir
+                self.turns = TurnLog(Database.sqlite_file(data / "turns.sqlite"))
+                self.history_log = HistoryLog(Database.sqlite_file(data / "history.sqlite"))
+            else:  # one database many processes share (PostgreSQL)
+                shared = Database(self.config.database_url)
+                try:
+                    self.turns, self.history_log = TurnLog(shared), HistoryLog(shared)
+                except Exception as exc:  # noqa: BLE001 - sqlalchemy.exc.OperationalError and kin
+                    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
+                    raise StoreError(f"cannot use the database at {shared.describe()} ({first}): check "
+                                     "database_url and that the server is running") from None
             self.kv_jobs = KVJobQueue(data / "kv_jobs.sqlite")
             self.pool = KVPool.shared(self.kv_dir, self.device, self.config.device_kv_budget_bytes)
-        except StoreError:
+        except (StoreError, ImportError):
             raise
         except Exception as exc:  # sqlite, chromadb and OS errors on a damaged store
             raise StoreError(f"cannot open the store at {data} ({type(exc).__name__}: {exc}): move the damaged "

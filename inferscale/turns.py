@@ -1,4 +1,5 @@
-"""The conversation log: every raw turn of every scope, in order (SQLite, WAL mode).
+"""The conversation log: every raw turn of every scope, in order (SQL: a SQLite file in the
+data dir by default, or the ``database_url`` database, :mod:`inferscale.sql`).
 
 Context-Window Encoding reads it: a fact's context is the w turns that precede its
 source turn in its scope. Turn ids are unique within a scope; given ones (LoCoMo's
@@ -8,13 +9,30 @@ source turn in its scope. Turn ids are unique within a scope; given ones (LoCoMo
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 
-from inferscale.sqlite import ThreadConnections
+from sqlalchemy import (Column, Integer, MetaData, PrimaryKeyConstraint, String, Table, Text, UniqueConstraint,
+                        delete, func, select)
+from sqlalchemy.exc import IntegrityError
+
+from inferscale.sql import Database, upsert_increment
+
+_META = MetaData()
+TURNS = Table(
+    "turns", _META,
+    Column("scope", String, nullable=False), Column("seq", Integer, nullable=False),
+    Column("turn_id", String, nullable=False), Column("role", String, nullable=False), Column("name", String),
+    Column("content", Text, nullable=False), Column("metadata", Text, nullable=False),
+    Column("created_at", String, nullable=False),
+    PrimaryKeyConstraint("scope", "seq"), UniqueConstraint("scope", "turn_id"),
+)
+# bumped by every change that can alter an earlier turn's window (delete, clear); appends
+# only add turns after every existing one, so they change no fact's window
+SCOPE_VERSIONS = Table("scope_versions", _META, Column("scope", String, primary_key=True),
+                       Column("version", Integer, nullable=False))
+_COLUMNS = (TURNS.c.turn_id, TURNS.c.role, TURNS.c.content, TURNS.c.name, TURNS.c.seq, TURNS.c.metadata)
 
 
 @dataclass(frozen=True)
@@ -43,27 +61,19 @@ class Turn:
 
 
 class TurnLog:
-    """Append-only per-scope turn log in ``<data_dir>/turns.sqlite``.
+    """Append-only per-scope turn log, shared by every process using the same database.
 
-    Thread-safe; one connection per thread.
+    Args:
+        db: the database (:class:`inferscale.sql.Database`); its ``turns`` and
+            ``scope_versions`` tables are created when missing.
+
+    Thread-safe.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._db = ThreadConnections(path)
+    def __init__(self, db: Database) -> None:
+        self.db = db
         self._write_lock = threading.Lock()
-        with self._conn() as con:
-            con.execute(
-                "CREATE TABLE IF NOT EXISTS turns (scope TEXT NOT NULL, seq INTEGER NOT NULL, turn_id TEXT NOT NULL,"
-                " role TEXT NOT NULL, name TEXT, content TEXT NOT NULL, metadata TEXT NOT NULL, created_at TEXT NOT NULL,"
-                " PRIMARY KEY (scope, seq), UNIQUE (scope, turn_id))"
-            )
-            # bumped by every change that can alter an earlier turn's window (delete, clear);
-            # appends only add turns after every existing one, so they change no fact's window
-            con.execute("CREATE TABLE IF NOT EXISTS scope_versions (scope TEXT PRIMARY KEY, version INTEGER NOT NULL)")
-
-    def _conn(self) -> sqlite3.Connection:
-        return self._db.get()
+        _META.create_all(db.engine)
 
     def append(self, scope: str, turns: list[Turn]) -> list[Turn]:
         """Append ``turns`` atomically; returns them with ``seq`` and ``turn_id`` filled.
@@ -73,87 +83,68 @@ class TurnLog:
         """
         now = datetime.now(timezone.utc).isoformat()
         with self._write_lock:
-            con = self._conn()
-            con.execute("BEGIN IMMEDIATE")
             try:
-                (seq,) = con.execute("SELECT COALESCE(MAX(seq) + 1, 0) FROM turns WHERE scope = ?", (scope,)).fetchone()
-                out = []
-                for t in turns:
-                    turn = Turn(t.turn_id or f"t{seq}", t.role, t.content, t.name, seq, t.metadata)
-                    try:
-                        con.execute(
-                            "INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                            (scope, seq, turn.turn_id, turn.role, turn.name, turn.content, json.dumps(turn.metadata), now),
-                        )
-                    except sqlite3.IntegrityError:
-                        raise ValueError(f"turn id {turn.turn_id!r} already exists in this scope: give unique turn ids") from None
-                    out.append(turn)
-                    seq += 1
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
+                with self.db.write(lock_key=f"turns:{scope}") as con:
+                    seq = con.execute(select(func.coalesce(func.max(TURNS.c.seq) + 1, 0))
+                                      .where(TURNS.c.scope == scope)).scalar_one()
+                    out = [Turn(t.turn_id or f"t{seq + i}", t.role, t.content, t.name, seq + i, t.metadata)
+                           for i, t in enumerate(turns)]
+                    ids = [t.turn_id for t in out]
+                    if len(set(ids)) != len(ids):
+                        dup = next(i for i in ids if ids.count(i) > 1)
+                        raise ValueError(f"turn id {dup!r} is given twice: give unique turn ids")
+                    if out:
+                        con.execute(TURNS.insert(), [
+                            {"scope": scope, "seq": t.seq, "turn_id": t.turn_id, "role": t.role, "name": t.name,
+                             "content": t.content, "metadata": json.dumps(t.metadata), "created_at": now}
+                            for t in out])
+            except IntegrityError:
+                taken = set(self.get(scope, [t.turn_id for t in turns if t.turn_id]))
+                which = sorted(taken)[0] if taken else "?"
+                raise ValueError(f"turn id {which!r} already exists in this scope: give unique turn ids") from None
         return out
 
-    def _rows(self, sql: str, args: tuple) -> list[Turn]:
-        return [
-            Turn(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]))
-            for r in self._conn().execute(sql, args).fetchall()
-        ]
+    def _rows(self, query) -> list[Turn]:
+        with self.db.read() as con:
+            rows = con.execute(query).all()
+        return [Turn(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
 
     def get(self, scope: str, turn_ids: list[str]) -> dict[str, Turn]:
         """The turns of ``turn_ids`` that exist in ``scope``, by id."""
         if not turn_ids:
             return {}
-        marks = ",".join("?" * len(turn_ids))
-        rows = self._rows(
-            f"SELECT turn_id, role, content, name, seq, metadata FROM turns WHERE scope = ? AND turn_id IN ({marks})",
-            (scope, *turn_ids),
-        )
+        rows = self._rows(select(*_COLUMNS).where(TURNS.c.scope == scope, TURNS.c.turn_id.in_(list(turn_ids))))
         return {t.turn_id: t for t in rows}
 
     def window(self, scope: str, before_seq: int, w: int) -> list[Turn]:
         """The ``w`` turns of ``scope`` just before position ``before_seq``, oldest first."""
         if w <= 0:
             return []
-        rows = self._rows(
-            "SELECT turn_id, role, content, name, seq, metadata FROM turns WHERE scope = ? AND seq < ?"
-            " ORDER BY seq DESC LIMIT ?",
-            (scope, before_seq, w),
-        )
+        rows = self._rows(select(*_COLUMNS).where(TURNS.c.scope == scope, TURNS.c.seq < before_seq)
+                          .order_by(TURNS.c.seq.desc()).limit(w))
         return rows[::-1]
 
     def clear(self) -> None:
         """Delete every turn of every scope."""
-        with self._write_lock:
-            con = self._conn()
-            con.execute("BEGIN IMMEDIATE")
-            con.execute("DELETE FROM turns")
-            self._bump(con, "*")
-            con.execute("COMMIT")
-
-    @staticmethod
-    def _bump(con: sqlite3.Connection, scope: str) -> None:
-        con.execute("INSERT INTO scope_versions VALUES (?, 1) ON CONFLICT(scope) DO UPDATE SET version = version + 1",
-                    (scope,))
+        with self._write_lock, self.db.write() as con:
+            con.execute(delete(TURNS))
+            upsert_increment(con, SCOPE_VERSIONS, "scope", "*", "version")
 
     def version(self, scope: str) -> int:
         """A number that changes whenever a turn of ``scope`` that may precede a fact's source
-        turn is deleted (in any process sharing the file); appends leave it as it is."""
-        (v,) = self._conn().execute(
-            "SELECT COALESCE(SUM(version), 0) FROM scope_versions WHERE scope IN (?, '*')", (scope,)
-        ).fetchone()
+        turn is deleted (in any process sharing the database); appends leave it as it is."""
+        with self.db.read() as con:
+            v = con.execute(select(func.coalesce(func.sum(SCOPE_VERSIONS.c.version), 0))
+                            .where(SCOPE_VERSIONS.c.scope.in_([scope, "*"]))).scalar_one()
         return int(v)
 
     def count(self, scope: str) -> int:
-        (n,) = self._conn().execute("SELECT COUNT(*) FROM turns WHERE scope = ?", (scope,)).fetchone()
-        return int(n)
+        with self.db.read() as con:
+            return int(con.execute(select(func.count()).select_from(TURNS).where(TURNS.c.scope == scope)).scalar_one())
 
     def scope_turns(self, scope: str) -> list[Turn]:
         """Every turn of ``scope``, oldest first."""
-        return self._rows(
-            "SELECT turn_id, role, content, name, seq, metadata FROM turns WHERE scope = ? ORDER BY seq", (scope,)
-        )
+        return self._rows(select(*_COLUMNS).where(TURNS.c.scope == scope).order_by(TURNS.c.seq))
 
     def delete(self, scope: str, turn_ids: list[str]) -> int:
         """Delete the turns of ``turn_ids`` from ``scope``; returns how many existed.
@@ -165,16 +156,8 @@ class TurnLog:
         """
         if not turn_ids:
             return 0
-        marks = ",".join("?" * len(turn_ids))
-        with self._write_lock:
-            con = self._conn()
-            con.execute("BEGIN IMMEDIATE")
-            try:
-                cur = con.execute(f"DELETE FROM turns WHERE scope = ? AND turn_id IN ({marks})", (scope, *turn_ids))
-                if cur.rowcount:
-                    self._bump(con, scope)
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
-        return int(cur.rowcount)
+        with self._write_lock, self.db.write(lock_key=f"turns:{scope}") as con:
+            n = con.execute(delete(TURNS).where(TURNS.c.scope == scope, TURNS.c.turn_id.in_(list(turn_ids)))).rowcount
+            if n:
+                upsert_increment(con, SCOPE_VERSIONS, "scope", scope, "version")
+        return int(n)

