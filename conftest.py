@@ -81,3 +81,95 @@ def assert_refused():
         assert snapshot(memory, user_id) == before
 
     return check
+
+
+# ---------------------------------------------------------------- services on loopback (issue 14)
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (127.0.0.1)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_chroma(path: Path, port: int, log: Path):
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    chroma = Path(sys.executable).with_name("chroma")
+    proc = subprocess.Popen([str(chroma), "run", "--path", str(path), "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc
+        except OSError:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.3)
+    proc.kill()
+    raise AssertionError(f"chroma run did not listen on {port}: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture
+def unused_port() -> int:
+    """A loopback TCP port nothing listens on."""
+    return free_port()
+
+
+@pytest.fixture
+def chroma(tmp_path):
+    """A real Chroma server (``chroma run``) on loopback: ``{"url", "port", "restart"}``."""
+    port = free_port()
+    state = {"proc": _start_chroma(tmp_path / "chroma-server", port, tmp_path / "chroma.log"), "port": port,
+             "url": f"http://127.0.0.1:{port}"}
+
+    def restart() -> None:
+        state["proc"].terminate()
+        state["proc"].wait(timeout=60)
+        state["proc"] = _start_chroma(tmp_path / "chroma-server", port, tmp_path / "chroma.log")
+
+    state["restart"] = restart
+    yield state
+    state["proc"].terminate()
+    state["proc"].wait(timeout=60)
+
+
+def _pg_bin(name: str) -> str:
+    import glob
+    import shutil
+
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}")) or [shutil.which(name)]
+    assert found[-1], f"{name} not found: scripts/install.sh installs Debian's postgresql"
+    return found[-1]
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    """A fresh PostgreSQL cluster (Debian's package) on 127.0.0.1, trust auth; its SQLAlchemy
+    URL. Stopped and deleted afterwards."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="inferscale-pg-"))
+    root.chmod(0o755)
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []  # initdb refuses root
+    if as_user:
+        shutil.chown(root, "postgres", "postgres")
+    data, port = root / "data", free_port()
+    subprocess.run([*as_user, _pg_bin("initdb"), "-D", str(data), "-U", "inferscale", "--auth=trust", "-E", "UTF8"],
+                   check=True, capture_output=True, timeout=300)
+    subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-t", "120", "-o",
+                    f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"],
+                   check=True, capture_output=True, timeout=300)
+    try:
+        yield f"postgresql+psycopg://inferscale@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+                       capture_output=True, timeout=120)
+        shutil.rmtree(root, ignore_errors=True)

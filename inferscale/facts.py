@@ -103,6 +103,7 @@ class FactService:
         for i, f in enumerate(inputs):
             self.check_length(f.text, f"fact {i}")
         with self._lock:
+            self.index.refresh(scope.key)  # another process's writes count for duplicates too
             existing = self.index.find_hashes(scope.key, [text_hash(f.text) for f in inputs])
             results, records, seen = [], [], dict(existing)
             now = _now()
@@ -120,7 +121,8 @@ class FactService:
                 emb = self.embedder.encode([r.text for r in records])
                 self.store.add(records, emb.numpy())
                 self.index.add(scope.key, records, emb)
-                self.history.record(scope.key, [(r.id, "ADD", None, r.text) for r in records])
+                self.index.advance(scope.key, *self.history.record(scope.key, [(r.id, "ADD", None, r.text)
+                                                                               for r in records]))
         if records and encode_kv and self.precompute_kv:
             self.kv.schedule(scope.key, records, self.default_w if context_window is None else context_window)
         return results
@@ -135,6 +137,7 @@ class FactService:
         require_text(text, "data")
         self.check_length(text, "data")
         with self._lock:
+            self.index.refresh(scope.key)
             old = self.get(scope, memory_id)
             h = text_hash(text)
             other = self.index.find_hashes(scope.key, [h]).get(h)
@@ -146,7 +149,7 @@ class FactService:
             self.store.update(new, emb.numpy())
             self.index.add(scope.key, [new], emb)  # replaces the row of memory_id
             self.kv.invalidate(memory_id)
-            self.history.record(scope.key, [(memory_id, "UPDATE", old.text, text)])
+            self.index.advance(scope.key, *self.history.record(scope.key, [(memory_id, "UPDATE", old.text, text)]))
         if self.precompute_kv:
             self.kv.schedule(scope.key, [new], self.default_w)
         return new
@@ -166,12 +169,14 @@ class FactService:
             self.kv.unschedule([r.id for r in records])
             for r in records:
                 self.kv.invalidate(r.id)
-            self.history.record(scope.key, [(r.id, "DELETE", r.text, None) for r in records])
+            self.index.advance(scope.key, *self.history.record(scope.key, [(r.id, "DELETE", r.text, None)
+                                                                           for r in records]))
         return records
 
     def delete_all(self, scope: Scope) -> list[FactRecord]:
         """Delete every memory of ``scope``; returns the deleted records."""
         with self._lock:
+            self.index.refresh(scope.key)
             return self.delete(scope, [r.id for r in self.index.records(scope.key)])
 
     def delete_turns(self, scope: Scope, turns: TurnLog, turn_ids: Sequence[str]) -> int:
@@ -192,15 +197,18 @@ class FactService:
 
     def find_texts(self, scope: Scope, texts: Sequence[str]) -> dict[str, str]:
         """Map each of ``texts`` that ``scope`` already stores to its memory id."""
+        self.index.refresh(scope.key)
         by_hash = self.index.find_hashes(scope.key, [text_hash(t) for t in texts])
         return {t: by_hash[text_hash(t)] for t in texts if text_hash(t) in by_hash}
 
     def has_facts(self, scope: Scope) -> bool:
         """Whether ``scope`` holds at least one memory."""
+        self.index.refresh(scope.key)
         return self.index.size(scope.key) > 0
 
     def count(self, scope: Scope) -> int:
         """How many memories ``scope`` holds."""
+        self.index.refresh(scope.key)
         return self.index.size(scope.key)
 
     def get(self, scope: Scope, memory_id: str) -> FactRecord:
@@ -224,6 +232,7 @@ class FactService:
             ValueError: malformed ``filters``.
         """
         where = None if filters is None else compile_filter(filters)
+        self.index.refresh(scope.key)
         return self.index.records(scope.key, where)
 
     def search(
@@ -254,6 +263,7 @@ class FactService:
         if mode not in SEARCH_MODES:
             raise ValueError(f"mode must be one of {SEARCH_MODES}, got {mode!r}")
         where = None if filters is None else compile_filter(filters)
+        self.index.refresh(scope.key)  # writes of other processes sharing the store are seen at once
         if limit == 0 or self.index.size(scope.key) == 0:
             return []
         hits = self.index.search(scope.key, self.embedder.encode([query])[0], limit, where=where,

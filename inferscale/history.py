@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import Column, Index, Integer, MetaData, String, Table, Text, delete, select
+from sqlalchemy import Column, Index, Integer, MetaData, String, Table, Text, delete, func, select
 
 from inferscale.sql import Database
 
@@ -16,7 +16,8 @@ HISTORY = Table(
     Column("seq", Integer, primary_key=True, autoincrement=True), Column("scope", String, nullable=False),
     Column("memory_id", String, nullable=False), Column("event", String, nullable=False),
     Column("old_memory", Text), Column("new_memory", Text), Column("created_at", String, nullable=False),
-    Index("history_memory", "scope", "memory_id"),
+    Index("history_memory", "scope", "memory_id"), Index("history_scope_seq", "scope", "seq"),
+    sqlite_autoincrement=True,  # seq is never reused, even after clear(): it versions scopes
 )
 
 
@@ -59,16 +60,34 @@ class HistoryLog:
     def __init__(self, db: Database) -> None:
         self.db = db
         _META.create_all(db.engine)
+        for index in HISTORY.indexes:  # a history table from an older version lacks the newer index
+            index.create(db.engine, checkfirst=True)
 
-    def record(self, scope: str, events: list[tuple[str, str, str | None, str | None]]) -> None:
-        """Append ``(memory_id, event, old_memory, new_memory)`` tuples atomically."""
+    def record(self, scope: str, events: list[tuple[str, str, str | None, str | None]]) -> tuple[int, int]:
+        """Append ``(memory_id, event, old_memory, new_memory)`` tuples atomically.
+
+        Returns:
+            ``(before, after)``: :meth:`scope_version` just before and just after the write
+            (writers of one scope are serialized, so ``before`` is what a reader that saw
+            every earlier write of the scope holds).
+        """
         if not events:
-            return
+            v = self.scope_version(scope)
+            return v, v
         now = datetime.now(timezone.utc).isoformat()
-        with self.db.write() as con:
+        with self.db.write(lock_key=f"history:{scope}") as con:
+            before = con.execute(_version(scope)).scalar_one()
             con.execute(HISTORY.insert(), [
                 {"scope": scope, "memory_id": m, "event": e, "old_memory": o, "new_memory": n, "created_at": now}
                 for m, e, o, n in events])
+            after = con.execute(_version(scope)).scalar_one()
+        return int(before), int(after)
+
+    def scope_version(self, scope: str) -> int:
+        """A number that changes with every write to ``scope``'s memories by any process
+        sharing the database (the newest event's ``seq``; 0 for none); one indexed query."""
+        with self.db.read() as con:
+            return int(con.execute(_version(scope)).scalar_one())
 
     def events(self, scope: str, memory_id: str) -> list[HistoryEvent]:
         """The events of ``memory_id`` in ``scope``, oldest first."""
@@ -83,3 +102,7 @@ class HistoryLog:
         """Delete every event."""
         with self.db.write() as con:
             con.execute(delete(HISTORY))
+
+
+def _version(scope: str):
+    return select(func.coalesce(func.max(HISTORY.c.seq), 0)).where(HISTORY.c.scope == scope)

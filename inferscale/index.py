@@ -39,6 +39,7 @@ class _Partition:
     lock: threading.RLock = field(default_factory=threading.RLock)
     columns: dict[str, np.ndarray] = field(default_factory=dict)  # field -> [n] object values, MISSING if absent
     keyword: KeywordIndex | None = None  # BM25 over the rows' texts, built on the first keyword search
+    version: int | None = None  # the scope's version the rows are current for (VectorIndex.refresh)
 
     def changed(self) -> None:
         """Drop what is derived from the rows (filter columns, the keyword index)."""
@@ -71,10 +72,12 @@ class VectorIndex:
     stall searches of others.
     """
 
-    def __init__(self, device: torch.device | str, loader: Loader | None = None) -> None:
+    def __init__(self, device: torch.device | str, loader: Loader | None = None,
+                 versioner: Callable[[str], int] | None = None) -> None:
         self.device = torch.device(device)
         self.dim: int | None = None
         self._loader = loader
+        self._versioner = versioner
         self._parts: dict[str, _Partition] = {}
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
@@ -96,6 +99,9 @@ class VectorIndex:
                 if part is not None:
                     return part
                 part = _Partition()
+                # the version is read before the rows: a write that lands in between makes the
+                # partition stale (reloaded on the next read), never silently missing
+                part.version = self._versioner(scope) if self._versioner is not None else None
                 if self._loader is not None:
                     records, embeddings = self._loader(scope)
                     if records:
@@ -107,6 +113,37 @@ class VectorIndex:
                         self._parts[scope] = part
                         return part
             # a clear() ran during the load, which may have read what it deleted: load again
+
+    def refresh(self, scope: str) -> None:
+        """Drop ``scope``'s partition if another process wrote to the scope since it was loaded
+        (its version, :meth:`inferscale.history.HistoryLog.scope_version`, moved): the next
+        read reloads it from the store. One version query; nothing without a versioner."""
+        if self._versioner is None:
+            return
+        with self._lock:
+            part = self._parts.get(scope)
+        if part is None:
+            return
+        if part.version != self._versioner(scope):
+            self._drop(scope, part)
+
+    def advance(self, scope: str, before: int, after: int) -> None:
+        """Record this process's own write, which moved the scope's version from ``before`` to
+        ``after``: the partition (which holds the write) is current if it was at ``before``,
+        else another process wrote too and it is dropped (reloaded on the next read)."""
+        with self._lock:
+            part = self._parts.get(scope)
+            if part is None:
+                return
+            if part.version == before:
+                part.version = after
+            elif self._parts.get(scope) is part:
+                del self._parts[scope]
+
+    def _drop(self, scope: str, part: _Partition) -> None:
+        with self._lock:
+            if self._parts.get(scope) is part:
+                del self._parts[scope]
 
     def loaded(self, scope: str) -> bool:
         """Whether ``scope``'s partition is in memory."""

@@ -4,59 +4,13 @@ across a restart of the server."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
 from inferscale import Memory
 from inferscale.store import StoreError
 
-CHROMA = Path(sys.executable).with_name("chroma")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_chroma(path: Path, port: int, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([str(CHROMA), "run", "--path", str(path), "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=log.open("ab"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return proc
-        except OSError:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.3)
-    proc.kill()
-    raise AssertionError(f"chroma run did not listen on {port}: {log.read_text()[-2000:]}")
-
-
-@pytest.fixture
-def chroma(tmp_path):
-    port = free_port()
-    state = {"proc": start_chroma(tmp_path / "chroma-server", port, tmp_path / "chroma.log"), "port": port}
-
-    def restart() -> None:
-        state["proc"].terminate()
-        state["proc"].wait(timeout=60)
-        state["proc"] = start_chroma(tmp_path / "chroma-server", port, tmp_path / "chroma.log")
-
-    state["restart"] = restart
-    yield state
-    state["proc"].terminate()
-    state["proc"].wait(timeout=60)
-
-
 def test_memories_live_on_the_chroma_server(tmp_path, chroma):
-    url = f"http://127.0.0.1:{chroma['port']}"
+    url = chroma["url"]
     settings = dict(dtype="float32", context_window=0, precompute_kv=False, chroma_url=url)
     with Memory(data_dir=tmp_path / "a", **settings) as a:
         ids = [a.add(text, user_id="alice", metadata={"n": i})["results"][0]["id"]
@@ -76,8 +30,8 @@ def test_memories_live_on_the_chroma_server(tmp_path, chroma):
         assert a.get(ids[0], user_id="alice")["memory"] == "I live in Porto."
 
 
-def test_an_unreachable_chroma_server_is_one_clear_error(tmp_path):
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+def test_an_unreachable_chroma_server_is_one_clear_error(tmp_path, unused_port):
+    url = f"http://127.0.0.1:{unused_port}"  # nothing listens there
     with pytest.raises(StoreError, match=f"cannot reach the Chroma server at {url}") as caught:
         Memory(data_dir=tmp_path / "m", dtype="float32", precompute_kv=False, chroma_url=url)
     assert "\n" not in str(caught.value)
