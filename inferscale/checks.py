@@ -9,6 +9,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+#: Largest w (Context-Window Encoding, in turns) accepted anywhere: far beyond any context
+#: length, and small enough for every integer column it is stored in.
+MAX_CONTEXT_WINDOW = 100_000
+
 #: Message roles InferScale renders with a chat template (OpenAI's and Mem0's roles).
 ROLES = ("user", "assistant", "system", "tool")
 
@@ -18,11 +22,12 @@ def _got(value: Any) -> str:
     return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
-def check_int(name: str, value: Any, minimum: int = 0, *, optional: bool = False, unit: str = "") -> int | None:
-    """``value`` if it is an int (not a bool) >= ``minimum`` (or ``None`` when ``optional``).
+def check_int(name: str, value: Any, minimum: int = 0, *, optional: bool = False, unit: str = "",
+              maximum: int | None = None) -> int | None:
+    """``value`` if it is an int (not a bool) in ``[minimum, maximum]`` (or ``None`` when ``optional``).
 
     Raises:
-        TypeError: not an integer. ValueError: below ``minimum``.
+        TypeError: not an integer. ValueError: out of range.
     """
     if value is None and optional:
         return None
@@ -31,6 +36,8 @@ def check_int(name: str, value: Any, minimum: int = 0, *, optional: bool = False
                         f"got {_got(value)}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}{unit and f' ({unit})'}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}{unit and f' ({unit})'}, got {value}")
     return value
 
 
@@ -44,7 +51,7 @@ def check_number(name: str, value: Any, low: float, high: float, *, optional: bo
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number{' or None' if optional else ''}, got {_got(value)}")
-    if not math.isfinite(value) or not low <= value <= high:
+    if isinstance(value, float) and not math.isfinite(value) or not low <= value <= high:
         raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
     return value
 

@@ -175,6 +175,10 @@ def _run_bench(name: str, out: Path, call) -> None:
     from inferscale.models import ModelNotFoundError
     from inferscale.store import StoreError
 
+    try:  # before the benchmark runs, not after
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _fail(f"cannot use --out {out}: {exc.strerror or exc} (give a folder)")
     try:
         call()
     except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, StoreError, ValueError) as exc:

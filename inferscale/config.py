@@ -168,7 +168,7 @@ class MemoryConfig(BaseSettings):
     embedder: str = DEFAULT_EMBEDDER
     embedder_backend: Literal["auto", "onnx", "torch"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    context_window: int = Field(default=5, ge=0)
+    context_window: int = Field(default=5, ge=0, le=100_000)  # inferscale.checks.MAX_CONTEXT_WINDOW
     top_k: int = Field(default=20, ge=0)  # docs/decisions.md, "Hybrid search and the default k"
     search_mode: Literal["hybrid", "dense"] = "hybrid"
     system_prompt: str = (
@@ -189,6 +189,14 @@ class MemoryConfig(BaseSettings):
     chroma_tenant: str = "default_tenant"
     chroma_database: str = "default_database"
     chroma_collection: str = Field(default="inferscale_memories", min_length=3, max_length=63)
+
+    @field_validator("context_window", "top_k", "max_model_len", "kv_cache_memory_bytes", "device_kv_budget_bytes",
+                     "encode_batch_tokens", "max_fact_tokens", mode="before")
+    @classmethod
+    def _not_a_flag(cls, value: object, info) -> object:
+        if isinstance(value, bool):  # pydantic would take True as 1
+            raise TypeError(f"{info.field_name} must be an integer, got {value!r}")
+        return value
 
     @field_validator("database_url")
     @classmethod
@@ -244,6 +252,8 @@ class MemoryConfig(BaseSettings):
     @field_validator("data_dir", mode="before")
     @classmethod
     def _expand(cls, value: object) -> object:
+        if isinstance(value, (str, Path)) and "\x00" in str(value):
+            raise ValueError("data_dir contains a NUL character: give a folder path")
         if isinstance(value, str):
             if not value.strip():
                 raise ValueError("data_dir is empty: give a folder path, e.g. '~/inferscale-data'")

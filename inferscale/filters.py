@@ -212,13 +212,15 @@ def compile_filter(filters: dict | None, _depth: int = 0) -> Filter:
         return _Everything()
     if not isinstance(filters, dict):
         where = "filters" if _depth == 0 else "each filter inside AND / OR / NOT"
-        raise ValueError(f"{where} must be a dict such as {{'category': 'food'}}, got {type(filters).__name__}")
+        raise TypeError(f"{where} must be a dict such as {{'category': 'food'}}, got {type(filters).__name__}")
     if _depth > MAX_DEPTH:
         raise ValueError(f"filters are nested deeper than {MAX_DEPTH} levels of AND / OR / NOT")
     parts: list[Filter] = []
     for key, cond in filters.items():
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"filter fields are non-empty strings, got {key!r}")
+        if not isinstance(key, str):
+            raise TypeError(f"filter fields are strings, got {type(key).__name__} {key!r}")
+        if not key:
+            raise ValueError("filter fields are non-empty strings, got ''")
         if key in _COMBINATORS:
             parts.append(_combinator(_COMBINATORS[key], key, cond, _depth))
         elif key in _LOWER_COMBINATORS and isinstance(cond, list) and cond and all(isinstance(c, dict) for c in cond):
@@ -231,8 +233,15 @@ def compile_filter(filters: dict | None, _depth: int = 0) -> Filter:
         elif isinstance(cond, str) and cond == WILDCARD:
             parts.append(_Present(key))
         else:
+            if _has_nan(cond):
+                raise ValueError(f"filter on {key!r} got NaN, which equals nothing: give a number")
             parts.append(_Leaf(key, _OPS["eq"], cond))
     return parts[0] if len(parts) == 1 else _All(parts)
+
+
+def _has_nan(value: Any) -> bool:
+    values = value if isinstance(value, (list, tuple, set, frozenset)) else (value,)
+    return any(isinstance(v, float) and v != v for v in values)
 
 
 def _combinator(kind: str, key: str, cond: Any, depth: int) -> Filter:
@@ -258,6 +267,8 @@ def _conditions(key: str, cond: dict) -> list[Filter]:
             raise ValueError(f"filter operator {op!r} on {key!r} takes a string, got {arg!r}")
         if name in _ORDERING and (isinstance(arg, bool) or not isinstance(arg, (int, float, str))):
             raise ValueError(f"filter operator {op!r} on {key!r} takes a number or a string, got {arg!r}")
+        if _has_nan(arg):
+            raise ValueError(f"filter operator {op!r} on {key!r} got NaN, which equals nothing: give a number")
         if name in ("in", "nin"):
             arg = tuple(arg)  # a set and a list mean the same: membership by ==
         leaves.append(_Leaf(key, _OPS[name], arg, name))

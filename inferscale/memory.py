@@ -16,12 +16,13 @@ calls included: another scope's memory id is "not found".
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import threading
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from inferscale.checks import check_bool, check_id, check_int, check_role
+from inferscale.checks import MAX_CONTEXT_WINDOW, check_bool, check_id, check_int, check_role
 from inferscale.config import MemoryConfig
 from inferscale.embedding import Embedder
 from inferscale.extraction import (
@@ -32,6 +33,7 @@ from inferscale.extraction import (
     extract_and_reconcile,
 )
 from inferscale.facts import FactService
+from inferscale.filters import MAX_DEPTH as MAX_FILTER_DEPTH
 from inferscale.history import HistoryLog
 from inferscale.index import VectorIndex
 from inferscale.kv.encoder import best_device
@@ -59,6 +61,9 @@ from inferscale.types import (
 
 _MANIFEST = "inferscale.json"
 
+
+#: Longest ``wait_for_kv`` timeout accepted, in seconds (a year; ``None`` waits without limit).
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 #: The scope's fields, which Mem0's current API also takes inside ``filters``.
 SCOPE_FIELDS = frozenset({"user_id", "agent_id", "run_id"})
@@ -108,6 +113,14 @@ class Memory:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self.prompts = PromptBuilder(self.tokenizer, self.config.system_prompt)
         self.kv_dir = data / "kv"
+        if engine is not None and not hasattr(engine, "kv_dir"):
+            raise TypeError(f"engine must be an inferscale.serving.engine.Engine, got {type(engine).__name__}")
+        if extractor is not None and not callable(extractor):
+            raise TypeError(f"extractor must be callable as extractor(turns, chat) (inferscale.extraction.FactExtractor), "
+                            f"got {type(extractor).__name__}")
+        if reconciler is not None and not callable(getattr(reconciler, "decide", None)):
+            raise TypeError(f"reconciler must have a decide() method (inferscale.extraction.Reconciler), "
+                            f"got {type(reconciler).__name__}")
         if engine is not None and Path(engine.kv_dir).resolve() != self.kv_dir.resolve():
             raise ValueError(f"the given engine serves KV from {engine.kv_dir}, not this memory's {self.kv_dir}")
         manifest = self._check_data_dir(data)
@@ -184,7 +197,13 @@ class Memory:
 
     @classmethod
     def from_config(cls, config: dict) -> "Memory":
-        """Mem0-style constructor from a plain dict of :class:`MemoryConfig` fields."""
+        """Mem0-style constructor from a plain dict of :class:`MemoryConfig` fields.
+
+        Raises:
+            TypeError: ``config`` is not a dict; as :class:`Memory` otherwise.
+        """
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict of MemoryConfig fields, got {type(config).__name__}")
         return cls(MemoryConfig(**config))
 
     # ------------------------------------------------------------------ writes
@@ -250,8 +269,12 @@ class Memory:
                 self.facts.check_length(t.content, f"message {i}")
         if infer:
             logged = self.turns.append(scope.key, turns)
-            return _results(extract_and_reconcile(self.facts, scope, logged, meta, self.extractor,
-                                                  self.reconciler, self._chat))
+            try:
+                return _results(extract_and_reconcile(self.facts, scope, logged, meta, self.extractor,
+                                                      self.reconciler, self._chat))
+            except BaseException:  # the extraction failed (e.g. a message too long for the model):
+                self.turns.delete(scope.key, [t.turn_id for t in logged])  # the call leaves nothing behind
+                raise
         with self.facts.transaction():
             logged = self.turns.append(scope.key, turns)
             facts = [FactInput(t.content, (t.turn_id,), meta) for t in logged]
@@ -280,7 +303,7 @@ class Memory:
         self._check_open()
         scope = Scope.of(user_id, agent_id, run_id)
         check_bool("encode_kv", encode_kv)
-        check_int("context_window", context_window, optional=True, unit="turns")
+        check_int("context_window", context_window, optional=True, unit="turns", maximum=MAX_CONTEXT_WINDOW)
         if isinstance(facts, (str, bytes, FactInput)) or not isinstance(facts, Sequence):
             raise TypeError(f"facts must be a list of FactInput or strings, got {type(facts).__name__}")
         inputs = [FactInput(f) if isinstance(f, str) else f for f in facts]
@@ -288,7 +311,7 @@ class Memory:
             if not isinstance(f, FactInput):
                 raise TypeError(f"fact {i} must be a FactInput or a string, got {type(f).__name__}")
             require_text(f.text, f"fact {i} text")
-            _check_metadata(f.metadata)
+            inputs[i] = dataclasses.replace(f, metadata=_check_metadata(f.metadata))  # None -> {}
             ids = f.source_turn_ids
             if isinstance(ids, str) or not isinstance(ids, (tuple, list)) or not all(
                     isinstance(t, str) and t for t in ids):
@@ -302,8 +325,16 @@ class Memory:
 
     def find_texts(self, texts: Sequence[str], *, user_id: str | None = None, agent_id: str | None = None,
                    run_id: str | None = None) -> dict[str, str]:
-        """Map each of ``texts`` that the scope already stores (exact text) to its memory id."""
+        """Map each of ``texts`` that the scope already stores (exact text) to its memory id.
+
+        Raises:
+            TypeError / ValueError: ``texts`` is not a list of non-empty strings.
+        """
         self._check_open()
+        if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
+            raise TypeError(f"texts must be a list of strings, got {type(texts).__name__}")
+        for i, t in enumerate(texts):
+            require_text(t, f"texts[{i}]")
         return self.facts.find_texts(Scope.of(user_id, agent_id, run_id), list(texts))
 
     def count_turns(self, *, user_id: str | None = None, agent_id: str | None = None,
@@ -314,14 +345,17 @@ class Memory:
 
     def fact_tokens(self, text: str) -> int:
         """Tokens a memory with this text occupies in a prompt (its ``"- <text>\\n"`` line)."""
-        return self.kv.fact_tokens(text)
+        self._check_open()
+        return self.kv.fact_tokens(require_text(text, "text"))
 
     def kv_footprint(self) -> dict[str, int]:
         """Bytes of fact KV held by this process's pool: ``{"device": ..., "disk": ...}``."""
+        self._check_open()
         return self.pool.footprint()
 
     def encode_preamble(self) -> None:
         """Encode the prompt preamble's KV now (it is otherwise encoded with the first fact)."""
+        self._check_open()
         self.kv.ensure([self.kv.preamble_span()])
 
     def injected_kv(self, injection: Injection) -> list[tuple[int, FactKV]]:
@@ -329,8 +363,12 @@ class Memory:
         transformers reference path (:class:`~inferscale.kv.reference.ReferenceModel`).
 
         Raises:
+            TypeError: ``injection`` is not what :meth:`inject` returned.
             ValueError: a text-mode injection (no plan), or a segment no longer in the pool.
         """
+        self._check_open()
+        if not isinstance(injection, Injection):
+            raise TypeError(f"injection must be what Memory.inject returns, got {type(injection).__name__}")
         if injection.plan is None:
             raise ValueError("a text-mode request injects no KV")
         out = []
@@ -343,11 +381,13 @@ class Memory:
 
     def reference_model(self) -> ReferenceModel:
         """The transformers reference path over this memory's KV encoder (loaded on first use)."""
+        self._check_open()
         return ReferenceModel(self.kv.encoder)
 
     def check_fact_length(self, text: str, what: str = "fact") -> None:
         """Refuse a fact longer than ``config.max_fact_tokens`` (raises ``ValueError`` with the fix)."""
-        self.facts.check_length(text, what)
+        self._check_open()
+        self.facts.check_length(require_text(text, what), what)
 
     def count(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> int:
         """How many memories the scope holds."""
@@ -513,8 +553,8 @@ class Memory:
         """
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
             raise TypeError(f"timeout must be seconds (a number) or None, got {timeout!r}")
-        if timeout is not None and not 0 <= timeout < float("inf"):
-            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
+        if timeout is not None and not 0 <= timeout <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout must be between 0 and {MAX_TIMEOUT_S:g} seconds (None: no limit), got {timeout!r}")
         return self.kv.wait(timeout)
 
     def pending_kv(self) -> int:
@@ -536,6 +576,7 @@ class Memory:
                 self._engine = None
 
     def __enter__(self) -> "Memory":
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -659,7 +700,9 @@ class Memory:
         req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
                             self.options(options, **overrides), followup)
         if req.json_schema is not None:  # refused here, not when the iterator first runs
-            self.engine.check_json_schema(req.json_schema)
+            from inferscale.serving.vllm_compat import check_json_schema  # no engine needed: refused before one starts
+
+            check_json_schema(req.json_schema)
         return self._chunks(self.engine, req, [self._item(r, s) for r, s in req.hits])
 
     @staticmethod
@@ -731,13 +774,17 @@ def scope_and_filters(user_id: str | None, agent_id: str | None, run_id: str | N
     return Scope.of(**given), rest or None
 
 
-def _nested_scope_key(values) -> str | None:
-    """A scope field used as a key below the top level of filters (inside a logical operator)."""
+def _nested_scope_key(values, depth: int = 0) -> str | None:
+    """A scope field used as a key below the top level of filters (inside a logical operator);
+    nesting past the filters' own limit is left to :func:`inferscale.filters.compile_filter`."""
+    if depth > MAX_FILTER_DEPTH:
+        return None
     for value in values:
         children = value if isinstance(value, list) else [value]
         for child in children:
             if isinstance(child, dict):
-                found = next((k for k in child if k in SCOPE_FIELDS), None) or _nested_scope_key(child.values())
+                found = next((k for k in child if k in SCOPE_FIELDS), None) or _nested_scope_key(child.values(),
+                                                                                                   depth + 1)
                 if found:
                     return found
     return None
@@ -758,6 +805,10 @@ def _turn(i: int, m: Any) -> Turn:
     turn_id = m.get("id")
     if turn_id is not None and (isinstance(turn_id, bool) or not isinstance(turn_id, (str, int))):
         raise TypeError(f"message {i} id must be a string (or an int), got {type(turn_id).__name__}")
+    if isinstance(turn_id, str) and not turn_id.strip():
+        raise ValueError(f"message {i} id is blank: give a non-empty turn id, or leave it out for an automatic one")
+    if isinstance(turn_id, int) and not -2**63 <= turn_id < 2**63:
+        raise ValueError(f"message {i} id {turn_id} is out of range: give a string id")
     return Turn(str(turn_id) if turn_id is not None else "", role, content, m.get("name"),
                 metadata=_check_metadata(m.get("metadata")))
 
@@ -777,11 +828,33 @@ def _depth(value: Any, level: int = 0) -> int:
     return level
 
 
+def _non_string_key(value: Any, level: int = 0) -> Any:
+    """The first dict key below ``value`` that is not a string (``None`` if every key is one)."""
+    if level > MAX_METADATA_DEPTH + 1:
+        return None  # too deep: refused by the depth check
+    if isinstance(value, dict):
+        for key, child in value.items():
+            if not isinstance(key, str):
+                return key
+            found = _non_string_key(child, level + 1)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for child in value:
+            found = _non_string_key(child, level + 1)
+            if found is not None:
+                return found
+    return None
+
+
 def _check_metadata(metadata: Any) -> dict:
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
         raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+    bad_key = _non_string_key(metadata)
+    if bad_key is not None:  # JSON would turn it into a string, and could merge it with another key
+        raise TypeError(f"metadata keys must be strings, got {type(bad_key).__name__} {bad_key!r}")
     try:
         json.dumps(metadata, allow_nan=False)
     except ValueError as exc:  # NaN / Infinity: not JSON, and a JSON reader would see null

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from inferscale.checks import MAX_CONTEXT_WINDOW
 from inferscale.tools import check_tools, chosen_tool
 
 #: Most top logprobs a request may ask for (vLLM's default ``max_logprobs``).
@@ -68,7 +69,7 @@ class GenerationOptions(PlainErrors, BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     k: int | None = Field(default=None, ge=0, strict=True)
-    context_window: int | None = Field(default=None, ge=0, strict=True)
+    context_window: int | None = Field(default=None, ge=0, le=MAX_CONTEXT_WINDOW, strict=True)
     mode: Literal["inject", "text"] = "inject"
     max_tokens: int = Field(default=64, ge=1, strict=True)
     temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)

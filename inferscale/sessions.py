@@ -62,9 +62,11 @@ class ChatSessions:
             raise TypeError(f"memory must be an inferscale.Memory, got {type(memory).__name__}")
         self.memory = memory
         self.scope = Scope.of(user_id, agent_id, None)
+        if isinstance(fact_roles, (str, bytes)) or not isinstance(fact_roles, (list, tuple, set, frozenset)):
+            raise TypeError(f"fact_roles must be a list of roles among {ROLES}, got {type(fact_roles).__name__}")
         bad = [r for r in fact_roles if r not in ROLES]
-        if bad or isinstance(fact_roles, str):
-            raise ValueError(f"fact_roles must be a list of roles among {ROLES}, got {fact_roles!r}")
+        if bad:
+            raise ValueError(f"fact_roles must be a list of roles among {ROLES}, got {sorted(map(str, bad))}")
         self.infer = check_bool("infer", infer)
         self.fact_roles = tuple(fact_roles)
 
@@ -84,6 +86,11 @@ class ChatSessions:
             if isinstance(t.metadata.get("session_id"), str):
                 seen.setdefault(t.metadata["session_id"], None)
         return list(seen)
+
+    def check(self, session_id: str, messages: Sequence[SessionMessage]) -> None:
+        """Raise what :meth:`add` would raise for these messages, writing nothing (for a caller
+        that adds to several sessions and must write all or none)."""
+        self._rows(session_id, messages)
 
     def add(self, session_id: str, messages: Sequence[SessionMessage]) -> dict:
         """Append messages to the session: log them as turns and store memories from them.

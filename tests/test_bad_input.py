@@ -85,7 +85,7 @@ def test_bad_search_and_generation_arguments(mem):
             mem.search("dog", user_id="u", threshold=bad)
     with pytest.raises(TypeError, match="threshold must be a number"):
         mem.search("dog", user_id="u", threshold="0.5")
-    with pytest.raises(ValueError, match="filters must be a dict"):
+    with pytest.raises(TypeError, match="filters must be a dict"):
         mem.search("dog", user_id="u", filters=[])
     assert mem.get_all(user_id="newcomer", filters={"topic": "x"})["results"] == []
     with pytest.raises(TypeError, match="temperature"):

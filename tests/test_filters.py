@@ -191,11 +191,17 @@ def test_filtered_search_after_restart_equals_brute_force(store):
 
 def test_malformed_filters_raise_and_name_the_problem(store):
     mem = store[1]
-    cases = [({"AND": [None]}, "inside AND / OR / NOT must be a dict"), ({"$nor": [{"topic": "food"}]}, "unknown filter key '\\$nor'"),
+    for flt in ({"AND": [None]}, {1: "a"}):  # wrong types: TypeError
+        with pytest.raises(TypeError, match="must be a dict|filter fields are strings"):
+            mem.search("food", user_id="alice", filters=flt)
+    cases = [({"$nor": [{"topic": "food"}]}, "unknown filter key '\\$nor'"),
              ({"$in": [1]}, "unknown filter key"), ({"topic": {}}, "operator dict on 'topic' is empty"),
              ({"topic": {"$between": [1, 2]}}, "unknown filter operator")]
     deep: dict = {"topic": "food"}
     for _ in range(40):
+        deep = {"NOT": [deep]}
+    cases.append((deep, "nested deeper than"))
+    for _ in range(5000):  # far past Python's recursion limit: still the same one-line error
         deep = {"NOT": [deep]}
     cases.append((deep, "nested deeper than"))
     for flt, message in cases:
@@ -209,7 +215,9 @@ def test_stored_metadata_is_a_copy_and_reads_the_same_after_restart(tmp_path):
     path = tmp_path / "store"
     mem = Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False)
     tags = ["a", "b"]
-    mem.add("I like tea.", user_id="u", metadata={"tags": tags, "pair": (1, 2), 7: "seven"})
+    with pytest.raises(TypeError, match="metadata keys must be strings, got int 7"):  # JSON would make it "7"
+        mem.add("I like tea.", user_id="u", metadata={"tags": tags, 7: "seven"})
+    mem.add("I like tea.", user_id="u", metadata={"tags": tags, "pair": (1, 2), "7": "seven"})
     tags.append("c")  # the caller's list is not the stored one
     got = mem.get_all(user_id="u")["results"][0]
     got["metadata"]["tags"].append("HACKED")  # nor is the returned one

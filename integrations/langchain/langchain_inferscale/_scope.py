@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inferscale import Memory
 from inferscale.options import PlainErrors
@@ -22,3 +22,10 @@ class MemoryScope(PlainErrors, BaseModel):
     user_id: str | None = None
     agent_id: str | None = None
     run_id: str | None = None
+
+    @field_validator("user_id", "agent_id", "run_id")
+    @classmethod
+    def _not_blank(cls, value: str | None, info) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(f"{info.field_name} must be a non-empty string, got {value!r}")
+        return value

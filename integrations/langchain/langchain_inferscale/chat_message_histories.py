@@ -57,6 +57,8 @@ class InferScaleChatMessageHistory(BaseChatMessageHistory):
         Raises:
             TypeError / ValueError: a message is not a LangChain message or has no text.
         """
+        if isinstance(messages, (str, bytes, BaseMessage)) or not isinstance(messages, Sequence):
+            raise TypeError(f"messages must be a list of LangChain messages, got {type(messages).__name__}")
         self.sessions.add(self.session_id, [to_session_message(m, i) for i, m in enumerate(messages)])
 
     def clear(self) -> None:

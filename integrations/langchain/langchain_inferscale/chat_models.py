@@ -124,7 +124,7 @@ class ChatInferScale(MemoryScope, GenerationOptions, BaseChatModel):
             if not isinstance(t, (dict, type, BaseTool)) and not callable(t):
                 raise TypeError(f"tool {i} must be a LangChain tool, a function, a pydantic model, a TypedDict or an "
                                 f"OpenAI tool dict, got {type(t).__name__} {t!r}")
-        formatted = [convert_to_openai_tool(t) for t in tools]
+        formatted = [_openai_tool(i, t) for i, t in enumerate(tools)]
         choice = "required" if tool_choice is True else (None if tool_choice is False else tool_choice)
         if choice is not None and not isinstance(choice, (str, dict)):  # its value is checked per call
             raise TypeError(f"tool_choice must be None, True/False, 'auto', 'none', 'any', 'required', a tool name "
@@ -152,7 +152,10 @@ class ChatInferScale(MemoryScope, GenerationOptions, BaseChatModel):
             ValueError: an unknown ``method``, or unexpected keyword arguments.
         """
         if kwargs:
-            raise ValueError(f"unexpected arguments {sorted(kwargs)} for with_structured_output")
+            raise TypeError(f"unexpected arguments {sorted(kwargs)} for with_structured_output")
+        if not isinstance(schema, (dict, type)):
+            raise TypeError(f"schema must be a pydantic model, a TypedDict or a JSON Schema dict, got "
+                            f"{type(schema).__name__}")
         pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
         plain = isinstance(schema, dict) and "title" not in schema and "function" not in schema
         if plain and method == "function_calling":
@@ -238,3 +241,12 @@ def _usage(gen: Generation) -> UsageMetadata:
     return UsageMetadata(input_tokens=gen.num_prompt_tokens, output_tokens=gen.num_generated_tokens,
                          total_tokens=gen.num_prompt_tokens + gen.num_generated_tokens,
                          input_token_details={"cache_read": gen.num_prompt_tokens - gen.num_prefilled_tokens})
+
+
+def _openai_tool(i: int, tool: Any) -> dict:
+    """``convert_to_openai_tool(tool)``, its multi-line error turned into one line naming the tool."""
+    try:
+        return convert_to_openai_tool(tool)
+    except (ValueError, TypeError) as exc:
+        first = " ".join(str(exc).split())[:300]
+        raise ValueError(f"tool {i} cannot be converted to an OpenAI tool: {first}") from None

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
-from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from inferscale.checks import check_int
 from inferscale.filters import compile_filter
@@ -38,8 +39,10 @@ class InferScaleRetriever(MemoryScope, BaseRetriever):
         "My dog's name is Biscuit."
     """
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt argument is refused, not ignored
+
     k: int = Field(default=4, ge=1, strict=True)
-    threshold: float | None = Field(default=None, ge=-1.0, le=1.0)
+    threshold: float | None = Field(default=None, ge=-1.0, le=1.0, strict=True)
     filters: dict | None = None
     mode: Literal["hybrid", "dense"] | None = None
 
@@ -61,6 +64,13 @@ class InferScaleRetriever(MemoryScope, BaseRetriever):
                                    filters=self.filters if filters is None else filters,
                                    mode=self.mode if mode is None else mode)["results"]
         return [_document(item) for item in found]
+
+    async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
+                                       k: int | None = None, threshold: float | None = None,
+                                       filters: dict | None = None, mode: str | None = None) -> list[Document]:
+        """As :meth:`_get_relevant_documents` (per-call ``k`` ... ``mode`` too), in a worker thread."""
+        return await asyncio.to_thread(self._get_relevant_documents, query, run_manager=run_manager.get_sync(), k=k,
+                                       threshold=threshold, filters=filters, mode=mode)
 
 
 def _document(item: dict) -> Document:

@@ -4,10 +4,13 @@ the store is unchanged afterwards (issue 18)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.llms.inferscale import InferScaleLLM
 from llama_index.memory.inferscale import InferScaleMemoryBlock
+from llama_index.storage.chat_store.inferscale import InferScaleChatStore
 
 from inferscale import Memory
 
@@ -55,6 +58,17 @@ CASES = [
     ("block infer", lambda m: block(m, infer=1), TypeError, "infer"),
     ("block no scope", lambda m: InferScaleMemoryBlock(memory=m), ValueError, "user_id"),
     ("block user_id", lambda m: InferScaleMemoryBlock(memory=m, user_id=5), TypeError, "user_id"),
+    ("block unknown argument", lambda m: block(m, foo=1), TypeError, "foo"),
+    ("block put not messages", lambda m: asyncio.run(block(m).aput([5])), TypeError, "message 0"),
+    ("block put second session bad", lambda m: asyncio.run(block(m).aput([
+        ChatMessage(role=MessageRole.USER, content="I like tea.", additional_kwargs={"session_id": "s1"}),
+        ChatMessage(role=MessageRole.USER, content="x " * 3000, additional_kwargs={"session_id": "s2"})])),
+     ValueError, "max_fact_tokens"),
+    ("chat store unknown argument", lambda m: InferScaleChatStore(m, user_id=USER, foo=1), TypeError, "foo"),
+    ("chat store idx", lambda m: InferScaleChatStore(m, user_id=USER).add_message(
+        "s", ChatMessage(role=MessageRole.USER, content="hi"), idx="a"), TypeError, "idx"),
+    ("chat store fact_roles None", lambda m: InferScaleChatStore(m, user_id=USER, fact_roles=None), TypeError,
+     "fact_roles"),
 ]
 
 

@@ -16,6 +16,9 @@ USER = "strict-user"
 def memory(unit_memory):
     if not unit_memory.get_all(user_id=USER)["results"]:
         unit_memory.add("My dog is called Rex.", user_id=USER)
+        # its KV is encoded in the background: let that finish (the encoder's first model load
+        # imports modules while LangChain's constructors walk them, which raced once)
+        assert unit_memory.wait_for_kv(timeout=600)
     return unit_memory
 
 
@@ -56,7 +59,14 @@ CASES = [
     ("retriever filters", lambda m: retriever(m, filters={"n": {"$between": 1}}), ValueError, "filters"),
     ("retriever per-call k", lambda m: retriever(m).invoke("dog", k=0), ValueError, "k"),
     ("retriever per-call k type", lambda m: retriever(m).invoke("dog", k="1"), TypeError, "k"),
-    ("retriever per-call filters", lambda m: retriever(m).invoke("dog", filters=[]), ValueError, "filters"),
+    ("retriever per-call filters", lambda m: retriever(m).invoke("dog", filters=[]), TypeError, "filters"),
+    ("retriever unknown argument", lambda m: retriever(m, filter={"n": 1}), TypeError, "did you mean 'filters'"),
+    ("retriever blank user_id", lambda m: InferScaleRetriever(memory=m, user_id=" "), ValueError, "user_id"),
+    ("retriever threshold flag", lambda m: retriever(m, threshold=True), TypeError, "threshold"),
+    ("bind_tools unconvertible", lambda m: chat(m).bind_tools([{"bad": 1}]), ValueError, "tool 0"),
+    ("with_structured_output", lambda m: chat(m).with_structured_output(5), TypeError, "schema"),
+    ("history add_messages None", lambda m: history(m).add_messages(None), TypeError, "messages"),
+    ("history fact_roles str", lambda m: history(m, fact_roles="user"), TypeError, "fact_roles"),
     ("history memory", lambda m: InferScaleChatMessageHistory("m", "s1", user_id=USER), TypeError, "memory"),
     ("history session_id", lambda m: history(m, session_id=""), ValueError, "session_id"),
     ("history session_id type", lambda m: history(m, session_id=5), TypeError, "session_id"),

@@ -42,7 +42,7 @@ class InferScaleMemoryBlock(PlainErrors, BaseMemoryBlock[str]):
         >>> Memory.from_defaults(session_id="monday", memory_blocks=[block])
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
     name: str = "inferscale"
     description: str | None = "What the user told in earlier conversations."
@@ -66,11 +66,18 @@ class InferScaleMemoryBlock(PlainErrors, BaseMemoryBlock[str]):
         return "".join(f"- {item['memory']}\n" for item in found)
 
     def _store(self, messages: Sequence[ChatMessage]) -> None:
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise TypeError(f"messages must be a list of ChatMessage, got {type(messages).__name__}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, ChatMessage):
+                raise TypeError(f"message {i} must be a ChatMessage, got {type(m).__name__}")
         texts = [m for m in messages if isinstance(m.content, str) and m.content.strip()]  # skip tool-call shells
         by_session: dict[str, list] = {}
         for i, m in enumerate(texts):
             by_session.setdefault(m.additional_kwargs.get("session_id") or DEFAULT_SESSION, []).append(
                 to_session_message(m, i))
+        for session_id, rows in by_session.items():  # every session's messages checked before any is written
+            self._sessions.check(session_id, rows)
         for session_id, rows in by_session.items():
             self._sessions.add(session_id, rows)
 

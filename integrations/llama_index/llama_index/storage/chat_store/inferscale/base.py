@@ -12,6 +12,7 @@ from llama_index.llms.inferscale.messages import from_session_message, to_sessio
 from pydantic import PrivateAttr
 
 from inferscale import Memory
+from inferscale.checks import check_int
 from inferscale.sessions import ChatSessions
 
 
@@ -46,7 +47,10 @@ class InferScaleChatStore(BaseChatStore):
 
     def __init__(self, memory: Memory, *, user_id: str | None = None, agent_id: str | None = None,
                  infer: bool = False, fact_roles: Sequence[str] = ("user",), **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        if kwargs:  # BaseChatStore has no fields: anything else is a misspelt argument
+            raise TypeError(f"InferScaleChatStore got unknown argument(s) {sorted(kwargs)}: it takes memory, user_id, "
+                            "agent_id, infer and fact_roles")
+        super().__init__()
         self._sessions = ChatSessions(memory, user_id=user_id, agent_id=agent_id, infer=infer, fact_roles=fact_roles)
 
     @classmethod
@@ -57,6 +61,8 @@ class InferScaleChatStore(BaseChatStore):
     def set_messages(self, key: str, messages: list[ChatMessage]) -> None:
         """Make the session hold exactly ``messages`` (messages it already holds in the same
         order are kept, so their memories are not stored twice)."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise TypeError(f"messages must be a list of ChatMessage, got {type(messages).__name__}")
         self._sessions.replace(key, [to_session_message(m, i) for i, m in enumerate(messages)])
 
     def get_messages(self, key: str) -> list[ChatMessage]:
@@ -70,6 +76,7 @@ class InferScaleChatStore(BaseChatStore):
             ValueError: ``idx`` is not the end of the session (the log is in time order),
                 or the message has no text.
         """
+        check_int("idx", idx, optional=True)
         if idx is not None and idx != len(self._sessions.messages(key)):
             raise ValueError(f"idx={idx}: InferScale's conversation log is in time order, messages can only be "
                              "appended (idx=None)")
@@ -85,8 +92,9 @@ class InferScaleChatStore(BaseChatStore):
 
     def delete_message(self, key: str, idx: int) -> ChatMessage | None:
         """Delete the session's message at ``idx``; returns it (``None`` when out of range)."""
+        check_int("idx", idx, minimum=-(2**63))
         current = self._sessions.messages(key)
-        if isinstance(idx, bool) or not isinstance(idx, int) or not -len(current) <= idx < len(current):
+        if not -len(current) <= idx < len(current):
             return None
         self._sessions.delete(key, [current[idx].turn_id])
         return from_session_message(current[idx])
