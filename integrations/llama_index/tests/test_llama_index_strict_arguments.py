@@ -44,6 +44,7 @@ CASES = [
     ("llm temperature", lambda m: llm(m, temperature="hot"), TypeError, "temperature"),
     ("llm mode", lambda m: llm(m, mode="fast"), ValueError, "mode"),
     ("llm user_id", lambda m: InferScaleLLM(memory=m, user_id=5), TypeError, "user_id"),
+    ("llm blank user_id", lambda m: InferScaleLLM(memory=m, user_id=""), ValueError, "user_id"),
     ("llm call_tools_first", lambda m: llm(m, call_tools_first="y"), TypeError, "call_tools_first"),
     ("llm unknown argument", lambda m: llm(m, max_token=3), TypeError, "max_token"),
     ("llm per-call k", lambda m: llm(m).complete("dog?", k=-1), ValueError, "k"),

@@ -22,7 +22,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.llms.inferscale.messages import split_prompt
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from inferscale import Generation, GenerationChunk, GenerationOptions, Memory
 from inferscale.options import check_call_options
@@ -84,6 +84,13 @@ class InferScaleLLM(GenerationOptions, FunctionCallingLLM):
     max_tokens: int = Field(default=256, ge=1, strict=True)  # chat answers run longer than Memory's 64
     allow_unknown_scope: bool = Field(default=True, strict=True)
     call_tools_first: bool = Field(default=False, strict=True)
+
+    @field_validator("user_id", "agent_id", "run_id")
+    @classmethod
+    def _not_blank(cls, value: str | None, info) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(f"{info.field_name} must be a non-empty string, got {value!r}")
+        return value
 
     @classmethod
     def class_name(cls) -> str:
