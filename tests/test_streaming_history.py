@@ -63,7 +63,7 @@ def test_bad_history_stop_and_unknown_scopes(memory, user):
         memory.generate(QUESTION, user_id=user, history=[{"role": "system", "content": "x"}])
     with pytest.raises(ValueError, match="history message 0 content is empty"):
         memory.generate(QUESTION, user_id=user, history=[{"role": "user", "content": " "}])
-    with pytest.raises(ValueError, match="stop must be a list"):
+    with pytest.raises(TypeError, match="stop must be a list"):
         memory.generate(QUESTION, user_id=user, stop="Biscuit")
     with pytest.raises(UnknownScopeError):
         memory.stream(QUESTION, user_id=f"new-{user}")  # raised by the call, before iterating

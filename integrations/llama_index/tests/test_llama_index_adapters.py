@@ -151,7 +151,7 @@ def test_llm_complete_stream_and_chat(memory, user):
 def test_llm_bad_input_gets_a_clear_error(memory, user):
     memory.add(FACT, user_id=user)
     llm = InferScaleLLM(memory=memory, user_id=user)
-    with pytest.raises(ValueError, match="valid per-call options"):
+    with pytest.raises(TypeError, match="valid per-call options"):
         llm.complete(QUESTION, top_p=0.5)
     with pytest.raises(ValueError, match="no user message"):
         llm.chat([_user("system", "Be brief."), _user("assistant", "Biscuit")])
@@ -161,7 +161,7 @@ def test_llm_bad_input_gets_a_clear_error(memory, user):
         llm.chat([_user("user", QUESTION)], tools=[_ADD.metadata.to_openai_tool()], tool_choice="multiply")
     with pytest.raises(ValueError, match="has no text"):
         llm.chat([_user("user", "  ")])
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError, match="memory"):
         InferScaleLLM(memory=None)
 
 

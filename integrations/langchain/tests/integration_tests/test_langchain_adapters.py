@@ -112,7 +112,7 @@ def add_numbers(a: int, b: int) -> int:
 def test_bad_input_gets_a_clear_error(memory, user):
     memory.add(FACT, user_id=user)
     model = ChatInferScale(memory=memory, user_id=user)
-    with pytest.raises(ValueError, match="valid per-call options"):
+    with pytest.raises(TypeError, match="valid per-call options"):
         model.invoke(QUESTION, top_p=0.9)
     with pytest.raises(ValueError, match="no HumanMessage"):
         model.invoke([SystemMessage("Be brief."), AIMessage("Biscuit.")])
@@ -122,11 +122,11 @@ def test_bad_input_gets_a_clear_error(memory, user):
         model.bind_tools([add_numbers], tool_choice="multiply").invoke(QUESTION)
     with pytest.raises(ValueError, match="method must be"):
         model.with_structured_output({"title": "Pet", "type": "object", "properties": {}}, method="xml")
-    with pytest.raises(ValueError, match="k must be a positive integer"):
+    with pytest.raises(ValueError, match="k must be >= 1"):
         InferScaleRetriever(memory=memory, user_id=user).invoke("pets", k=0)
     with pytest.raises(ValueError, match="user_id, agent_id or run_id"):
         ChatInferScale(memory=memory).invoke(QUESTION)
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError, match="memory"):
         ChatInferScale(memory="not a memory")
     unknown = ChatInferScale(memory=memory, user_id=f"new-{user}", allow_unknown_scope=False)
     with pytest.raises(KeyError, match="no memories"):
