@@ -35,6 +35,26 @@ class PlainErrors:
             raise plain_error(exc) from None
 
 
+class ScopeFields(BaseModel):
+    """``user_id`` / ``agent_id`` / ``run_id``: whose memories an adapter's component uses
+    (at least one, here or per call); a blank one is refused at construction.
+
+    Raises:
+        ValueError: (a pydantic error, one line under :class:`PlainErrors`) a blank scope field.
+    """
+
+    user_id: str | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
+
+    @field_validator("user_id", "agent_id", "run_id")
+    @classmethod
+    def _not_blank(cls, value: str | None, info) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(f"{info.field_name} must be a non-empty string, got {value!r}")
+        return value
+
+
 class GenerationOptions(PlainErrors, BaseModel):
     """How to answer one query.
 

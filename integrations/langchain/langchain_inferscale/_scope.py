@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field
 
 from inferscale import Memory
-from inferscale.options import PlainErrors
+from inferscale.options import PlainErrors, ScopeFields
 
 
-class MemoryScope(PlainErrors, BaseModel):
+class MemoryScope(PlainErrors, ScopeFields):
     """An InferScale memory and whose memories to use (``user_id`` / ``agent_id`` / ``run_id``).
 
     Raises:
@@ -19,13 +19,3 @@ class MemoryScope(PlainErrors, BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     memory: Memory = Field(exclude=True)
-    user_id: str | None = None
-    agent_id: str | None = None
-    run_id: str | None = None
-
-    @field_validator("user_id", "agent_id", "run_id")
-    @classmethod
-    def _not_blank(cls, value: str | None, info) -> str | None:
-        if value is not None and not value.strip():
-            raise ValueError(f"{info.field_name} must be a non-empty string, got {value!r}")
-        return value

@@ -22,10 +22,10 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.llms.inferscale.messages import split_prompt
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
 from inferscale import Generation, GenerationChunk, GenerationOptions, Memory
-from inferscale.options import check_call_options
+from inferscale.options import ScopeFields, check_call_options
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 CALL_OPTIONS = ("user_id", "agent_id", "run_id", *GenerationOptions.option_names())
 
 
-class InferScaleLLM(GenerationOptions, FunctionCallingLLM):
+class InferScaleLLM(ScopeFields, GenerationOptions, FunctionCallingLLM):
     """LLM answering through InferScale's vLLM engine with the scope's memories supplied
     as precomputed KV.
 
@@ -78,19 +78,9 @@ class InferScaleLLM(GenerationOptions, FunctionCallingLLM):
     """
 
     memory: Memory = Field(exclude=True)
-    user_id: str | None = None
-    agent_id: str | None = None
-    run_id: str | None = None
     max_tokens: int = Field(default=256, ge=1, strict=True)  # chat answers run longer than Memory's 64
     allow_unknown_scope: bool = Field(default=True, strict=True)
     call_tools_first: bool = Field(default=False, strict=True)
-
-    @field_validator("user_id", "agent_id", "run_id")
-    @classmethod
-    def _not_blank(cls, value: str | None, info) -> str | None:
-        if value is not None and not value.strip():
-            raise ValueError(f"{info.field_name} must be a non-empty string, got {value!r}")
-        return value
 
     @classmethod
     def class_name(cls) -> str:
