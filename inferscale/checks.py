@@ -91,3 +91,10 @@ def check_role(where: str, role: Any) -> str:
     if role not in ROLES:
         raise ValueError(f"{where} role must be one of {', '.join(ROLES)}, got {role!r}")
     return role
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-blank line of an exception raised by a library (its driver's error when it
+    wraps one, as SQLAlchemy does in ``exc.orig``), for one-line messages."""
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -201,17 +201,10 @@ class MemoryConfig(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        from sqlalchemy.engine import make_url
+        if value is not None:
+            from inferscale.sql import check_url
 
-        try:
-            backend = make_url(value).get_backend_name()
-        except Exception:  # noqa: BLE001 - sqlalchemy.exc.ArgumentError
-            raise ValueError("database_url must be a SQLAlchemy URL such as "
-                             "postgresql+psycopg://user:password@host:5432/db, got one that does not parse") from None
-        if backend not in ("sqlite", "postgresql"):
-            raise ValueError(f"database_url must be a PostgreSQL (or SQLite) URL, got a {backend!r} one")
+            check_url(value)
         return value
 
     @field_validator("chroma_url")

@@ -59,9 +59,7 @@ class HistoryLog:
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        _META.create_all(db.engine)
-        for index in HISTORY.indexes:  # a history table from an older version lacks the newer index
-            index.create(db.engine, checkfirst=True)
+        db.create(_META, *HISTORY.indexes)  # indexes too: a history table of an older version lacks one
 
     def record(self, scope: str, events: list[tuple[str, str, str | None, str | None]]) -> tuple[int, int]:
         """Append ``(memory_id, event, old_memory, new_memory)`` tuples atomically.

@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from inferscale.checks import MAX_CONTEXT_WINDOW, check_bool, check_id, check_int, check_role
+from inferscale.checks import MAX_CONTEXT_WINDOW, check_bool, check_id, check_int, check_role, first_line
 from inferscale.config import MemoryConfig
 from inferscale.embedding import Embedder
 from inferscale.extraction import (
@@ -135,8 +135,7 @@ class Memory:
                 try:
                     self.turns, self.history_log = TurnLog(shared), HistoryLog(shared)
                 except Exception as exc:  # noqa: BLE001 - sqlalchemy.exc.OperationalError and kin
-                    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
-                    raise StoreError(f"cannot use the database at {shared.describe()} ({first}): check "
+                    raise StoreError(f"cannot use the database at {shared.describe()} ({first_line(exc)}): check "
                                      "database_url and that the server is running") from None
             self.kv_jobs = KVJobQueue(data / "kv_jobs.sqlite")
             self.pool = KVPool.shared(self.kv_dir, self.device, self.config.device_kv_budget_bytes)

@@ -35,13 +35,7 @@ class Database:
     """
 
     def __init__(self, url: str) -> None:
-        try:
-            parsed = make_url(url)
-        except Exception as exc:  # noqa: BLE001 - sqlalchemy.exc.ArgumentError
-            raise ValueError(f"database_url is not a database URL such as "
-                             f"postgresql+psycopg://user@host:5432/db: {exc}") from None
-        if parsed.get_backend_name() not in TESTED_DIALECTS:
-            raise ValueError(f"database_url must be a SQLite or PostgreSQL URL, got {parsed.get_backend_name()!r}")
+        parsed = check_url(url)
         self.dialect = parsed.get_backend_name()
         self.url = parsed
         if self.dialect == "sqlite":
@@ -64,6 +58,15 @@ class Database:
                 con.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _lock_id(lock_key)})
             yield con
 
+    def create(self, metadata, *indexes) -> None:
+        """Create ``metadata``'s tables and ``indexes`` where missing, in one write transaction
+        under a lock, so processes starting together do not race (two PostgreSQL sessions
+        creating one table both see it missing, and one fails)."""
+        with self.write(lock_key="inferscale-schema") as con:
+            metadata.create_all(con)
+            for index in indexes:
+                index.create(con, checkfirst=True)
+
     @contextlib.contextmanager
     def read(self) -> Iterator[Connection]:
         """A connection for reads (on SQLite a deferred ``BEGIN``, which never blocks a writer in WAL mode)."""
@@ -77,6 +80,23 @@ class Database:
     def describe(self) -> str:
         """The URL without its password, for messages."""
         return self.url.render_as_string(hide_password=True)
+
+
+def check_url(url: str):
+    """``url`` parsed (a ``sqlalchemy.engine.URL``) if it is a SQLite or PostgreSQL URL.
+
+    Raises:
+        ValueError: it does not parse, or names another database (the message never echoes
+            the URL, which may hold a password).
+    """
+    try:
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 - sqlalchemy.exc.ArgumentError
+        raise ValueError("database_url must be a SQLAlchemy URL such as "
+                         "postgresql+psycopg://user:password@host:5432/db, got one that does not parse") from None
+    if parsed.get_backend_name() not in TESTED_DIALECTS:
+        raise ValueError(f"database_url must be a PostgreSQL (or SQLite) URL, got a {parsed.get_backend_name()!r} one")
+    return parsed
 
 
 def upsert_increment(con: Connection, table, key_column: str, key: str, counter: str) -> None:

@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from inferscale.checks import first_line
+
 SCHEMA_VERSION = 1
 _COLLECTION = "inferscale_memories"
 
@@ -163,7 +165,7 @@ class ChromaServer:
                                        tenant=self.tenant, database=self.database)
         except Exception as exc:  # noqa: BLE001 - chromadb raises ValueError, httpx errors, auth errors
             raise StoreError(f"cannot reach the Chroma server at {self.url} ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''}): start it (`chroma run --path DIR "
+                             f"{first_line(exc)}): start it (`chroma run --path DIR "
                              "--port PORT`) or check chroma_url and its credentials") from None
 
 
@@ -202,7 +204,7 @@ class FactStore:
             if server is None:
                 raise
             raise StoreError(f"the Chroma server at {server.url} refused the collection {server.collection!r} "
-                             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): check "
+                             f"({type(exc).__name__}: {first_line(exc)}): check "
                              "chroma_auth_token, chroma_headers, tenant and database") from None
         version = (self._col.metadata or {}).get("inferscale_schema", SCHEMA_VERSION)
         if version > SCHEMA_VERSION:

@@ -73,7 +73,7 @@ class TurnLog:
     def __init__(self, db: Database) -> None:
         self.db = db
         self._write_lock = threading.Lock()
-        _META.create_all(db.engine)
+        db.create(_META)
 
     def append(self, scope: str, turns: list[Turn]) -> list[Turn]:
         """Append ``turns`` atomically; returns them with ``seq`` and ``turn_id`` filled.
