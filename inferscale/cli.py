@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -298,7 +298,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default; 0.0.0.0 for every interface)."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port of InferScale's HTTP API."),
     data_dir: Optional[Path] = typer.Option(None, help="Memory store (default: $INFERSCALE_DATA_DIR or ~/.local/share/inferscale)."),
-    vllm_url: Optional[str] = typer.Option(None, help="Front a vLLM OpenAI server already running (docs/server.md) instead of starting one."),
+    vllm_url: Optional[List[str]] = typer.Option(None, help="Front a vLLM OpenAI server already running (docs/server.md) instead of starting one; repeat for replicas (a user's requests go to one of them)."),
+    replicas: int = typer.Option(1, min=1, max=64, help="vLLM servers to start (replicas of the model; each user is routed to one, with failover)."),
+    workers: int = typer.Option(1, min=1, max=64, help="Front processes on the port; more than 1 needs INFERSCALE_CHROMA_URL (docs/deployment.md)."),
     api_key: Optional[str] = typer.Option(None, envvar="INFERSCALE_API_KEY", help="Require 'Authorization: Bearer <key>' on every route but /health (or set INFERSCALE_API_KEY)."),
     served_model_name: Optional[str] = typer.Option(None, help="The 'model' name clients send (default: the model's)."),
     dtype: str = _DTYPE,
@@ -313,7 +315,7 @@ def serve(
     from inferscale.server.vllm_process import VLLMStartError
     from inferscale.store import StoreError
 
-    if tool_call_parser != "none" and vllm_url is None:
+    if tool_call_parser != "none" and not vllm_url:
         from inferscale.serving.vllm_compat import tool_call_parsers
 
         if tool_call_parser not in tool_call_parsers():
@@ -326,7 +328,8 @@ def serve(
         overrides["data_dir"] = data_dir
     try:
         config = MemoryConfig(**overrides)
-        run_server(config, ServeOptions(host=host, port=port, vllm_url=vllm_url, api_key=api_key or None,
+        run_server(config, ServeOptions(host=host, port=port, vllm_urls=tuple(vllm_url or ()), replicas=replicas,
+                                        workers=workers, api_key=api_key or None,
                                         served_model_name=served_model_name, max_num_seqs=max_num_seqs,
                                         tool_call_parser=None if tool_call_parser == "none" else tool_call_parser),
                    say=console.print)

@@ -9,6 +9,7 @@ Explicit arguments win over the environment.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import warnings
 from pathlib import Path
@@ -34,7 +35,7 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 #: ``INFERSCALE_*`` variables that are not :class:`MemoryConfig` fields: the model cache
 #: (:func:`cache_dir`), the server's key (``inferscale serve``) and ``scripts/install.sh``'s.
 OTHER_VARIABLES = frozenset({"INFERSCALE_CACHE_DIR", "INFERSCALE_API_KEY", "INFERSCALE_TORCH_INDEX",
-                             "INFERSCALE_INSTALL_VERBOSE"})
+                             "INFERSCALE_INSTALL_VERBOSE", "INFERSCALE_SERVE_WORKER", "INFERSCALE_INSTALL_POSTGRES"})
 _warned: set[str] = set()
 
 
@@ -232,6 +233,25 @@ class MemoryConfig(BaseSettings):
         return ChromaServer(self.chroma_url, self.chroma_headers,
                             self.chroma_auth_token.get_secret_value() if self.chroma_auth_token else None,
                             self.chroma_tenant, self.chroma_database, self.chroma_collection)
+
+    def environment(self) -> dict[str, str]:
+        """These settings as ``INFERSCALE_*`` environment variables: a child process that
+        creates ``MemoryConfig()`` with them gets the same settings (how ``inferscale serve
+        --workers N`` configures its worker processes). ``None`` values are left out;
+        secrets are written in clear, so give the result to child processes only."""
+        out: dict[str, str] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            elif isinstance(value, bool):
+                value = "true" if value else "false"
+            elif isinstance(value, dict):
+                value = json.dumps(value)
+            out[f"INFERSCALE_{name.upper()}"] = str(value)
+        return out
 
     @property
     def resolved_dtype(self) -> str:

@@ -89,9 +89,10 @@ class BackgroundEncoder:
                 with self._idle:
                     self._busy = False
                     self._idle.notify_all()
-                # the thread ends when idle (it holds the encoder's model); notify starts another
+                # the thread ends when nothing is left for it (jobs another live process has
+                # claimed are that process's); notify starts another
                 with self._start_lock:
-                    if not self._wake.is_set() and self.queue.pending() == 0:
+                    if not self._wake.is_set() and self.queue.claimable() == 0:
                         self._thread = None
                         return
                 continue

@@ -5,10 +5,17 @@ in the same call that acknowledges the fact's write, so a crash before the encod
 leaves the job for the next start. Enqueuing a fact that is already queued at that w
 replaces its row with a new ``job_id``: an encoder that took the old row and finishes
 later removes only the row it took, so a job for newer text is never lost.
+
+Several processes may drain one queue (``inferscale serve --workers N`` over one data dir):
+:meth:`KVJobQueue.take` claims the rows it returns for its process, so no two processes
+encode the same job; a claim whose process has exited (crash, SIGKILL) is released by the
+next ``take`` of any process, so its jobs are finished by the others or by the next start.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +33,48 @@ CREATE TABLE IF NOT EXISTS kv_jobs (
     UNIQUE (fact_id, w) ON CONFLICT REPLACE
 );
 """
+#: added in the multi-process version; a queue file written before it gains the column
+_CLAIM_COLUMN = "claimed_by"
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat``
+    field 22, proc(5)), or ``None`` when there is no such process or no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]  # fields after "(comm)" start at field 3
+
+
+def process_owner(pid: int | None = None) -> str:
+    """This process's name on a claim: ``host:pid:start`` (the start time tells a reused pid apart)."""
+    pid = os.getpid() if pid is None else pid
+    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid) or '-'}"
+
+
+def owner_alive(owner: str) -> bool:
+    """Whether the process that wrote claim ``owner`` (:func:`process_owner`) still runs.
+
+    A claim from another host is taken to be alive (the queue is a file of one machine's
+    data dir, so that happens only when a data dir is copied between machines)."""
+    try:
+        host, pid_s, start = owner.rsplit(":", 2)
+        pid = int(pid_s)
+    except ValueError:
+        return False
+    if host != socket.gethostname():
+        return True
+    if start != "-":
+        return _start_ticks(pid) == start
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass(frozen=True)
@@ -55,7 +104,12 @@ class KVJobQueue:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._db = ThreadConnections(self.path, timeout=30)
-        self._db.get().executescript(_SCHEMA)
+        self.owner = process_owner()
+        with self._db.transaction() as conn:
+            conn.execute(_SCHEMA.strip().rstrip(";"))
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(kv_jobs)")}
+            if _CLAIM_COLUMN not in columns:
+                conn.execute(f"ALTER TABLE kv_jobs ADD COLUMN {_CLAIM_COLUMN} TEXT")
 
     def add(self, jobs: Iterable[tuple[str, str, int]]) -> None:
         """Enqueue ``(fact_id, scope_key, w)`` triples (durable when this returns)."""
@@ -66,11 +120,28 @@ class KVJobQueue:
                 conn.executemany("INSERT INTO kv_jobs (fact_id, scope, w, enqueued_at) VALUES (?, ?, ?, ?)", rows)
 
     def take(self, limit: int) -> list[KVJob]:
-        """The oldest ``limit`` jobs (they stay queued until :meth:`done`)."""
-        rows = self._db.get().execute(
-            "SELECT job_id, fact_id, scope, w, enqueued_at FROM kv_jobs ORDER BY job_id LIMIT ?", (limit,)
-        ).fetchall()
+        """Claim and return the oldest ``limit`` jobs no other live process has claimed
+        (this process's own unfinished claims included). They stay queued until :meth:`done`;
+        claims of processes that have exited are released first."""
+        with self._db.transaction() as conn:
+            owners = [o for (o,) in conn.execute(
+                "SELECT DISTINCT claimed_by FROM kv_jobs WHERE claimed_by IS NOT NULL AND claimed_by != ?",
+                (self.owner,))]
+            dead = [o for o in owners if not owner_alive(o)]
+            if dead:
+                conn.executemany("UPDATE kv_jobs SET claimed_by = NULL WHERE claimed_by = ?", [(o,) for o in dead])
+            rows = conn.execute(
+                "SELECT job_id, fact_id, scope, w, enqueued_at FROM kv_jobs WHERE claimed_by IS NULL "
+                "OR claimed_by = ? ORDER BY job_id LIMIT ?", (self.owner, limit)).fetchall()
+            conn.executemany("UPDATE kv_jobs SET claimed_by = ? WHERE job_id = ?",
+                             [(self.owner, r[0]) for r in rows])
         return [KVJob(*r) for r in rows]
+
+    def claimable(self) -> int:
+        """How many queued jobs this process could take now (unclaimed, or its own)."""
+        (n,) = self._db.get().execute(
+            "SELECT COUNT(*) FROM kv_jobs WHERE claimed_by IS NULL OR claimed_by = ?", (self.owner,)).fetchone()
+        return int(n)
 
     def done(self, jobs: Sequence[KVJob]) -> None:
         """Remove exactly these rows (a fact enqueued again meanwhile has a new row and stays)."""

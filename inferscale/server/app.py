@@ -6,7 +6,12 @@ Routes:
     Mem0-style memory routes (:mod:`inferscale.server.memories`)
     ``GET /health``  the front is up (no key needed); ``GET /ready``  vLLM answers too
     ``GET /metrics``  vLLM's Prometheus metrics (the connector's ``vllm:inferscale_*``
-    counters among them) followed by the front's ``inferscale_*`` ones
+    counters among them; with several replicas, labelled ``replica``) followed by the
+    front's ``inferscale_*`` ones
+
+Every response carries ``X-InferScale-Worker`` (the front process's pid); chat and
+completion responses carry ``X-InferScale-Replica`` (the index of the vLLM replica that
+answered: a scope's requests go to one replica, :mod:`inferscale.server.upstream`).
     ``GET /docs``  OpenAPI documentation
 
 Errors are JSON ``{"error": {"message", "type", "code"}}`` (OpenAI's shape): 400 for bad
@@ -17,10 +22,12 @@ errors pass through with its status.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
+import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 from fastapi import FastAPI, Request
@@ -42,7 +49,7 @@ from inferscale.server.chat import (
     request_scope,
     split_messages,
 )
-from inferscale.server.upstream import Upstream
+from inferscale.server.upstream import Replicas
 from inferscale.types import MemoryNotFoundError, UnknownScopeError
 
 #: Largest request body accepted (bytes): 16 MiB, far above any prompt that fits a context.
@@ -81,19 +88,36 @@ class FrontMetrics:
             self.prepare.observe(prepare_s)
 
 
-def create_app(memory: Any, upstream: Upstream, *, api_key: str | None = None) -> FastAPI:
+def create_app(memory: Any, upstream: Replicas, *, api_key: str | None = None,
+               on_close: Callable[[], None] | None = None) -> FastAPI:
     """The front's FastAPI app.
 
     Args:
-        memory: the :class:`inferscale.Memory` whose data dir the upstream's connector reads.
-        upstream: vLLM's OpenAI server.
+        memory: the :class:`inferscale.Memory` whose data dir the replicas' connector reads.
+        upstream: vLLM's OpenAI server(s).
         api_key: when set, every route but ``/health`` requires ``Authorization: Bearer <key>``.
+        on_close: called when the app shuts down (after the replicas' clients are closed).
     """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await upstream.aclose()
+        if on_close is not None:
+            await run_in_threadpool(on_close)
+
     app = FastAPI(title="InferScale", description="Memory for LLM agents, served as precomputed KV through vLLM.",
-                  version="0.1.0")
+                  version="0.1.0", lifespan=lifespan)
     app.state.memory = memory
     app.state.upstream = upstream
     app.state.metrics = metrics = FrontMetrics()
+    worker = str(os.getpid())
+
+    @app.middleware("http")
+    async def name_worker(request: Request, call_next):
+        response = await call_next(request)
+        response.headers["x-inferscale-worker"] = worker
+        return response
 
     @app.middleware("http")
     async def require_key(request: Request, call_next):
@@ -141,26 +165,28 @@ def create_app(memory: Any, upstream: Upstream, *, api_key: str | None = None) -
 
     @app.get("/ready", tags=["server"], summary="The front and vLLM are ready")
     async def ready() -> Response:
-        if await upstream.ready():
-            return JSONResponse({"status": "ready"})
-        return _error(503, "vLLM's server is not ready", "server_error")
+        answering = await upstream.health()
+        if any(answering):
+            return JSONResponse({"status": "ready", "replicas": answering})
+        return _error(503, "vLLM's server is not ready" if len(answering) == 1 else
+                      "none of the vLLM replicas is ready", "server_error")
 
     @app.get("/metrics", tags=["server"], summary="Prometheus metrics: vLLM's, then the front's")
     async def prometheus() -> Response:
-        r = await upstream.client.get("/metrics")
-        text = (r.content if r.status_code == 200 else b"") + generate_latest(metrics.registry)
+        text = await upstream.metrics() + generate_latest(metrics.registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", tags=["openai"], summary="vLLM's models")
     async def models() -> Response:
-        r = await upstream.client.get("/v1/models")
+        _, r = await upstream.send("", "GET", "/v1/models")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/v1/completions", tags=["openai"], summary="vLLM's completions, without memory")
     async def completions(request: Request) -> Response:
         body = await _json_body(request)
         body = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "cache_salt")}
-        return await _until_disconnected(request, _forward(upstream, "/v1/completions", body, None, metrics))
+        key = body["user"] if isinstance(body.get("user"), str) else ""
+        return await _until_disconnected(request, _forward(upstream, key, "/v1/completions", body, None, metrics))
 
     @app.post("/v1/chat/completions", tags=["openai"], summary="Chat with memory")
     async def chat(request: Request) -> Response:
@@ -170,15 +196,18 @@ def create_app(memory: Any, upstream: Upstream, *, api_key: str | None = None) -
         t0 = time.perf_counter()
         if options.mode == "none":
             plan = ChatPlan(forward_body(body, None, None), None, "none")
+            key = body["user"] if isinstance(body.get("user"), str) else ""
         else:
             scope = request_scope(body, request.headers)
+            key = scope.key
             instructions, rest, query = split_messages(messages)
             block = await run_in_threadpool(_memory_block, memory, scope, query, options, instructions)
             plan = ChatPlan(forward_body(body, block, rest), block, options.mode)
         metrics.observe(plan, time.perf_counter() - t0)
         if "model" not in plan.body:
             plan.body["model"] = await upstream.model_name()
-        return await _until_disconnected(request, _forward(upstream, "/v1/chat/completions", plan.body, plan, metrics))
+        return await _until_disconnected(
+            request, _forward(upstream, key, "/v1/chat/completions", plan.body, plan, metrics))
 
     app.include_router(memories.router())
     return app
@@ -233,27 +262,32 @@ async def _until_disconnected(request: Request, work):
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
 
-async def _forward(upstream: Upstream, path: str, body: dict, plan: ChatPlan | None,
+async def _forward(upstream: Replicas, key: str, path: str, body: dict, plan: ChatPlan | None,
                    metrics: FrontMetrics) -> Response:
-    """Send ``body`` to vLLM; a streamed answer is relayed as it comes, with the memory
-    report in its first chunk; a whole one gets it as a ``memory`` field. Both carry it
-    in ``X-InferScale-*`` headers too (clients that drop unknown body fields, such as
-    LangChain's ``ChatOpenAI``, can read those: ``include_response_headers=True``)."""
-    headers = {} if plan is None else plan.headers()
-    if not body.get("stream"):
-        r = await upstream.client.post(path, json=body)
+    """Send ``body`` to routing key ``key``'s vLLM replica; a streamed answer is relayed as it
+    comes, with the memory report in its first chunk; a whole one gets it as a ``memory``
+    field. Both carry it in ``X-InferScale-*`` headers too (clients that drop unknown body
+    fields, such as LangChain's ``ChatOpenAI``, can read those: ``include_response_headers=True``)."""
+    stream = bool(body.get("stream"))
+    replica, r = await upstream.send(key, "POST", path, json=body, stream=stream)
+    headers = {"x-inferscale-replica": str(replica.index)}
+    if plan is not None:
+        headers.update(plan.headers())
+    if not stream:
         if r.status_code != 200 or plan is None:
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
+                            headers=headers)
         out = r.json()
         injected = injected_tokens(out.pop("kv_transfer_params", None))
         metrics.injected.inc(injected)
-        out["memory"] = plan.report(injected)
+        out["memory"] = {**plan.report(injected), "replica": replica.index}
         return JSONResponse(out, headers={**headers, "x-inferscale-injected-tokens": str(injected)})
-    resp = await upstream.client.send(upstream.client.build_request("POST", path, json=body), stream=True)
+    resp = r
     if resp.status_code != 200:
         content = await resp.aread()
         await resp.aclose()
-        return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+        return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"),
+                        headers=headers)
 
     async def relay():
         first = plan is not None
@@ -261,7 +295,7 @@ async def _forward(upstream: Upstream, path: str, body: dict, plan: ChatPlan | N
             async for line in resp.aiter_lines():
                 if first and line.startswith("data: {"):
                     chunk = json.loads(line[len("data: "):])
-                    chunk["memory"] = plan.report(None)
+                    chunk["memory"] = {**plan.report(None), "replica": replica.index}
                     line, first = "data: " + json.dumps(chunk), False
                 yield line + "\n"
         finally:

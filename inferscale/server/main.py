@@ -1,17 +1,23 @@
-"""``inferscale serve``: start (or join) vLLM's OpenAI server, open the memory, serve HTTP.
+"""``inferscale serve``: start (or join) vLLM's OpenAI servers, open the memory, serve HTTP.
 
 Order of start-up, each step failing with a clear message before the next: the front's
-port is free; the model resolves; vLLM's server starts (its own process group, our
-connector, prefix caching on) and answers ``/health`` (or, with ``vllm_url``, one that
-is already running does); the :class:`inferscale.Memory` opens over the data dir; uvicorn
-serves the front. Ctrl-C or SIGTERM stops uvicorn, closes the memory (queued KV encodes
-stay queued for the next start) and stops the vLLM server this command started.
+port is free; the model resolves; ``replicas`` vLLM servers start (each its own process
+group, our connector, prefix caching on, one shared KV pool folder) and answer
+``/health`` (or, with ``vllm_urls``, servers already running do); the front serves with
+uvicorn: in this process over one :class:`inferscale.Memory` (``workers=1``), or as
+``workers`` uvicorn worker processes sharing the port, each with its own ``Memory``
+over the same store (:mod:`inferscale.server.worker`; that needs Chroma as a server,
+since the embedded store is one process's). A vLLM server this command started that
+exits is started again on its port; uvicorn starts a worker that dies again. Ctrl-C or
+SIGTERM stops the front, closes the memory (queued KV encodes stay queued for the next
+start) and stops the vLLM servers this command started.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,7 +33,11 @@ class ServeOptions:
 
     Attributes:
         host, port: where the front listens (loopback by default).
-        vllm_url: a running vLLM server to front instead of starting one.
+        vllm_urls: running vLLM servers to front instead of starting them (replicas of
+            one model, routed by scope; give every front the same list in the same order).
+        replicas: how many vLLM servers to start when ``vllm_urls`` is empty.
+        workers: front processes (uvicorn workers on one port); more than one needs
+            ``chroma_url`` (docs/deployment.md).
         api_key: required of every client when set (and of the front by a vLLM it starts).
         served_model_name: the ``model`` name (default: from the model).
         vllm_start_timeout_s: most seconds vLLM may take to become ready.
@@ -38,12 +48,28 @@ class ServeOptions:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    vllm_url: str | None = None
+    vllm_urls: tuple[str, ...] = ()
+    replicas: int = 1
+    workers: int = 1
     api_key: str | None = None
     served_model_name: str | None = None
     vllm_start_timeout_s: float = 900.0
     max_num_seqs: int = 64
     tool_call_parser: str | None = "hermes"
+
+    def check(self, config: MemoryConfig) -> None:
+        """Raises:
+            ValueError: ``workers`` or ``replicas`` below 1, ``replicas`` with ``vllm_urls``,
+                or several workers over the embedded Chroma store.
+        """
+        if self.workers < 1 or self.replicas < 1:
+            raise ValueError(f"--workers and --replicas must be at least 1, got {self.workers} and {self.replicas}")
+        if self.vllm_urls and self.replicas != 1:
+            raise ValueError("--replicas starts vLLM servers; with --vllm-url give each running server's URL instead")
+        if self.workers > 1 and config.chroma_url is None:
+            raise ValueError(f"--workers {self.workers} needs Chroma as a server: the embedded store in the data dir "
+                             "is one process's. Start `chroma run --path <dir> --port 8001` and set "
+                             "INFERSCALE_CHROMA_URL=http://127.0.0.1:8001 (docs/deployment.md), or use --workers 1")
 
 
 def served_name(config: MemoryConfig, model_path: Path) -> str:
@@ -99,65 +125,109 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
 
     Raises:
         OSError: the front's port is in use.
+        ValueError: options that do not fit together (:meth:`ServeOptions.check`).
         inferscale.models.ModelNotFoundError: the model cannot be found.
         inferscale.server.vllm_process.VLLMStartError: vLLM's server could not start.
-        RuntimeError: ``vllm_url`` does not answer; another server holds the data dir.
+        RuntimeError: a ``vllm_urls`` server does not answer; another server holds the data dir.
     """
-    import httpx
+    import os
+
     import uvicorn
 
-    from inferscale.memory import Memory
     from inferscale.models import resolve_llm
-    from inferscale.server.app import create_app
-    from inferscale.server.upstream import HttpEngine, Upstream
-    from inferscale.server.vllm_process import VLLMProcess, check_port_free
+    from inferscale.server.vllm_process import ReplicaSupervisor, VLLMProcess, check_port_free
+    from inferscale.server.worker import WORKER_ENV, WorkerSpec, app_from_environment, open_front
 
+    options.check(config)
     check_port_free(options.host, options.port)
     lock = lock_data_dir(config.data_dir)  # noqa: F841  (held until this process exits)
     model_path = resolve_llm(config.llm)
     name = options.served_model_name or served_name(config, model_path)
     kv_dir = config.data_dir / "kv"
-    vllm: VLLMProcess | None = None
-    memory = None
+    started: list[VLLMProcess] = []
+    supervisor: ReplicaSupervisor | None = None
+    front = None
 
     def stop(signum, frame):
         raise _Stop()
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        if options.vllm_url is None:
-            vllm = VLLMProcess(model_path, served_model_name=name, kv_dir=kv_dir, dtype=config.resolved_dtype,
-                               max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                               device_budget_bytes=config.device_kv_budget_bytes, max_num_seqs=options.max_num_seqs,
-                               api_key=options.api_key, tool_call_parser=options.tool_call_parser,
-                               log_path=_fresh_log(config.data_dir / "logs" / "vllm.log"))
-            say(f"starting vLLM's OpenAI server for {name} on {vllm.url} (log: {vllm.log_path}) ...")
-            vllm.start()
-            vllm.wait_ready(options.vllm_start_timeout_s)
-            url = vllm.url
+        if not options.vllm_urls:
+            for i in range(options.replicas):
+                log = "vllm.log" if i == 0 else f"vllm-{i}.log"
+                started.append(VLLMProcess(
+                    model_path, served_model_name=name, kv_dir=kv_dir, dtype=config.resolved_dtype,
+                    max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                    device_budget_bytes=config.device_kv_budget_bytes, max_num_seqs=options.max_num_seqs,
+                    api_key=options.api_key, tool_call_parser=options.tool_call_parser,
+                    log_path=_fresh_log(config.data_dir / "logs" / log)))
+            for i, vllm in enumerate(started):
+                what = "vLLM's OpenAI server" if len(started) == 1 else f"vLLM replica {i}"
+                say(f"starting {what} for {name} on {vllm.url} (log: {vllm.log_path}) ...")
+                vllm.start()
+            for vllm in started:
+                vllm.wait_ready(options.vllm_start_timeout_s)
+            urls = tuple(v.url for v in started)
+            supervisor = ReplicaSupervisor(started, say)
+            supervisor.start()
         else:
-            url = options.vllm_url.rstrip("/")
-            headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
-            try:
-                r = httpx.get(f"{url}/v1/models", headers=headers, timeout=10.0)
-                r.raise_for_status()
-                name = options.served_model_name or r.json()["data"][0]["id"]
-            except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-                raise RuntimeError(f"the vLLM server at {url} does not answer /v1/models ({exc}); start it as "
-                                   "docs/server.md shows, or leave out --vllm-url") from None
-        memory = Memory(config, engine=HttpEngine(url, kv_dir, name, options.api_key))
-        app = create_app(memory, Upstream(url, options.api_key, name), api_key=options.api_key)
-        say(f"InferScale is serving {name} with memory from {config.data_dir} on "
-            f"http://{options.host}:{options.port} (OpenAI API under /v1, docs at /docs)")
-        # uvicorn handles SIGTERM / Ctrl-C itself and raises the signal again once it has
-        # stopped: the handler above then ends this function through ``finally``
-        uvicorn.run(app, host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=10)
+            urls = tuple(u.rstrip("/") for u in options.vllm_urls)
+            name = options.served_model_name or _running_model(urls, options.api_key)
+        spec = WorkerSpec(urls=urls, served_model_name=name, api_key=options.api_key)
+        where = f"http://{options.host}:{options.port}"
+        if options.workers == 1:
+            front = open_front(config, spec)
+            say(f"InferScale is serving {name} with memory from {config.data_dir} on {where} "
+                "(OpenAI API under /v1, docs at /docs)")
+            # uvicorn handles SIGTERM / Ctrl-C itself and raises the signal again once it has
+            # stopped: the handler above then ends this function through ``finally``
+            uvicorn.run(front.app, host=options.host, port=options.port, log_level="warning",
+                        timeout_graceful_shutdown=10)
+        else:
+            # the workers are spawned processes: they read their settings from the environment
+            os.environ.update(config.environment())
+            os.environ[WORKER_ENV] = spec.to_json()
+            say(f"InferScale is serving {name} with memory from {config.data_dir} on {where} with "
+                f"{options.workers} workers and {len(urls)} vLLM server(s) (OpenAI API under /v1, docs at /docs)")
+            uvicorn.run(f"{app_from_environment.__module__}:{app_from_environment.__name__}", factory=True,
+                        workers=options.workers, host=options.host, port=options.port, log_level="warning",
+                        timeout_graceful_shutdown=10)
     except (_Stop, KeyboardInterrupt):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if memory is not None:
-            memory.close()
-        if vllm is not None:
-            say("stopping vLLM's server ...")
-            vllm.stop()
+        if front is not None:
+            front.close()
+        if supervisor is not None:
+            supervisor.stop()
+        if started:
+            say("stopping vLLM's server ..." if len(started) == 1 else f"stopping {len(started)} vLLM servers ...")
+            threads = [threading.Thread(target=v.stop) for v in started]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+
+def _running_model(urls: tuple[str, ...], api_key: str | None) -> str:
+    """The model the first of ``urls`` serves (``/v1/models``).
+
+    Raises:
+        RuntimeError: a server does not answer.
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    names = []
+    for url in urls:
+        try:
+            r = httpx.get(f"{url}/v1/models", headers=headers, timeout=10.0)
+            r.raise_for_status()
+            names.append(r.json()["data"][0]["id"])
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            raise RuntimeError(f"the vLLM server at {url} does not answer /v1/models ({exc}); start it as "
+                               "docs/server.md shows, or leave out --vllm-url") from None
+    if len(set(names)) > 1:
+        raise RuntimeError(f"the vLLM servers serve different models ({', '.join(names)}): replicas must serve one")
+    return names[0]

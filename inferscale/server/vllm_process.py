@@ -17,9 +17,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import Callable, Sequence
 
 import httpx
 
@@ -139,6 +141,14 @@ class VLLMProcess:
                                      f"{self.log_tail()}")
             time.sleep(poll_s)
 
+    def restart(self) -> int | None:
+        """Start the server again on its port after it exited (what was left of its process
+        group is stopped first). Returns the exit code it had."""
+        code = None if self._proc is None else self._proc.poll()
+        self.stop(grace_s=5.0)
+        self.start()
+        return code
+
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM the child's process group, SIGKILL it after ``grace_s`` seconds (idempotent)."""
         proc, self._proc = self._proc, None
@@ -159,3 +169,45 @@ class VLLMProcess:
             except ProcessLookupError:
                 break
             time.sleep(0.5)
+
+
+class ReplicaSupervisor:
+    """Start again the vLLM servers of ``inferscale serve`` that exit while it serves.
+
+    A thread checks every ``poll_s`` seconds; a server found exited is restarted on its
+    port (the front's router passes it over until it answers again). :meth:`stop` before
+    stopping the servers.
+
+    Args:
+        processes: the servers (started). say: where the restarts are reported.
+        poll_s: seconds between checks.
+    """
+
+    def __init__(self, processes: Sequence[VLLMProcess], say: Callable[[str], None] = print,
+                 poll_s: float = 2.0) -> None:
+        self.processes = list(processes)
+        self.say = say
+        self.poll_s = poll_s
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="inferscale-vllm-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            for i, process in enumerate(self.processes):
+                if self._stop.is_set():
+                    return
+                if not process.running():
+                    code = process.restart()
+                    self.restarts += 1
+                    self.say(f"vLLM server {i} on {process.url} exited (code {code}); started it again "
+                             f"(log: {process.log_path})")
+
+    def stop(self) -> None:
+        """Stop checking (waits for a restart in progress)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
