@@ -124,3 +124,30 @@ def test_a_fact_added_and_asked_at_once_is_answered_as_text_then_injected(servin
     assert later.kv_memory_ids == [fid] and later.text_memory_ids == []
     assert later.num_injected_tokens == preamble + len(mem.prompts.fact_line_ids("My hamster is called Pickles."))
     assert later.text == first.text  # the same tokens, the same greedy answer
+
+
+def test_processes_sharing_a_queue_each_take_other_jobs_and_a_dead_ones_claims_are_released(tmp_path):
+    """Two front processes (``serve --workers 2``) drain one queue: a job claimed by a live
+    process is not taken by another; when that process dies its jobs are taken again."""
+    from inferscale.kv.jobs import KVJobQueue, process_owner
+
+    path = tmp_path / "kv_jobs.sqlite"
+    mine, theirs = KVJobQueue(path), KVJobQueue(path)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        theirs.owner = process_owner(other.pid)  # as if the other process had opened it
+        mine.add([(f"f{i}", "user:u", 0) for i in range(6)])
+        taken_by_them = theirs.take(4)
+        assert [j.fact_id for j in taken_by_them] == ["f0", "f1", "f2", "f3"]
+        assert [j.fact_id for j in mine.take(10)] == ["f4", "f5"]  # theirs are skipped
+        assert mine.claimable() == 2 and mine.pending() == 6
+        mine.add([("f0", "user:u", 0)])  # f0 written again: a new job anyone may take
+        assert [j.fact_id for j in mine.take(10)] == ["f4", "f5", "f0"]
+        theirs.done(taken_by_them)  # the old f0 job's removal leaves the new one
+        assert mine.pending() == 3
+        mine.add([("g0", "user:u", 0)])
+        assert [j.fact_id for j in theirs.take(1)] == ["g0"]
+    finally:
+        other.kill()
+        other.wait()
+    assert [j.fact_id for j in mine.take(10)] == ["f4", "f5", "f0", "g0"]  # the dead process's claim released
