@@ -102,9 +102,12 @@ class FactService:
         """
         for i, f in enumerate(inputs):
             self.check_length(f.text, f"fact {i}")
-        with self._lock:
+        with self._lock, self.history.scope_lock(scope.key):
             self.index.refresh(scope.key)  # another process's writes count for duplicates too
-            existing = self.index.find_hashes(scope.key, [text_hash(f.text) for f in inputs])
+            hashes = [text_hash(f.text) for f in inputs]
+            existing = self.index.find_hashes(scope.key, hashes)
+            if self.store.shared and self._recover_unrecorded(scope, [h for h in hashes if h not in existing]):
+                existing = self.index.find_hashes(scope.key, hashes)
             results, records, seen = [], [], dict(existing)
             now = _now()
             for f in inputs:
@@ -127,6 +130,20 @@ class FactService:
             self.kv.schedule(scope.key, records, self.default_w if context_window is None else context_window)
         return results
 
+    def _recover_unrecorded(self, scope: Scope, hashes: list[str]) -> bool:
+        """Facts with these text hashes that are in the shared store but not in the scope's
+        history: written to Chroma by a process that died before it recorded them (so no
+        reader's partition reloads them, and a retried add would store the text twice).
+        They are recorded now and the partition reloaded; returns whether there were any.
+        Called under the scope lock, so no live writer is between its two steps."""
+        found = self.store.find_hashes(scope, hashes)
+        unrecorded = [r for r in found if not self.history.events(scope.key, r.id)]
+        if not unrecorded:
+            return False
+        self.history.record(scope.key, [(r.id, "ADD", None, r.text) for r in unrecorded])
+        self.index.refresh(scope.key)  # the version moved past this partition's: it reloads
+        return True
+
     def update(self, scope: Scope, memory_id: str, text: str, metadata: dict | None = None) -> FactRecord:
         """Replace a memory's text (and metadata when given); invalidates its KV everywhere.
 
@@ -136,7 +153,7 @@ class FactService:
         """
         require_text(text, "data")
         self.check_length(text, "data")
-        with self._lock:
+        with self._lock, self.history.scope_lock(scope.key):
             self.index.refresh(scope.key)
             old = self.get(scope, memory_id)
             h = text_hash(text)
@@ -160,10 +177,12 @@ class FactService:
         Raises:
             MemoryNotFoundError: one of the ids is not a memory of ``scope`` (nothing is deleted).
         """
-        with self._lock:
-            records = [self.get(scope, i) for i in memory_ids]
-            if not records:
-                return []
+        with self._lock, self.history.scope_lock(scope.key):
+            return self._delete(scope, [self.get(scope, i) for i in memory_ids])
+
+    def _delete(self, scope: Scope, records: list[FactRecord]) -> list[FactRecord]:
+        """Delete ``records`` (under both locks)."""
+        if records:
             self.store.delete([r.id for r in records])
             self.index.remove(scope.key, {r.id for r in records})
             self.kv.unschedule([r.id for r in records])
@@ -175,9 +194,9 @@ class FactService:
 
     def delete_all(self, scope: Scope) -> list[FactRecord]:
         """Delete every memory of ``scope``; returns the deleted records."""
-        with self._lock:
+        with self._lock, self.history.scope_lock(scope.key):
             self.index.refresh(scope.key)
-            return self.delete(scope, [r.id for r in self.index.records(scope.key)])
+            return self._delete(scope, self.index.records(scope.key))
 
     def delete_turns(self, scope: Scope, turns: TurnLog, turn_ids: Sequence[str]) -> int:
         """Delete turns of the scope's log (ordered with fact writes); returns how many existed."""

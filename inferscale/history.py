@@ -81,6 +81,12 @@ class HistoryLog:
             after = con.execute(_version(scope)).scalar_one()
         return int(before), int(after)
 
+    def scope_lock(self, scope: str):
+        """A lock on ``scope``'s memories shared by every process over this database
+        (:meth:`inferscale.sql.Database.scope_lock`): a write that checks for duplicates and
+        then writes Chroma, the index and the history holds it from check to history."""
+        return self.db.scope_lock(f"facts:{scope}")
+
     def scope_version(self, scope: str) -> int:
         """A number that changes with every write to ``scope``'s memories by any process
         sharing the database (the newest event's ``seq``; 0 for none); one indexed query."""

@@ -58,6 +58,36 @@ class Database:
                 con.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _lock_id(lock_key)})
             yield con
 
+    @contextlib.contextmanager
+    def scope_lock(self, key: str) -> Iterator[None]:
+        """Hold an exclusive lock on ``key`` (a scope) against every thread and process that
+        uses this database, for a write that spans several stores (Chroma, the index, the
+        history): PostgreSQL's session-level advisory lock (``pg_advisory_lock``, released
+        by the server when a holder's connection dies); for SQLite, ``flock(2)`` on one of
+        256 lock files beside the database file (released by the kernel when a holder dies).
+        Not re-entrant across two ``with`` blocks of one thread (use one block)."""
+        if self.dialect == "postgresql":
+            with self.engine.connect() as con:
+                k = {"k": _lock_id(key)}
+                con.execute(text("SELECT pg_advisory_lock(:k)"), k)
+                con.commit()
+                try:
+                    yield
+                finally:
+                    con.execute(text("SELECT pg_advisory_unlock(:k)"), k)
+                    con.commit()
+            return
+        import fcntl
+
+        folder = Path(self.url.database or ".").with_suffix(".locks")
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{_lock_id(key) & 0xFF:02x}", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
     def create(self, metadata, *indexes) -> None:
         """Create ``metadata``'s tables and ``indexes`` where missing, in one write transaction
         under a lock, so processes starting together do not race (two PostgreSQL sessions

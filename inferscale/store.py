@@ -186,6 +186,7 @@ class FactStore:
         from chromadb.config import Settings
 
         where = server.url if server is not None else str(path)
+        self._server = server
         try:
             if server is not None:
                 self._client = server.client()
@@ -260,6 +261,19 @@ class FactStore:
             if m.get("scope") == scope.key
         }
         return [by_id[i] for i in ids if i in by_id]
+
+    @property
+    def shared(self) -> bool:
+        """Whether other processes may write this store (a Chroma server)."""
+        return self._server is not None
+
+    def find_hashes(self, scope: Scope, hashes: list[str]) -> list[FactRecord]:
+        """The records of ``scope`` whose text hash is one of ``hashes`` (one Chroma query)."""
+        if not hashes:
+            return []
+        got = self._col.get(where={"$and": [{"scope": scope.key}, {"hash": {"$in": list(hashes)}}]},
+                            include=["documents", "metadatas"])
+        return [FactRecord.from_chroma(i, d, m) for i, d, m in zip(got["ids"], got["documents"], got["metadatas"])]
 
     def list(self, scope: Scope) -> list[FactRecord]:
         """All records of ``scope``, oldest first."""

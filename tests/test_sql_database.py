@@ -86,3 +86,51 @@ def test_a_write_through_one_memory_is_seen_by_the_next_search_through_another(p
         assert w2.count(user_id="alice") == 1
         w2.delete_all(user_id="alice")
         assert w1.search("home", user_id="alice")["results"] == []
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from inferscale import Memory
+
+    with Memory(data_dir=sys.argv[1], dtype="float32", context_window=0, precompute_kv=False,
+                database_url=sys.argv[2], chroma_url=sys.argv[3]) as m:
+        for i in range(20):
+            m.add(f"Shared fact number {i}.", user_id="alice", infer=False)
+""")
+
+
+def test_two_processes_adding_the_same_facts_store_each_once(postgres_url, chroma, tmp_path):
+    """Two workers adding the same texts to one scope at once: the duplicate check and the
+    write hold the scope lock (a PostgreSQL advisory lock) together, so each text is stored once."""
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / f"w{i}"), postgres_url, chroma["url"]])
+             for i in range(2)]
+    for p in procs:
+        assert p.wait(timeout=600) == 0
+    with Memory(data_dir=tmp_path / "reader", dtype="float32", precompute_kv=False, database_url=postgres_url,
+                chroma_url=chroma["url"]) as m:
+        texts = [r["memory"] for r in m.get_all(user_id="alice")["results"]]
+    assert sorted(texts) == sorted(f"Shared fact number {i}." for i in range(20))
+
+
+def test_a_fact_a_dead_process_wrote_but_did_not_record_is_not_stored_twice(postgres_url, chroma, tmp_path):
+    """A worker killed between its Chroma write and its history record leaves a fact no other
+    worker's index holds; the client's retry of that add finds it, records it and returns it."""
+    import numpy as np
+
+    from inferscale.facts import text_hash
+    from inferscale.store import FactRecord
+
+    settings = dict(dtype="float32", context_window=0, precompute_kv=False, database_url=postgres_url,
+                    chroma_url=chroma["url"])
+    with Memory(data_dir=tmp_path / "w1", **settings) as w1, Memory(data_dir=tmp_path / "w2", **settings) as w2:
+        w1.add("I live in Lisbon.", user_id="bob")
+        assert w2.count(user_id="bob") == 1  # w2 has the scope loaded
+        text = "My cat is called Tom."
+        orphan = FactRecord("orphan0001", text, text_hash(text), Scope("bob"), (), {}, "2026-12-02T00:00:00",
+                            "2026-12-02T00:00:00")
+        w1.store.add([orphan], w1.embedder.encode([text]).numpy().astype(np.float32))  # then the process died
+        retried = w2.add(text, user_id="bob")["results"][0]
+        assert (retried["id"], retried["event"]) == ("orphan0001", "NOOP")
+        assert sorted(r["memory"] for r in w1.get_all(user_id="bob")["results"]) == ["I live in Lisbon.", text]
+        assert [e["event"] for e in w1.history("orphan0001", user_id="bob")] == ["ADD"]
+        assert w1.search("pets", user_id="bob", limit=1)["results"][0]["id"] == "orphan0001"
