@@ -41,6 +41,9 @@ BAD_VALUES = [
     ("bench report --results {afile}", "no results folder"),
     ("serve --port 0", "--port"),
     ("serve --tool-call-parser bogus", "is not one of vLLM's"),
+    ("serve --workers 2", "needs Chroma as a server"),
+    ("serve --workers 0", "--workers"),
+    ("serve --replicas 2 --vllm-url http://127.0.0.1:9", "--replicas starts vLLM servers"),
     ("models prepare --bogus", "No such option"),
 ]
 

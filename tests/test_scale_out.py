@@ -171,6 +171,9 @@ def test_two_workers_two_replicas_16_users_with_a_worker_and_a_replica_killed(de
     assert cross, "no add and search pair went through two different workers"
     assert all(found for *_, found in log["visibility"]), \
         f"a write acknowledged by one worker was not found by the next search: {log['visibility']}"
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).text
+    for replica in ("0", "1"):  # both replicas' connector counters, told apart by a label
+        assert re.search(rf'^vllm:inferscale_verified_total{{[^}}]*replica="{replica}"', metrics, re.M), metrics[:2000]
     print(f"visibility: {len(log['visibility'])} add->search pairs, {len(cross)} across workers, "
           f"all found by the first search (delay 0 after the acknowledgement)")
 
