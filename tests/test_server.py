@@ -131,7 +131,7 @@ def test_chat_injects_the_users_memory_then_text_and_none_modes(server):
     assert set(tm["text_memory_ids"]) == server.ids["alice"] and "Rex" in text.choices[0].message.content
 
     none = chat(server, "What is my dog called?", memory={"mode": "none"})
-    assert report(none) == {"mode": "none", "injected_tokens": 0}
+    assert report(none) == {"mode": "none", "injected_tokens": 0, "replica": 0}
 
 
 def test_streaming_chat_carries_the_memory_report_first(server):
