@@ -8,11 +8,11 @@ Routes:
     ``GET /metrics``  vLLM's Prometheus metrics (the connector's ``vllm:inferscale_*``
     counters among them; with several replicas, labelled ``replica``) followed by the
     front's ``inferscale_*`` ones
+    ``GET /docs``  OpenAPI documentation
 
 Every response carries ``X-InferScale-Worker`` (the front process's pid); chat and
 completion responses carry ``X-InferScale-Replica`` (the index of the vLLM replica that
 answered: a scope's requests go to one replica, :mod:`inferscale.server.upstream`).
-    ``GET /docs``  OpenAPI documentation
 
 Errors are JSON ``{"error": {"message", "type", "code"}}`` (OpenAI's shape): 400 for bad
 input, 401 for a missing or wrong API key, 404 for an unknown memory or route, 422 for a
@@ -185,7 +185,7 @@ def create_app(memory: Any, upstream: Replicas, *, api_key: str | None = None,
     async def completions(request: Request) -> Response:
         body = await _json_body(request)
         body = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "cache_salt")}
-        key = body["user"] if isinstance(body.get("user"), str) else ""
+        key = _route_key(body, request.headers)
         return await _until_disconnected(request, _forward(upstream, key, "/v1/completions", body, None, metrics))
 
     @app.post("/v1/chat/completions", tags=["openai"], summary="Chat with memory")
@@ -196,7 +196,7 @@ def create_app(memory: Any, upstream: Replicas, *, api_key: str | None = None,
         t0 = time.perf_counter()
         if options.mode == "none":
             plan = ChatPlan(forward_body(body, None, None), None, "none")
-            key = body["user"] if isinstance(body.get("user"), str) else ""
+            key = _route_key(body, request.headers)
         else:
             scope = request_scope(body, request.headers)
             key = scope.key
@@ -211,6 +211,15 @@ def create_app(memory: Any, upstream: Replicas, *, api_key: str | None = None,
 
     app.include_router(memories.router())
     return app
+
+
+def _route_key(body: dict, headers: Any) -> str:
+    """The replica routing key of a request without memory: its scope's key when it names
+    one (so a user's requests share a replica whatever their mode), else ``""``."""
+    try:
+        return request_scope(body, headers).key
+    except ChatRequestError:
+        return ""
 
 
 def _memory_options(value: Any) -> MemoryOptions:

@@ -136,13 +136,17 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
 
     from inferscale.models import resolve_llm
     from inferscale.server.vllm_process import ReplicaSupervisor, VLLMProcess, check_port_free
-    from inferscale.server.worker import WORKER_ENV, WorkerSpec, app_from_environment, open_front
+    from inferscale.server.worker import WORKER_ENV, WorkerSpec, open_front
 
     options.check(config)
     check_port_free(options.host, options.port)
     lock = lock_data_dir(config.data_dir)  # noqa: F841  (held until this process exits)
     model_path = resolve_llm(config.llm)
     name = options.served_model_name or served_name(config, model_path)
+    if options.workers > 1:  # the store opens here first: its errors are one message, not one per worker
+        from inferscale.memory import Memory
+
+        Memory(config).close()
     kv_dir = config.data_dir / "kv"
     started: list[VLLMProcess] = []
     supervisor: ReplicaSupervisor | None = None
@@ -190,9 +194,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
             os.environ[WORKER_ENV] = spec.to_json()
             say(f"InferScale is serving {name} with memory from {config.data_dir} on {where} with "
                 f"{options.workers} workers and {len(urls)} vLLM server(s) (OpenAI API under /v1, docs at /docs)")
-            uvicorn.run(f"{app_from_environment.__module__}:{app_from_environment.__name__}", factory=True,
-                        workers=options.workers, host=options.host, port=options.port, log_level="warning",
-                        timeout_graceful_shutdown=10)
+            _run_workers(options)
     except (_Stop, KeyboardInterrupt):
         pass
     finally:
@@ -208,6 +210,32 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
                 t.start()
             for t in threads:
                 t.join()
+
+
+def _run_workers(options: ServeOptions) -> None:
+    """uvicorn's multi-process supervisor over :func:`~inferscale.server.worker.app_from_environment`
+    (what ``uvicorn.run(..., workers=N)`` does, keeping the workers to read their exit codes).
+
+    Raises:
+        RuntimeError: a worker failed to start (uvicorn then stops them all).
+    """
+    from uvicorn import Config
+    from uvicorn.config import STARTUP_FAILURE
+    from uvicorn.supervisors import Multiprocess
+
+    from inferscale.server.worker import app_from_environment
+
+    config = Config(f"{app_from_environment.__module__}:{app_from_environment.__name__}", factory=True,
+                    workers=options.workers, host=options.host, port=options.port, log_level="warning",
+                    timeout_graceful_shutdown=10)
+    sock = config.bind_socket()
+    supervisor = Multiprocess(config, sockets=[sock])
+    try:
+        supervisor.run()
+    finally:
+        sock.close()
+    if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes):
+        raise RuntimeError("a worker could not start (its error is above), so the server stopped")
 
 
 def _running_model(urls: tuple[str, ...], api_key: str | None) -> str:
