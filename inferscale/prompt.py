@@ -14,15 +14,26 @@ in where the memory block's KV comes from.
 
 Each piece is tokenized on its own and the ids are concatenated, so every fact has the
 same tokens in every prompt it appears in (its KV can be reused).
+
+Templates that render the current date into the system turn (Llama 3.x: "Today Date: 02
+Dec 2026", through the template's ``strftime_now``) change the preamble every day. The
+served preamble (:attr:`PromptBuilder.preamble_ids`) is rendered again every
+``rerender_s`` seconds, so it matches what vLLM's server renders from the same template;
+the preamble that facts are *encoded* after (:attr:`PromptBuilder.context_preamble_ids`)
+is rendered at a fixed date, so a fact's KV (and its key) does not change with the day.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from datetime import datetime
+from typing import Callable, Sequence
 
 _SENTINEL = "\u27e6INFERSCALE_MEMORY\u27e7"
+#: the date the encoding context's preamble is rendered at (any fixed day would do)
+CONTEXT_DATE = datetime(2024, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,11 @@ class PromptBuilder:
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
         system_prompt: text before the memory block.
+        now: the clock a template's ``strftime_now`` reads (default: local time, as
+            transformers' and vLLM's rendering do).
+        rerender_s: seconds between renderings of the served preamble (a date in the
+            template is then at most this late after midnight; until it is rendered again
+            the connector's token check refuses the stale preamble, and vLLM prefills it).
 
     Raises:
         ValueError: the tokenizer has no chat template.
@@ -75,15 +91,33 @@ class PromptBuilder:
 
     memory_header = "\n\nMemories:\n"
 
-    def __init__(self, tokenizer, system_prompt: str) -> None:
+    def __init__(self, tokenizer, system_prompt: str, *, now: Callable[[], datetime] = datetime.now,
+                 rerender_s: float = 60.0) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; InferScale serves chat models only")
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
-        before, self._after_template = self._split_template()
-        self.preamble_ids = tuple(self._tok(before))
+        self._now = now
+        self.rerender_s = rerender_s
+        before, _ = self._split_template(clock=lambda: CONTEXT_DATE)
+        #: the preamble facts are encoded after: the template rendered at :data:`CONTEXT_DATE`
+        self.context_preamble_ids = tuple(self._tok(before))
+        self._render()
         # a fact's line is tokenized once per process, not on every request that retrieves it
         self._line_ids = functools.lru_cache(maxsize=65_536)(self._fact_line_ids)
+
+    def _render(self) -> None:
+        before, after = self._split_template()
+        self._preamble_ids, self._after_template = tuple(self._tok(before)), after
+        self._rendered_at = time.monotonic()
+
+    @property
+    def preamble_ids(self) -> tuple[int, ...]:
+        """The served preamble's token ids (chat template up to the memory lines), as the
+        template renders it now (rendered again every ``rerender_s`` seconds)."""
+        if time.monotonic() - self._rendered_at >= self.rerender_s:
+            self._render()
+        return self._preamble_ids
 
     def _tok(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
@@ -102,20 +136,25 @@ class PromptBuilder:
         return self.system_prompt + self.memory_header + memory + (f"\n{instructions}" if instructions else "")
 
     def _split_template(self, history: Sequence[dict] = (), instructions: str | None = None,
-                        followup: Sequence[dict] = ()) -> tuple[str, str]:
+                        followup: Sequence[dict] = (), clock: Callable[[], datetime] | None = None) -> tuple[str, str]:
         system = self._system(_SENTINEL, instructions)
         question = "\u27e6Q\u27e7"
         messages = [{"role": "system", "content": system}, *history, {"role": "user", "content": question},
                     *followup]
+        now = clock or self._now
+        # a render variable shadows the template's global of that name (Jinja), so the
+        # template's clock is ours: the live one, or the fixed date of the encoding context
+        dated = {"strftime_now": lambda fmt: now().strftime(fmt)}
         try:
-            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                          **dated)
         except Exception:  # templates that reject a system turn: put it in the user turn
             if history or followup:
                 raise ValueError("this model's chat template has no system turn, so a conversation history cannot "
                                  "follow the memory block: send the question alone") from None
             rendered = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": system + "\n\n" + question}], tokenize=False, add_generation_prompt=True
-            )
+                [{"role": "user", "content": system + "\n\n" + question}], tokenize=False, add_generation_prompt=True,
+                **dated)
         if rendered.count(_SENTINEL) != 1 or rendered.count(question) != 1:
             raise ValueError("the chat template does not render the memory block exactly once")
         before, after = rendered.split(_SENTINEL)
@@ -159,7 +198,7 @@ class PromptBuilder:
             ValueError: the chat template renders the system turn differently with this
                 history, or cannot take a history at all.
         """
-        segments = self.memory_segments(facts)
+        segments = self.memory_segments(facts)  # reads preamble_ids: renders again when due
         ids = [t for seg in segments for t in seg.token_ids]
         after = self._after_template
         if history or instructions or followup:

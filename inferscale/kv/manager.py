@@ -125,9 +125,10 @@ class KVManager:
         self.pool.clear()
 
     def preamble_span(self) -> FactSpan:
-        """The prompt preamble's KV request (computed once)."""
-        if self._preamble is None:
-            ids = self.prompts.preamble_ids
+        """The served preamble's KV request (computed again when the preamble changes: a
+        template that renders the date)."""
+        ids = self.prompts.preamble_ids
+        if self._preamble is None or self._preamble.item.span_ids != ids:
             key = kv_key("_preamble", fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, ids=_digest(ids))
             self._preamble = FactSpan(key, EncodeItem((), ids))
         return self._preamble
@@ -169,10 +170,10 @@ class KVManager:
             window = self.turns.window(scope_key, min(seqs), w) if seqs and w > 0 else []
             span = self.prompts.fact_line_ids(fact.text)
             lines = [self.prompts.fact_line_ids(turn.render()) for turn in window]
-            budget = self.max_tokens - len(self.prompts.preamble_ids) - len(span)
+            budget = self.max_tokens - len(self.prompts.context_preamble_ids) - len(span)
             while lines and sum(map(len, lines)) > budget:
                 lines.pop(0)  # drop the oldest turns until the encoding fits the context
-            context = list(self.prompts.preamble_ids)
+            context = list(self.prompts.context_preamble_ids)  # date-free: keys stay valid across days
             for line in lines:
                 context.extend(line)
             key = kv_key(
