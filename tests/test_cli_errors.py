@@ -44,6 +44,7 @@ BAD_VALUES = [
     ("serve --workers 2", "needs Chroma as a server"),
     ("serve --workers 0", "--workers"),
     ("serve --replicas 2 --vllm-url http://127.0.0.1:9", "--replicas starts vLLM servers"),
+    ("serve --vllm-url http://127.0.0.1:9 --vllm-url http://127.0.0.1:9/", "is given more than once"),
     ("models prepare --bogus", "No such option"),
 ]
 

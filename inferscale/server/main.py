@@ -66,6 +66,10 @@ class ServeOptions:
             raise ValueError(f"--workers and --replicas must be at least 1, got {self.workers} and {self.replicas}")
         if self.vllm_urls and self.replicas != 1:
             raise ValueError("--replicas starts vLLM servers; with --vllm-url give each running server's URL instead")
+        urls = [u.rstrip("/") for u in self.vllm_urls]
+        twice = sorted({u for u in urls if urls.count(u) > 1})
+        if twice:
+            raise ValueError(f"--vllm-url {twice[0]} is given more than once: give each vLLM server once")
         if self.workers > 1 and config.chroma_url is None:
             raise ValueError(f"--workers {self.workers} needs Chroma as a server: the embedded store in the data dir "
                              "is one process's. Start `chroma run --path <dir> --port 8001` and set "
@@ -134,7 +138,9 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
 
     import uvicorn
 
+    from inferscale.memory import Memory
     from inferscale.models import resolve_llm
+    from inferscale.server.upstream import HttpEngine
     from inferscale.server.vllm_process import ReplicaSupervisor, VLLMProcess, check_port_free
     from inferscale.server.worker import WORKER_ENV, WorkerSpec, open_front
 
@@ -143,11 +149,13 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
     lock = lock_data_dir(config.data_dir)  # noqa: F841  (held until this process exits)
     model_path = resolve_llm(config.llm)
     name = options.served_model_name or served_name(config, model_path)
-    if options.workers > 1:  # the store opens here first: its errors are one message, not one per worker
-        from inferscale.memory import Memory
-
-        Memory(config).close()
     kv_dir = config.data_dir / "kv"
+    # the store opens before vLLM starts, so its errors come first (and once, not once per worker)
+    engine = HttpEngine((), kv_dir, name, options.api_key)  # its servers are set once they answer
+    memory = Memory(config, engine=engine)
+    if options.workers > 1:
+        memory.close()
+        engine.close()
     started: list[VLLMProcess] = []
     supervisor: ReplicaSupervisor | None = None
     front = None
@@ -158,6 +166,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         if not options.vllm_urls:
+            shares = _cpu_shares(options.replicas)
             for i in range(options.replicas):
                 log = "vllm.log" if i == 0 else f"vllm-{i}.log"
                 started.append(VLLMProcess(
@@ -165,7 +174,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
                     max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                     device_budget_bytes=config.device_kv_budget_bytes, max_num_seqs=options.max_num_seqs,
                     api_key=options.api_key, tool_call_parser=options.tool_call_parser,
-                    log_path=_fresh_log(config.data_dir / "logs" / log)))
+                    log_path=_fresh_log(config.data_dir / "logs" / log), environment=shares[i]))
             for i, vllm in enumerate(started):
                 what = "vLLM's OpenAI server" if len(started) == 1 else f"vLLM replica {i}"
                 say(f"starting {what} for {name} on {vllm.url} (log: {vllm.log_path}) ...")
@@ -181,7 +190,8 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
         spec = WorkerSpec(urls=urls, served_model_name=name, api_key=options.api_key)
         where = f"http://{options.host}:{options.port}"
         if options.workers == 1:
-            front = open_front(config, spec)
+            engine.urls, engine.model = list(urls), name
+            front = open_front(config, spec, memory=memory, engine=engine)
             say(f"InferScale is serving {name} with memory from {config.data_dir} on {where} "
                 "(OpenAI API under /v1, docs at /docs)")
             # uvicorn handles SIGTERM / Ctrl-C itself and raises the signal again once it has
@@ -201,6 +211,9 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
         signal.signal(signal.SIGTERM, previous)
         if front is not None:
             front.close()
+        elif options.workers == 1:
+            memory.close()
+            engine.close()
         if supervisor is not None:
             supervisor.stop()
         if started:
@@ -210,6 +223,25 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
                 t.start()
             for t in threads:
                 t.join()
+
+
+def _cpu_shares(replicas: int) -> list[dict[str, str]]:
+    """Per replica, its engine's extra environment: on a CPU machine with several replicas,
+    its own share of the cores (:func:`~inferscale.server.vllm_process.cpu_shares`)."""
+    import torch
+
+    from inferscale.server.vllm_process import cpu_shares
+
+    if replicas == 1 or torch.cuda.is_available():
+        return [{} for _ in range(replicas)]
+    return [{"VLLM_CPU_OMP_THREADS_BIND": share} for share in cpu_shares(replicas)]
+
+
+def _supervisor_events(record: logging.LogRecord) -> bool:
+    """uvicorn's supervisor messages worth a line at our quiet log level: warnings, and a
+    worker that died (uvicorn then starts another) or failed to start."""
+    message = record.getMessage()
+    return record.levelno >= logging.WARNING or " died" in message or "failed to start" in message
 
 
 def _run_workers(options: ServeOptions) -> None:
@@ -228,6 +260,9 @@ def _run_workers(options: ServeOptions) -> None:
     config = Config(f"{app_from_environment.__module__}:{app_from_environment.__name__}", factory=True,
                     workers=options.workers, host=options.host, port=options.port, log_level="warning",
                     timeout_graceful_shutdown=10)
+    events = logging.getLogger("uvicorn.error")  # the supervisor's logger (in this process only)
+    events.setLevel(logging.INFO)
+    events.addFilter(_supervisor_events)
     sock = config.bind_socket()
     supervisor = Multiprocess(config, sockets=[sock])
     try:
@@ -246,6 +281,8 @@ def _running_model(urls: tuple[str, ...], api_key: str | None) -> str:
     """
     import httpx
 
+    from inferscale.checks import first_line
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     names = []
     for url in urls:
@@ -254,7 +291,7 @@ def _running_model(urls: tuple[str, ...], api_key: str | None) -> str:
             r.raise_for_status()
             names.append(r.json()["data"][0]["id"])
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-            raise RuntimeError(f"the vLLM server at {url} does not answer /v1/models ({exc}); start it as "
+            raise RuntimeError(f"the vLLM server at {url} does not answer /v1/models ({first_line(exc)}); start it as "
                                "docs/server.md shows, or leave out --vllm-url") from None
     if len(set(names)) > 1:
         raise RuntimeError(f"the vLLM servers serve different models ({', '.join(names)}): replicas must serve one")

@@ -42,13 +42,35 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Raise ``OSError`` naming the port when ``host:port`` cannot be bound (in use, or not ours)."""
+    """Raise ``OSError`` naming the port when ``host:port`` cannot be bound (in use, or not ours).
+
+    Binds as uvicorn will, with ``SO_REUSEADDR``: connections of a server that just stopped
+    linger in TIME-WAIT for a minute, which keeps a plain bind from the port but not uvicorn.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
             raise OSError(f"cannot listen on {host}:{port} ({exc.strerror}): the port is in use or not allowed; "
                           "choose another with --port") from None
+
+
+def cpu_shares(n: int) -> list[str]:
+    """This process's CPU cores split into ``n`` contiguous shares, as values of vLLM's
+    ``VLLM_CPU_OMP_THREADS_BIND`` (``"0,1"``): one per vLLM replica on a CPU machine, so the
+    replicas' OpenMP threads do not spin on each other's cores. With fewer cores than
+    replicas, replica ``i`` gets core ``i mod cores``."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < n:
+        return [str(cores[i % len(cores)]) for i in range(n)]
+    size, extra = divmod(len(cores), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        out.append(",".join(map(str, cores[start:end])))
+        start = end
+    return out
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -71,12 +93,14 @@ class VLLMProcess:
         tool_call_parser: vLLM's tool-call parser (``None``: tool calls refused).
         port: loopback port (default: a free one).
         log_path: where the child's stdout and stderr go (appended; default: a temporary file).
+        environment: variables for the child on top of InferScale's engine defaults (a
+            variable already set in this process's environment wins over both).
     """
 
     def __init__(self, model_path: Path, *, served_model_name: str, kv_dir: Path, dtype: str, max_model_len: int,
                  kv_cache_memory_bytes: int, device_budget_bytes: int, max_num_seqs: int = 64,
                  api_key: str | None = None, port: int | None = None, log_path: Path | None = None,
-                 tool_call_parser: str | None = "hermes") -> None:
+                 tool_call_parser: str | None = "hermes", environment: dict[str, str] | None = None) -> None:
         self.host = "127.0.0.1"
         self.port = port or free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
@@ -92,10 +116,11 @@ class VLLMProcess:
             log_path = Path(name)
         self.log_path = Path(log_path)
         self._proc: subprocess.Popen | None = None
+        self.environment = {k: v for k, v in (environment or {}).items() if k not in os.environ}
 
     def start(self) -> None:
         """Start the child (returns at once; :meth:`wait_ready` waits for it)."""
-        env = {**os.environ, **engine_environment(verbose=True)}  # its log file keeps vLLM's full output
+        env = {**os.environ, **engine_environment(verbose=True), **self.environment}  # its log keeps vLLM's output
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
         with open(self.log_path, "ab") as log:

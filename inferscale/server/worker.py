@@ -63,14 +63,16 @@ class Front:
             self.engine.close()
 
 
-def open_front(config: MemoryConfig, spec: WorkerSpec) -> Front:
-    """Open the memory over ``config``'s store and build the front's app for ``spec``'s servers."""
+def open_front(config: MemoryConfig, spec: WorkerSpec, memory: Any = None, engine: Any = None) -> Front:
+    """Build the front's app for ``spec``'s servers over ``memory`` (default: open one over
+    ``config``'s store, with an :class:`~inferscale.server.upstream.HttpEngine` as ``engine``)."""
     from inferscale.memory import Memory
     from inferscale.server.app import create_app
     from inferscale.server.upstream import HttpEngine, Replicas
 
-    engine = HttpEngine(spec.urls, config.data_dir / "kv", spec.served_model_name, spec.api_key)
-    memory = Memory(config, engine=engine)
+    if memory is None:
+        engine = HttpEngine(spec.urls, config.data_dir / "kv", spec.served_model_name, spec.api_key)
+        memory = Memory(config, engine=engine)
     front = Front(None, memory, engine)
     front.app = create_app(memory, Replicas(spec.urls, spec.api_key, spec.served_model_name),
                            api_key=spec.api_key, on_close=front.close)

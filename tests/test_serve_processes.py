@@ -1,0 +1,50 @@
+"""Helpers of ``inferscale serve`` that need no model: the port check and the CPU shares of
+vLLM replicas on one CPU machine."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from inferscale.server.vllm_process import check_port_free, cpu_shares
+
+
+def test_a_port_whose_last_connections_linger_in_time_wait_is_free_again():
+    """A server that answered clients and stopped leaves its side of those connections in
+    TIME-WAIT for a minute; uvicorn binds with SO_REUSEADDR, and so must the check."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server closes first: its end goes to TIME-WAIT
+    client.close()
+    server.close()
+    check_port_free("127.0.0.1", port)  # raised "Address already in use" before
+
+
+def test_a_port_someone_listens_on_is_refused():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    try:
+        with pytest.raises(OSError, match="choose another with --port"):
+            check_port_free("127.0.0.1", server.getsockname()[1])
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_replicas_get_disjoint_shares_of_the_cores(n):
+    cores = sorted(os.sched_getaffinity(0))
+    shares = [[int(c) for c in s.split(",")] for s in cpu_shares(n)]
+    assert len(shares) == n
+    if n <= len(cores):
+        assert sorted(c for s in shares for c in s) == cores  # every core once
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    else:
+        assert all(len(s) == 1 and s[0] in cores for s in shares)
