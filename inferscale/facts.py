@@ -106,7 +106,9 @@ class FactService:
             self.index.refresh(scope.key)  # another process's writes count for duplicates too
             hashes = [text_hash(f.text) for f in inputs]
             existing = self.index.find_hashes(scope.key, hashes)
-            if self.store.shared and self._recover_unrecorded(scope, [h for h in hashes if h not in existing]):
+            recovered = self._recover_unrecorded(scope, [h for h in hashes if h not in existing]) \
+                if self.store.shared else []
+            if recovered:
                 existing = self.index.find_hashes(scope.key, hashes)
             results, records, seen = [], [], dict(existing)
             now = _now()
@@ -126,23 +128,24 @@ class FactService:
                 self.index.add(scope.key, records, emb)
                 self.index.advance(scope.key, *self.history.record(scope.key, [(r.id, "ADD", None, r.text)
                                                                                for r in records]))
-        if records and encode_kv and self.precompute_kv:
-            self.kv.schedule(scope.key, records, self.default_w if context_window is None else context_window)
+        if (records or recovered) and encode_kv and self.precompute_kv:
+            self.kv.schedule(scope.key, [*recovered, *records],
+                             self.default_w if context_window is None else context_window)
         return results
 
-    def _recover_unrecorded(self, scope: Scope, hashes: list[str]) -> bool:
+    def _recover_unrecorded(self, scope: Scope, hashes: list[str]) -> list[FactRecord]:
         """Facts with these text hashes that are in the shared store but not in the scope's
         history: written to Chroma by a process that died before it recorded them (so no
         reader's partition reloads them, and a retried add would store the text twice).
-        They are recorded now and the partition reloaded; returns whether there were any.
-        Called under the scope lock, so no live writer is between its two steps."""
+        They are recorded now and the partition reloaded; returns them (their KV is then
+        queued like a new fact's). Called under the scope lock, so no live writer is between
+        its two steps."""
         found = self.store.find_hashes(scope, hashes)
         unrecorded = [r for r in found if not self.history.events(scope.key, r.id)]
-        if not unrecorded:
-            return False
-        self.history.record(scope.key, [(r.id, "ADD", None, r.text) for r in unrecorded])
-        self.index.refresh(scope.key)  # the version moved past this partition's: it reloads
-        return True
+        if unrecorded:
+            self.history.record(scope.key, [(r.id, "ADD", None, r.text) for r in unrecorded])
+            self.index.refresh(scope.key)  # the version moved past this partition's: it reloads
+        return unrecorded
 
     def update(self, scope: Scope, memory_id: str, text: str, metadata: dict | None = None) -> FactRecord:
         """Replace a memory's text (and metadata when given); invalidates its KV everywhere.

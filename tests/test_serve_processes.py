@@ -48,3 +48,11 @@ def test_replicas_get_disjoint_shares_of_the_cores(n):
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
     else:
         assert all(len(s) == 1 and s[0] in cores for s in shares)
+
+
+def test_replicas_on_a_multi_gpu_machine_get_a_gpu_each():
+    from inferscale.server.vllm_process import gpu_shares
+
+    assert gpu_shares(2, None, 4) == ["0", "1"]
+    assert gpu_shares(3, None, 2) == ["0", "1", "0"]  # more replicas than GPUs: they share
+    assert gpu_shares(2, "2,3", 2) == ["2", "3"]  # the user's CUDA_VISIBLE_DEVICES, split

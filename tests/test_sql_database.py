@@ -129,8 +129,11 @@ def test_a_fact_a_dead_process_wrote_but_did_not_record_is_not_stored_twice(post
         orphan = FactRecord("orphan0001", text, text_hash(text), Scope("bob"), (), {}, "2026-12-02T00:00:00",
                             "2026-12-02T00:00:00")
         w1.store.add([orphan], w1.embedder.encode([text]).numpy().astype(np.float32))  # then the process died
+        w2.config.precompute_kv = w2.facts.precompute_kv = True
+        w2.kv.background.pause()  # so the queued job stays to be seen
         retried = w2.add(text, user_id="bob")["results"][0]
         assert (retried["id"], retried["event"]) == ("orphan0001", "NOOP")
+        assert w2.kv.pending(["orphan0001"]) == 1  # its KV is queued like a new fact's
         assert sorted(r["memory"] for r in w1.get_all(user_id="bob")["results"]) == ["I live in Lisbon.", text]
         assert [e["event"] for e in w1.history("orphan0001", user_id="bob")] == ["ADD"]
         assert w1.search("pets", user_id="bob", limit=1)["results"][0]["id"] == "orphan0001"

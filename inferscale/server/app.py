@@ -114,12 +114,6 @@ def create_app(memory: Any, upstream: Replicas, *, api_key: str | None = None,
     worker = str(os.getpid())
 
     @app.middleware("http")
-    async def name_worker(request: Request, call_next):
-        response = await call_next(request)
-        response.headers["x-inferscale-worker"] = worker
-        return response
-
-    @app.middleware("http")
     async def require_key(request: Request, call_next):
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
@@ -131,6 +125,12 @@ def create_app(memory: Any, upstream: Replicas, *, api_key: str | None = None,
                 return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                               "authentication_error")
         return await call_next(request)
+
+    @app.middleware("http")  # added last, so it runs outermost: 401 and 413 answers carry it too
+    async def name_worker(request: Request, call_next):
+        response = await call_next(request)
+        response.headers["x-inferscale-worker"] = worker
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -215,11 +215,12 @@ def create_app(memory: Any, upstream: Replicas, *, api_key: str | None = None,
 
 def _route_key(body: dict, headers: Any) -> str:
     """The replica routing key of a request without memory: its scope's key when it names
-    one (so a user's requests share a replica whatever their mode), else ``""``."""
+    one (so a user's requests share a replica whatever their mode), else a fresh random key
+    (requests of nobody in particular spread over the replicas)."""
     try:
         return request_scope(body, headers).key
     except ChatRequestError:
-        return ""
+        return os.urandom(8).hex()
 
 
 def _memory_options(value: Any) -> MemoryOptions:

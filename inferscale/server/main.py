@@ -166,7 +166,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         if not options.vllm_urls:
-            shares = _cpu_shares(options.replicas)
+            shares = _device_shares(options.replicas)
             for i in range(options.replicas):
                 log = "vllm.log" if i == 0 else f"vllm-{i}.log"
                 started.append(VLLMProcess(
@@ -225,14 +225,24 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
                 t.join()
 
 
-def _cpu_shares(replicas: int) -> list[dict[str, str]]:
-    """Per replica, its engine's extra environment: on a CPU machine with several replicas,
-    its own share of the cores (:func:`~inferscale.server.vllm_process.cpu_shares`)."""
+def _device_shares(replicas: int) -> list[dict[str, str]]:
+    """Per replica, its engine's extra environment when several share one machine: on CUDA
+    its own GPU (``CUDA_VISIBLE_DEVICES``, :func:`~inferscale.server.vllm_process.gpu_shares`),
+    on a CPU its own share of the cores (``VLLM_CPU_OMP_THREADS_BIND``,
+    :func:`~inferscale.server.vllm_process.cpu_shares`). A binding the user set for the
+    cores wins; a user's ``CUDA_VISIBLE_DEVICES`` is split among the replicas."""
+    import os
+
     import torch
 
-    from inferscale.server.vllm_process import cpu_shares
+    from inferscale.server.vllm_process import cpu_shares, gpu_shares
 
-    if replicas == 1 or torch.cuda.is_available():
+    if replicas == 1:
+        return [{}]
+    if torch.cuda.is_available():
+        shares = gpu_shares(replicas, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+        return [{"CUDA_VISIBLE_DEVICES": g} for g in shares]
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return [{} for _ in range(replicas)]
     return [{"VLLM_CPU_OMP_THREADS_BIND": share} for share in cpu_shares(replicas)]
 

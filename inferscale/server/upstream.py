@@ -9,7 +9,8 @@ replica in the same order (failover), and the dead one is tried again after
 ``retry_after_s``. Every front process computes the same order, so routing needs no
 shared state. :class:`HttpEngine` gives :class:`inferscale.Memory` the one engine method
 it needs in a server, ``generate`` (fact extraction for ``add(infer=True)``), through
-``/v1/completions`` with token-id prompts, with the same failover.
+``/v1/completions`` with token-id prompts, taking the replicas in turn and skipping one
+that does not answer.
 
 Rendezvous hashing: D. G. Thaler and C. V. Ravishankar, "Using name-based mappings to
 increase hit rates", IEEE/ACM Transactions on Networking 6(1), 1998: a replica leaving

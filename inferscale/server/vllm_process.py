@@ -73,6 +73,14 @@ def cpu_shares(n: int) -> list[str]:
     return out
 
 
+def gpu_shares(n: int, visible: str | None, count: int) -> list[str]:
+    """The GPU of each of ``n`` replicas, as values of ``CUDA_VISIBLE_DEVICES``: replica ``i``
+    gets the ``i mod g``-th of the GPUs this process may use (``visible``, the user's own
+    ``CUDA_VISIBLE_DEVICES``, else the ``count`` devices torch sees)."""
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(count)]
+    return [ids[i % len(ids)] for i in range(n)] if ids else ["" for _ in range(n)]
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -93,8 +101,8 @@ class VLLMProcess:
         tool_call_parser: vLLM's tool-call parser (``None``: tool calls refused).
         port: loopback port (default: a free one).
         log_path: where the child's stdout and stderr go (appended; default: a temporary file).
-        environment: variables for the child on top of InferScale's engine defaults (a
-            variable already set in this process's environment wins over both).
+        environment: variables for the child over this process's environment and InferScale's
+            engine defaults (e.g. its share of the machine's cores or GPUs).
     """
 
     def __init__(self, model_path: Path, *, served_model_name: str, kv_dir: Path, dtype: str, max_model_len: int,
@@ -116,7 +124,7 @@ class VLLMProcess:
             log_path = Path(name)
         self.log_path = Path(log_path)
         self._proc: subprocess.Popen | None = None
-        self.environment = {k: v for k, v in (environment or {}).items() if k not in os.environ}
+        self.environment = dict(environment or {})
 
     def start(self) -> None:
         """Start the child (returns at once; :meth:`wait_ready` waits for it)."""
