@@ -264,6 +264,7 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(server):
         assert r.json()["error"]["message"], r.text
     wrong = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+    assert wrong.headers["x-inferscale-worker"].isdigit()  # every answer names the front process
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/health").status_code == 200  # liveness needs no key
     assert "Rex" in chat(server, "What is my dog called?").choices[0].message.content
