@@ -38,6 +38,7 @@ class Database:
         parsed = check_url(url)
         self.dialect = parsed.get_backend_name()
         self.url = parsed
+        self._lock_dir: Path | None = None
         if self.dialect == "sqlite":
             self.engine = create_engine(parsed, connect_args={"timeout": 60})
             _sqlite_immediate(self.engine)
@@ -64,7 +65,8 @@ class Database:
         uses this database, for a write that spans several stores (Chroma, the index, the
         history): PostgreSQL's session-level advisory lock (``pg_advisory_lock``, released
         by the server when a holder's connection dies); for SQLite, ``flock(2)`` on one of
-        256 lock files beside the database file (released by the kernel when a holder dies).
+        256 lock files in ``<database>.locks/`` beside the database file (released by the
+        kernel when a holder dies).
         Not re-entrant across two ``with`` blocks of one thread (use one block)."""
         if self.dialect == "postgresql":
             with self.engine.connect() as con:
@@ -79,9 +81,10 @@ class Database:
             return
         import fcntl
 
-        folder = Path(self.url.database or ".").with_suffix(".locks")
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"{_lock_id(key) & 0xFF:02x}", "a") as f:
+        if self._lock_dir is None:  # created on the first lock, not on every write
+            self._lock_dir = Path(self.url.database or ".").with_suffix(".locks")
+            self._lock_dir.mkdir(parents=True, exist_ok=True)
+        with open(self._lock_dir / f"{_lock_id(key) & 0xFF:02x}", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield

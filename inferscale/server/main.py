@@ -190,7 +190,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
         spec = WorkerSpec(urls=urls, served_model_name=name, api_key=options.api_key)
         where = f"http://{options.host}:{options.port}"
         if options.workers == 1:
-            engine.urls, engine.model = list(urls), name
+            engine.point_at(urls, name)
             front = open_front(config, spec, memory=memory, engine=engine)
             say(f"InferScale is serving {name} with memory from {config.data_dir} on {where} "
                 "(OpenAI API under /v1, docs at /docs)")
@@ -284,16 +284,17 @@ def _run_workers(options: ServeOptions) -> None:
 
 
 def _running_model(urls: tuple[str, ...], api_key: str | None) -> str:
-    """The model the first of ``urls`` serves (``/v1/models``).
+    """The model ``urls`` serve (``/v1/models`` of each).
 
     Raises:
-        RuntimeError: a server does not answer.
+        RuntimeError: a server does not answer, or they serve different models.
     """
     import httpx
 
     from inferscale.checks import first_line
+    from inferscale.server.upstream import auth_headers
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     names = []
     for url in urls:
         try:

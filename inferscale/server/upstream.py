@@ -40,7 +40,8 @@ REPLICA_DOWN_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemotePro
                        httpx.WriteError)
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The bearer-token header vLLM's server expects (none without a key)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
@@ -64,7 +65,7 @@ class Replica:
         self.url = url.rstrip("/")
         timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        self.client = httpx.AsyncClient(base_url=self.url, headers=_headers(api_key), timeout=timeout, limits=limits)
+        self.client = httpx.AsyncClient(base_url=self.url, headers=auth_headers(api_key), timeout=timeout, limits=limits)
         self.down_until = 0.0
         self.failovers = 0
 
@@ -215,8 +216,13 @@ class HttpEngine:
         self.model = served_model_name
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         self._next = 0
-        self._client = httpx.Client(headers=_headers(api_key),
+        self._client = httpx.Client(headers=auth_headers(api_key),
                                     timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+
+    def point_at(self, urls: Sequence[str], served_model_name: str) -> None:
+        """Use these servers and model name from now on (``inferscale serve`` opens the memory
+        before its vLLM servers answer)."""
+        self.urls, self.model = list(urls), served_model_name
 
     def generate(self, prompt_token_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
                  **_: object) -> Completion:
