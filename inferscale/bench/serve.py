@@ -157,14 +157,16 @@ async def _ask(client, model: str, user_id: str, question: str, mode: str, k: in
 
 
 async def _measure(server: ServerProcess, plan, todo, log: ResultLog, *, k: int, w: int, max_tokens: int,
-                   ignore_eos: bool) -> None:
+                   ignore_eos: bool, warm: bool = True) -> None:
+    """Run each ``(users, mode)`` level of ``todo`` into ``log``, after a warm-up pass over
+    ``plan`` that loads every fact's KV into the connector's device tier (``warm``)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=_KEY, max_retries=0, timeout=600)
     async with httpx.AsyncClient(headers=server.headers, timeout=60) as http:
         model = (await client.models.list()).data[0].id
-        for user_id, _conv, _facts, questions in tqdm(plan, desc="warm-up (KV into the engine's device tier)",
-                                                      unit="user"):
+        for user_id, _conv, _facts, questions in tqdm(plan if warm else [], unit="user",
+                                                      desc="warm-up (KV into the engine's device tier)"):
             for q in questions:
                 await client.chat.completions.create(
                     model=model, user=user_id, messages=[{"role": "user", "content": q}], max_tokens=1,
