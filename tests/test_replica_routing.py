@@ -82,6 +82,77 @@ def test_a_scope_whose_replica_is_down_goes_to_its_next_one(live_server):
     assert replicas.replicas[0].failovers == 1  # passed over for retry_after_s: tried once, not twice
 
 
+class _Hanging(_Handler):
+    """A replica whose port is open but whose server does not answer until ``release`` is set."""
+
+    release = threading.Event()
+
+    def do_POST(self):  # noqa: N802
+        self.release.wait(60)
+        try:
+            super().do_POST()
+        except OSError:
+            pass  # the client gave up on it
+
+    do_GET = do_POST  # noqa: N815
+
+
+def test_a_replica_that_hangs_is_passed_over_after_failed_health_probes(live_server):
+    hung = ThreadingHTTPServer(("127.0.0.1", 0), _Hanging)
+    threading.Thread(target=hung.serve_forever, daemon=True).start()
+    _Hanging.release.clear()
+    replicas = Replicas([f"http://127.0.0.1:{hung.server_port}", f"http://127.0.0.1:{live_server.server_port}"],
+                        retry_after_s=60)
+    key = next(k for k in KEYS if rendezvous_order(k, 2)[0] == 0)  # a scope of the hung replica
+
+    async def go():
+        try:
+            assert await replicas.probe(timeout_s=0.5) == [False, True]
+            assert replicas.order(key)[0].index == 0  # one slow answer is not a hang (a busy server)
+            await replicas.probe(timeout_s=0.5)
+            assert replicas.order(key)[0].index == 1  # two in a row: passed over
+            served = await replicas.send(key, "POST", "/v1/chat/completions", json={})
+            _Hanging.release.set()  # it answers again: the next probe lifts the pause
+            return served, await replicas.probe(timeout_s=10)
+        finally:
+            await replicas.aclose()
+
+    try:
+        (replica, response), after = asyncio.run(go())
+    finally:
+        _Hanging.release.set()
+        hung.shutdown()
+    assert replica.index == 1 and response.json() == {"served_by": live_server.server_port}
+    assert after == [True, True] and replicas.replicas[0].up()
+
+
+def test_the_health_watch_runs_until_cancelled_and_marks_a_hung_replica(live_server):
+    hung = ThreadingHTTPServer(("127.0.0.1", 0), _Hanging)
+    threading.Thread(target=hung.serve_forever, daemon=True).start()
+    _Hanging.release.clear()
+    replicas = Replicas([f"http://127.0.0.1:{hung.server_port}", f"http://127.0.0.1:{live_server.server_port}"])
+
+    async def go():
+        task = asyncio.create_task(replicas.watch(interval_s=0.05, timeout_s=0.3))
+        try:
+            for _ in range(200):  # up to ~20 s on a loaded machine; ~0.7 s here
+                if not replicas.replicas[0].up():
+                    break
+                await asyncio.sleep(0.1)
+            return [r.up() for r in replicas.replicas]
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await replicas.aclose()
+
+    try:
+        assert asyncio.run(go()) == [False, True]
+    finally:
+        _Hanging.release.set()
+        hung.shutdown()
+
+
 def test_no_replica_answering_is_the_transport_error():
     replicas = Replicas([f"http://127.0.0.1:{free_port()}"])
 

@@ -22,6 +22,7 @@ errors pass through with its status.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -101,7 +102,13 @@ def create_app(memory: Any, upstream: Replicas, *, api_key: str | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        # with several replicas, a hung one is passed over (with one there is nowhere else to go)
+        watch = asyncio.create_task(upstream.watch()) if len(upstream) > 1 else None
         yield
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         await upstream.aclose()
         if on_close is not None:
             await run_in_threadpool(on_close)

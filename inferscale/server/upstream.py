@@ -6,7 +6,8 @@ stable hash of its memory scope (rendezvous hashing over the replicas' indexes),
 user's requests all reach one replica and find its KV in that replica's device tier and
 prefix cache; when that replica does not answer, the request goes to the scope's next
 replica in the same order (failover), and the dead one is tried again after
-``retry_after_s``. Every front process computes the same order, so routing needs no
+``retry_after_s``; a replica that hangs is found by probing its ``/health``
+(:meth:`Replicas.watch`, run by the front when it has several replicas). Every front process computes the same order, so routing needs no
 shared state. :class:`HttpEngine` gives :class:`inferscale.Memory` the one engine method
 it needs in a server, ``generate`` (fact extraction for ``add(infer=True)``), through
 ``/v1/completions`` with token-id prompts, taking the replicas in turn and skipping one
@@ -19,6 +20,7 @@ moves only the scopes it served.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from dataclasses import dataclass
@@ -33,6 +35,12 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0
 #: Seconds a replica that did not answer is passed over before it is tried again.
 RETRY_AFTER_S = 5.0
+#: The health watch (:meth:`Replicas.watch`): seconds between two probes of a replica's
+#: ``/health``, the seconds a probe may take, and the failed probes in a row after which
+#: a replica that accepts connections but does not answer (hung, not dead) is passed over.
+PROBE_INTERVAL_S = 2.0
+PROBE_TIMEOUT_S = 5.0
+PROBE_FAILURES = 2
 #: Failures that mean the replica is down or went down under the request: connection
 #: refused or reset, or the connection closed before a response came. A chat request has
 #: no side effect in vLLM, so it is sent again to the next replica.
@@ -68,6 +76,7 @@ class Replica:
         self.client = httpx.AsyncClient(base_url=self.url, headers=auth_headers(api_key), timeout=timeout, limits=limits)
         self.down_until = 0.0
         self.failovers = 0
+        self.failed_probes = 0  # in a row, by the health watch
 
     def up(self) -> bool:
         """Whether the replica is tried first (it answered last time, or its pause is over)."""
@@ -131,6 +140,40 @@ class Replicas:
             return replica, response
         assert error is not None
         raise error
+
+    async def probe(self, timeout_s: float = PROBE_TIMEOUT_S, failures: int = PROBE_FAILURES) -> list[bool]:
+        """Probe every replica's ``/health`` once, at the same time; a replica whose last
+        ``failures`` probes failed (no answer within ``timeout_s`` seconds, or not 200) is
+        passed over for ``retry_after_s``, like one that refused a connection. A replica
+        that answers is counted healthy again (its pause is lifted).
+
+        Returns:
+            Whether each replica answered (in index order).
+        """
+        async def one(replica: Replica) -> bool:
+            try:
+                ok = (await replica.client.get("/health", timeout=timeout_s)).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                replica.failed_probes, replica.down_until = 0, 0.0
+            else:
+                replica.failed_probes += 1
+                if replica.failed_probes >= failures:
+                    replica.down_until = time.monotonic() + max(self.retry_after_s, PROBE_INTERVAL_S + timeout_s)
+            return ok
+
+        return list(await asyncio.gather(*(one(r) for r in self.replicas)))
+
+    async def watch(self, interval_s: float = PROBE_INTERVAL_S, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        """Probe the replicas every ``interval_s`` seconds until cancelled (:meth:`probe`):
+        a replica that hangs (its port open, its server not answering) stops getting new
+        requests within about ``PROBE_FAILURES * (interval_s + timeout_s)`` seconds,
+        instead of each request waiting out ``READ_TIMEOUT_S``. Requests already sent to it
+        are not moved (a streamed answer cannot be resent)."""
+        while True:
+            await self.probe(timeout_s)
+            await asyncio.sleep(interval_s)
 
     async def model_name(self) -> str:
         """The served model's name (asked of ``/v1/models`` once)."""
