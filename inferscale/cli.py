@@ -344,7 +344,7 @@ def bench_serve(
     store: Optional[Path] = _STORE,
     users: str = _USERS,
     facts_per_user: int = _FACTS_PER_USER,
-    requests_per_user: int = _REQUESTS_PER_USER,
+    requests_per_user: int = typer.Option(4, min=1, help="Questions each user asks in a row, per level."),
     k: int = _LEVEL_K,
     context_window: int = _LEVEL_W,
     max_tokens: int = _LEVEL_MAX_TOKENS,

@@ -231,6 +231,16 @@ def test_report_fills_the_readme_section_from_the_summaries(tmp_path):
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
     assert "**1.25x**" in text and "**16.00x**" in text and "test cpu" in text
+    # a benchmark run on another machine: every row names its own
+    (tmp_path / "footprint").mkdir()
+    (tmp_path / "footprint" / "footprint.json").write_text(json.dumps(
+        {"machine": {"cpu": "other cpu", "cores": 4, "torch": "x", "gpu": None, "vllm": "y"}, "dtype": "float32",
+         "bytes_per_fact_mean": 2048, "conversations": [{"kv_mib": 1.0}]}))
+    report.update_readme(readme, tmp_path)
+    lines = readme.read_text().splitlines()
+    assert any("several machines" in line for line in lines)
+    assert any(line.startswith("| TTFT") and line.endswith("| test cpu, 2 cores, no GPU |") for line in lines)
+    assert any(line.startswith("| KV per fact") and line.endswith("| other cpu, 4 cores, no GPU |") for line in lines)
 
 
 # ---------------------------------------------------------------- synthetic stores

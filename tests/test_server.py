@@ -369,6 +369,7 @@ def test_llamaindex_openailike_in_its_own_environment_through_the_server(server)
                           "--base-url", server.url, "--api-key", "wrong", "--user", "gina"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "401" in bad.stderr and "Traceback" not in bad.stderr
+    assert "wrong API key" in bad.stderr  # the server's own message, not only the status
 
 
 def test_sigkill_during_adds_then_restart_keeps_every_acknowledged_add(server):

@@ -89,18 +89,31 @@ def summary_rows(results: Path) -> list[list[str]]:
     return rows
 
 
+def _machine_label(machine: dict) -> str:
+    return f"{machine['cpu']}, {machine['cores']} cores, {machine.get('gpu') or 'no GPU'}"
+
+
 def render(results: Path) -> str:
-    """The Markdown that goes between the markers."""
+    """The Markdown that goes between the markers. When the rows were measured on more than
+    one machine (benchmarks run in different sessions), each row names its own."""
     rows = summary_rows(results)
-    machine = None
-    for name in ("latency", "throughput", "quality", "footprint"):
-        data = _load(results, name)
-        if data:
-            machine = data["machine"]
-            break
-    where = (f"{machine['cpu']}, {machine['cores']} cores, {machine.get('gpu') or 'no GPU'}, torch {machine['torch']}, "
-             f"vLLM {machine.get('vllm')}" if machine else "no results yet")
-    table = markdown_table(["what", "measured", "target", "page"], rows) if rows else "(no benchmark results yet)"
+    machines = []
+    for row in rows:  # the page link names the benchmark whose JSON the row came from
+        name = row[3].split("docs/results/", 1)[1].split("/", 1)[0]
+        machines.append((_load(results, name) or {}).get("machine"))
+    known = [m for m in machines if m]
+    labels = sorted({_machine_label(m) for m in known})
+    if not known:
+        where = "no results yet"
+    elif len(labels) == 1:
+        m = known[0]
+        where = f"{labels[0]}, torch {m['torch']}, vLLM {m.get('vllm')}"
+    else:
+        where = ("several machines, each row's in its last column (compare ratios within a row, not "
+                 f"across rows); torch {known[0]['torch']}, vLLM {known[0].get('vllm')}")
+        rows = [[*row, _machine_label(m) if m else ""] for row, m in zip(rows, machines)]
+    header = ["what", "measured", "target", "page"] + (["machine"] if len(labels) > 1 else [])
+    table = markdown_table(header, rows) if rows else "(no benchmark results yet)"
     return f"{START}\nMeasured on: {where}.\n\n{table}\n{END}"
 
 

@@ -99,7 +99,7 @@ class ServerProcess:
 
 
 def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (1, 2, 4, 8, 16, 32),
-        facts_per_user: int = 40, requests_per_user: int = 2, k: int = 20, context_window: int = 0,
+        facts_per_user: int = 40, requests_per_user: int = 4, k: int = 20, context_window: int = 0,
         max_tokens: int = 32, dtype: str = "auto", fixed_length: bool = True, fresh: bool = False) -> dict:
     """Run (or resume) the benchmark; writes ``serve.{jsonl,json,md,png}`` to ``out_dir``.
 
@@ -205,8 +205,16 @@ def to_markdown(summary: dict) -> str:
     ratios = markdown_table(["users", "requests/s inject / text", "output tokens/s inject / text"],
                             [[n, f"{v:.2f}x", f"{tok[n]:.2f}x"]
                              for n, v in summary["inject_over_text_requests_per_s"].items()])
+    from inferscale.bench.common import machine
+
+    m = machine()
+    flags = "" if s.get("fixed_length", True) else " --natural-length"
+    reproduce = (f"Machine: {m['cpu']}, {m['cores']} cores, {m.get('gpu') or 'no GPU'}. Reproduce: `inferscale bench "
+                 f"serve --users {','.join(map(str, s['levels']))} --facts-per-user {s['facts_per_user']} "
+                 f"--requests-per-user {s['requests_per_user']} --k {s['k']} --context-window {s['context_window']} "
+                 f"--max-tokens {s['max_tokens']}{flags} --out <folder>`.")
     return (f"# Throughput through `inferscale serve`: concurrent users over HTTP\n\nThe `openai` SDK's async "
             f"client, streamed chat completions, through InferScale's front to vLLM's OpenAI server. Each user: "
             f"{s['facts_per_user']} facts of its own, {s['requests_per_user']} questions in a row, k={s['k']}, KV at "
             f"w={s['context_window']}, {length}, greedy; dtype {s['dtype']}. TTFT is "
-            f"the client's (retrieval and both HTTP hops included).\n\n{table}\n\n{ratios}\n")
+            f"the client's (retrieval and both HTTP hops included).\n\n{reproduce}\n\n{table}\n\n{ratios}\n")

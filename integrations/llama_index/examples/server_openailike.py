@@ -57,10 +57,29 @@ def memory_report(raw) -> dict:
     return extra.get("memory") or {}
 
 
+def server_url(base_url: str) -> str:
+    """The server's root from what a user may pass: a trailing ``/`` or ``/v1`` (the form
+    OpenAI clients take) is dropped, so ``/memories`` and ``/v1/...`` both resolve."""
+    url = base_url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def error_text(exc: Exception) -> str:
+    """One line saying what went wrong: the server's own message for an HTTP error."""
+    response = getattr(exc, "response", None)
+    if response is not None:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:300]
+        return f"{response.status_code} from {response.request.url}: {message}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="inferscale serve's address")
-    parser.add_argument("--api-key", default="none", help="the server's API key (any text when it has none)")
+    parser.add_argument("--api-key", default="", help="the server's API key (leave out when it has none)")
     parser.add_argument("--user", default="alice", help="whose memory (the OpenAI 'user' field)")
     parser.add_argument("--fact", default="I am allergic to peanuts.", help="what the user says in session 1")
     parser.add_argument("--wait-for-kv", action="store_true",
@@ -68,18 +87,21 @@ def main(argv: list[str] | None = None) -> int:
                              "without this, a fact added a moment ago is answered from as text)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     args = parser.parse_args(argv)
-    headers = {"Authorization": f"Bearer {args.api_key}"}
+    base = server_url(args.base_url)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     out: dict = {}
     try:
         # session 1: the agent stores what the user said (as it would after every turn)
-        r = httpx.post(f"{args.base_url}/memories", headers=headers, timeout=300,
+        r = httpx.post(f"{base}/memories", headers=headers, timeout=300,
                        json={"messages": [{"role": "user", "content": args.fact}], "user_id": args.user})
         r.raise_for_status()
         out["added_ids"] = [e["id"] for e in r.json()["results"]]
-        model = httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
+        models = httpx.get(f"{base}/v1/models", headers=headers, timeout=60)
+        models.raise_for_status()
+        model = models.json()["data"][0]["id"]
 
         # session 2: a new LLM object, no chat history; the memory comes from the server
-        llm = OpenAILike(model=model, api_base=f"{args.base_url}/v1", api_key=args.api_key, is_chat_model=True,
+        llm = OpenAILike(model=model, api_base=f"{base}/v1", api_key=args.api_key or "none", is_chat_model=True,
                          is_function_calling_model=True, context_window=8192, temperature=0, max_tokens=24,
                          max_retries=0, timeout=300,
                          additional_kwargs={"user": args.user,
@@ -100,15 +122,21 @@ def main(argv: list[str] | None = None) -> int:
 
         parsed = tooled.structured_predict(Allergy, PromptTemplate("Which food am I allergic to?"))
         out["structured"] = parsed.model_dump()
+    except httpx.ConnectError as exc:
+        print(f"server_openailike: nothing answers at {base} ({exc}): is `inferscale serve` running there?",
+              file=sys.stderr)
+        return 1
     except (httpx.HTTPError, openai.APIError, ValueError) as exc:
-        print(f"server_openailike: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"server_openailike: {error_text(exc)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(out))
     else:
         print(f"stored {out['added_ids']} for {args.user}")
-        print(f"chat: {out['chat']['text']!r} (memories as KV {out['chat']['memory'].get('kv_memory_ids')}, "
-              f"{out['chat']['memory'].get('kv_tokens')} prompt tokens as KV)")
+        report = out["chat"]["memory"]
+        print(f"chat: {out['chat']['text']!r} (memories as KV {report.get('kv_memory_ids')}, as text "
+              f"{report.get('text_memory_ids')}; {report.get('kv_tokens')} prompt tokens as KV: the preamble "
+              "and the memories that have KV)")
         print(f"stream: {out['stream']['text']!r} in {out['stream']['chunks']} chunks")
         print(f"tool calls: {out['tool_calls']}")
         print(f"structured: {out['structured']}")
