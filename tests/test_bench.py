@@ -201,7 +201,11 @@ def test_footprint_formula_matches_the_stored_kv(tmp_path, store, locomo_path, l
 
     cfg = AutoConfig.from_pretrained(str(resolve_llm()))
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    assert s["bytes_per_token"] == cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4  # fp32 on CPU
+    from inferscale.config import auto_dtype
+
+    width = {"float32": 4, "bfloat16": 2}[auto_dtype()]  # the store's dtype is auto: fp32, or bf16 with AMX
+    assert s["dtype"] == auto_dtype()
+    assert s["bytes_per_token"] == cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * width
     assert s["stored_files"] > 0 and s["stored_files_matching_formula"] == s["stored_files"]
     (conv,) = s["conversations"]
     assert conv["sample"] == "conv-26" and conv["kv_bytes"] == conv["fact_tokens"] * s["bytes_per_token"]

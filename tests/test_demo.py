@@ -18,9 +18,10 @@ def transcript(page: str) -> list[str]:
 
 def skeleton(line: str) -> str:
     """A transcript line with what changes between runs masked: quoted answers, numbers,
-    the data path, table rules and padding."""
+    the data path, the dtype (``auto`` is bf16 on AMX CPUs), table rules and padding."""
     line = re.sub(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", "'…'", line)
     line = re.sub(r"from \S*locomo10\.json", "from …", line)
+    line = re.sub(r"dtype=(float32|bfloat16)", "dtype=…", line)
     line = re.sub(r"\d+(\.\d+)?", "#", line)
     line = re.sub(r"[─━]+", "─", line)
     return re.sub(r"\s+", " ", line).strip()
