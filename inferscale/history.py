@@ -93,6 +93,31 @@ class HistoryLog:
         with self.db.read() as con:
             return int(con.execute(_version(scope)).scalar_one())
 
+    def changes_since(self, scope: str, version: int, limit: int) -> tuple[int, list[str]] | None:
+        """The memories of ``scope`` written since ``version`` (one of the scope's own versions,
+        :meth:`scope_version`), for a reader to catch up on them alone; one indexed query.
+
+        Args:
+            version: the version the reader is current for (> 0).
+            limit: the most events worth catching up on; more and ``None`` is returned.
+
+        Returns:
+            ``(current version, ids written after version, each once, oldest first)``, where
+            ``current version == version`` and no ids means nothing changed; ``None`` when the
+            reader must reload instead: ``version`` is 0, more than ``limit`` events, or the
+            event at ``version`` is gone (:meth:`clear` ran: a reset deletes without events).
+        """
+        if version <= 0:
+            return None
+        with self.db.read() as con:
+            rows = con.execute(
+                select(HISTORY.c.seq, HISTORY.c.memory_id)
+                .where(HISTORY.c.scope == scope, HISTORY.c.seq >= version)
+                .order_by(HISTORY.c.seq).limit(limit + 2)).all()
+        if not rows or rows[0].seq != version or len(rows) > limit + 1:
+            return None
+        return int(rows[-1].seq), list(dict.fromkeys(r.memory_id for r in rows[1:]))
+
     def events(self, scope: str, memory_id: str) -> list[HistoryEvent]:
         """The events of ``memory_id`` in ``scope``, oldest first."""
         with self.db.read() as con:

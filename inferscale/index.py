@@ -11,6 +11,14 @@ Partitions are loaded from Chroma, the system of record, on a scope's first use 
 ``loader``), so opening a store costs the same at 30 or 300,000 facts and memory holds
 only the scopes in use. A write to a scope loads its partition first and is applied
 after, so a load racing a write can neither lose nor duplicate it (rows are keyed by id).
+
+Processes sharing a store (API workers over a Chroma server) see each other's writes at
+once: every read first compares its partition's version with the scope's (the newest
+history event, :meth:`inferscale.history.HistoryLog.scope_version`). When it moved, the
+partition catches up on the memories written since (``changes``: their ids from the
+history; ``fetch``: those rows from Chroma), so a search after another worker's add costs
+one more small query, not a reload of the whole scope; a reset, or more changes than half
+the partition, reloads it instead.
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ from inferscale.keyword import KeywordIndex, fuse
 from inferscale.store import FactRecord
 
 Loader = Callable[[str], "tuple[list[FactRecord], object]"]
+Changes = Callable[[str, int, int], "tuple[int, list[str]] | None"]
+Fetcher = Callable[[str, "list[str]"], "tuple[list[FactRecord], object]"]
+
+CATCH_UP_MIN = 256  # a partition catches up on at most max(this, half its rows) changed ids, else reloads
 
 
 @dataclass
@@ -67,17 +79,31 @@ class VectorIndex:
         device: where the embeddings live.
         loader: ``loader(scope_key) -> (records, embeddings [n, dim])``, the scope's stored
             facts (:meth:`inferscale.store.FactStore.load_scope`); ``None``: scopes start empty.
+        versioner: ``versioner(scope_key) -> version`` of the scope's memories in the
+            store shared with other processes; ``None``: only this process writes.
+        changes: ``changes(scope_key, version, limit) -> (version now, ids written since)``
+            or ``None`` to reload (:meth:`inferscale.history.HistoryLog.changes_since`).
+        fetch: ``fetch(scope_key, ids) -> (records, embeddings [n, dim])`` of those ids
+            still in the scope (:meth:`inferscale.store.FactStore.fetch`). Without
+            ``changes`` and ``fetch`` a moved version reloads the partition.
 
     Thread-safe: one lock per partition, so a slow first load of one scope does not
-    stall searches of others.
+    stall searches of others. ``loads`` and ``catch_ups`` count partitions loaded in
+    full and caught up on another process's writes.
     """
 
     def __init__(self, device: torch.device | str, loader: Loader | None = None,
-                 versioner: Callable[[str], int] | None = None) -> None:
+                 versioner: Callable[[str], int] | None = None, changes: Changes | None = None,
+                 fetch: Fetcher | None = None) -> None:
         self.device = torch.device(device)
         self.dim: int | None = None
         self._loader = loader
         self._versioner = versioner
+        self._changes = changes if fetch is not None else None
+        self._fetch = fetch
+        self.catch_up = True  # False: reload a partition after any other process's write (benchmarks compare)
+        self.loads = 0
+        self.catch_ups = 0
         self._parts: dict[str, _Partition] = {}
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
@@ -103,6 +129,7 @@ class VectorIndex:
                 # partition stale (reloaded on the next read), never silently missing
                 part.version = self._versioner(scope) if self._versioner is not None else None
                 if self._loader is not None:
+                    self.loads += 1
                     records, embeddings = self._loader(scope)
                     if records:
                         self._put(part, records, torch.as_tensor(embeddings, dtype=torch.float32))
@@ -115,30 +142,54 @@ class VectorIndex:
             # a clear() ran during the load, which may have read what it deleted: load again
 
     def refresh(self, scope: str) -> None:
-        """Drop ``scope``'s partition if another process wrote to the scope since it was loaded
-        (its version, :meth:`inferscale.history.HistoryLog.scope_version`, moved): the next
-        read reloads it from the store. One version query; nothing without a versioner."""
+        """Bring ``scope``'s partition up to date with other processes' writes: when the
+        scope's version moved since it was loaded, catch up on the memories written since
+        (their ids from ``changes``, their rows from ``fetch``: rows added, replaced or
+        removed), or drop it to be reloaded on the next read when catching up is not possible
+        (a reset) or not worth it (more changed ids than ``max(CATCH_UP_MIN, rows / 2)``).
+        One indexed query when nothing changed; nothing without a versioner.
+
+        The check, the fetch and the apply hold the partition's lock, as this process's own
+        writes to it do, so a row fetched before a newer write can never overwrite it.
+        """
         if self._versioner is None:
             return
         with self._lock:
             part = self._parts.get(scope)
         if part is None:
             return
-        if part.version != self._versioner(scope):
-            self._drop(scope, part)
+        with part.lock:
+            if self.catch_up and self._changes is not None and part.version:
+                got = self._changes(scope, part.version, max(CATCH_UP_MIN, len(part.records) // 2))
+                if got is not None:
+                    version, ids = got
+                    if ids:
+                        records, embeddings = self._fetch(scope, ids)
+                        present = {r.id for r in records}
+                        self._remove_rows(part, {i for i in ids if i not in present})
+                        if records:
+                            self._put(part, records, torch.as_tensor(embeddings, dtype=torch.float32))
+                        self.catch_ups += 1
+                    part.version = max(part.version, version)
+                    return
+            if part.version != self._versioner(scope):
+                self._drop(scope, part)
 
     def advance(self, scope: str, before: int, after: int) -> None:
         """Record this process's own write, which moved the scope's version from ``before`` to
-        ``after``: the partition (which holds the write) is current if it was at ``before``,
-        else another process wrote too and it is dropped (reloaded on the next read)."""
+        ``after``: the partition (which holds the write) is current if it was at ``before``.
+        Otherwise another process wrote in between: with catch-up the version is left where it
+        was (the next read catches up on both writes, its own fetched again), without it the
+        partition is dropped (reloaded on the next read)."""
         with self._lock:
             part = self._parts.get(scope)
-            if part is None:
-                return
+        if part is None:
+            return
+        with part.lock:
             if part.version == before:
                 part.version = after
-            elif self._parts.get(scope) is part:
-                del self._parts[scope]
+            elif not self.catch_up or self._changes is None:
+                self._drop(scope, part)
 
     def _drop(self, scope: str, part: _Partition) -> None:
         with self._lock:
@@ -198,7 +249,12 @@ class VectorIndex:
 
     def remove(self, scope: str, ids: set[str]) -> None:
         """Drop ``ids`` from ``scope`` (unknown ids are ignored)."""
-        part = self._partition(scope)
+        self._remove_rows(self._partition(scope), ids)
+
+    @staticmethod
+    def _remove_rows(part: _Partition, ids: set[str]) -> None:
+        if not ids:
+            return
         with part.lock:
             keep = [i for i, r in enumerate(part.records) if r.id not in ids]
             if len(keep) == len(part.records):

@@ -148,8 +148,9 @@ class Memory:
             (data / _MANIFEST).write_text(json.dumps(manifest, indent=2))
         self.embedder = Embedder(self.config.embedder, self.device, source=embedder_source,
                                  backend=self.config.embedder_backend)
-        # partitions load on first use, and reload when another process wrote to the scope
-        self.index = VectorIndex(self.device, loader=self.store.load_scope, versioner=self.history_log.scope_version)
+        # partitions load on first use, and catch up on (or reload after) other processes' writes
+        self.index = VectorIndex(self.device, loader=self.store.load_scope, versioner=self.history_log.scope_version,
+                                 changes=self.history_log.changes_since, fetch=self.store.fetch)
         self.kv = KVManager(
             self.model_path, model_fingerprint(self.model_path), self.config.resolved_dtype, self.prompts, self.pool,
             self.turns, self.config.encode_batch_tokens, self.config.max_model_len,

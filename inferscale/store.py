@@ -291,5 +291,18 @@ class FactStore:
         records = [FactRecord.from_chroma(i, d, m) for i, d, m in zip(got["ids"], got["documents"], got["metadatas"])]
         return records, np.asarray(emb, dtype=np.float32)
 
+    def fetch(self, scope_key: str, ids: list[str]) -> tuple[list[FactRecord], np.ndarray]:
+        """The records of ``ids`` that are in the scope ``scope_key`` now, and their embeddings
+        (``[n, dim]`` float32, in the records' order); absent ids (deleted, or of another
+        scope) are left out. One Chroma query by id, for an index partition's catch-up."""
+        if not ids:
+            return [], np.zeros((0, 0), dtype=np.float32)
+        got = self._col.get(ids=list(ids), include=["embeddings", "documents", "metadatas"])
+        keep = [j for j, m in enumerate(got["metadatas"]) if m.get("scope") == scope_key]
+        if not keep:
+            return [], np.zeros((0, 0), dtype=np.float32)
+        records = [FactRecord.from_chroma(got["ids"][j], got["documents"][j], got["metadatas"][j]) for j in keep]
+        return records, np.asarray([got["embeddings"][j] for j in keep], dtype=np.float32)
+
     def count(self) -> int:
         return self._col.count()

@@ -88,6 +88,91 @@ def test_a_write_through_one_memory_is_seen_by_the_next_search_through_another(p
         assert w1.search("home", user_id="alice")["results"] == []
 
 
+def test_a_worker_catches_up_on_another_workers_writes_without_reloading_the_scope(postgres_url, chroma, tmp_path,
+                                                                                    monkeypatch):
+    """A worker's partition catches up on the memories another worker wrote (their ids from
+    the history, their rows from Chroma) instead of reloading the scope: adds, updates
+    (text, embedding, hash, metadata), deletes, interleaved writes of its own, filters and
+    BM25 follow; a reset elsewhere, or more changes than the partition is worth, reloads."""
+    import inferscale.index
+
+    settings = dict(dtype="float32", context_window=0, precompute_kv=False, database_url=postgres_url,
+                    chroma_url=chroma["url"])
+    with Memory(data_dir=tmp_path / "w1", **settings) as w1, Memory(data_dir=tmp_path / "w2", **settings) as w2:
+        w1.add_facts([FactInput(f"Background fact number {i}.", ()) for i in range(6)], user_id="carol")
+        assert w2.count(user_id="carol") == 6
+        loads = w2.index.loads
+
+        w1.add("I keep bees in the garden.", user_id="carol", metadata={"topic": "hobby"})
+        found = w2.search("What insects does she keep?", user_id="carol", limit=1)["results"]
+        assert found[0]["memory"] == "I keep bees in the garden."
+        assert [r["memory"] for r in w2.get_all(user_id="carol", filters={"topic": "hobby"})["results"]] == \
+            ["I keep bees in the garden."]  # the filter columns follow the caught-up rows
+        mid = found[0]["id"]
+        assert (w2.index.loads, w2.index.catch_ups) == (loads, 1)
+
+        w1.update(mid, "I keep goats behind the barn.", user_id="carol", metadata={"topic": "farm"})
+        top = w2.search("goats", user_id="carol", limit=1, mode="hybrid")["results"][0]  # BM25 rebuilt too
+        assert (top["id"], top["memory"], top["metadata"]) == (mid, "I keep goats behind the barn.", {"topic": "farm"})
+        assert w2.get_all(user_id="carol", filters={"topic": "hobby"})["results"] == []
+        assert w2.add("I keep goats behind the barn.", user_id="carol")["results"][0]["event"] == "NOOP"
+        assert w2.add("I keep bees in the garden.", user_id="carol")["results"][0]["event"] == "ADD"  # old hash gone
+
+        w1.add("My sister lives in Oslo.", user_id="carol")  # between w2's read and w2's next write
+        w2.add("My brother lives in Rome.", user_id="carol")
+        w1.delete(mid, user_id="carol")
+        texts = sorted(r["memory"] for r in w2.get_all(user_id="carol")["results"])
+        assert texts == sorted([*(f"Background fact number {i}." for i in range(6)), "I keep bees in the garden.",
+                                "My sister lives in Oslo.", "My brother lives in Rome."])
+        assert texts == sorted(r["memory"] for r in w1.get_all(user_id="carol")["results"])
+        assert w2.index.loads == loads  # never reloaded: every change came as a catch-up
+
+        monkeypatch.setattr(inferscale.index, "CATCH_UP_MIN", 2)  # more changes than worth catching up on
+        w1.add_facts([FactInput(f"Bulk fact {i}.", ()) for i in range(8)], user_id="carol")
+        assert w2.count(user_id="carol") == 17 and w2.index.loads == loads + 1
+        monkeypatch.undo()
+
+        w1.reset()  # deletes without events: the history's event at w2's version is gone
+        w1.add("A fresh start.", user_id="carol")
+        assert [r["memory"] for r in w2.get_all(user_id="carol")["results"]] == ["A fresh start."]
+        assert w2.index.loads == loads + 2
+
+
+def test_catching_up_under_concurrent_updates_and_searches_ends_on_the_last_write(postgres_url, chroma, tmp_path):
+    """One worker updates a memory 25 times while the other searches from two threads and
+    updates its own memory: fetches racing newer writes never leave an older row behind."""
+    import threading
+
+    settings = dict(dtype="float32", context_window=0, precompute_kv=False, database_url=postgres_url,
+                    chroma_url=chroma["url"])
+    with Memory(data_dir=tmp_path / "w1", **settings) as w1, Memory(data_dir=tmp_path / "w2", **settings) as w2:
+        theirs = w1.add("Dave's locker code is 0.", user_id="dave")["results"][0]["id"]
+        mine = w2.add("Dave's bike has 0 gears.", user_id="dave")["results"][0]["id"]
+        stop, errors = threading.Event(), []
+
+        def search() -> None:
+            try:
+                while not stop.is_set():
+                    w2.search("locker code", user_id="dave", limit=2)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        readers = [threading.Thread(target=search) for _ in range(2)]
+        for t in readers:
+            t.start()
+        for i in range(1, 26):
+            w1.update(theirs, f"Dave's locker code is {i}.", user_id="dave")
+            if i % 5 == 0:
+                w2.update(mine, f"Dave's bike has {i} gears.", user_id="dave")
+        stop.set()
+        for t in readers:
+            t.join()
+        assert errors == []
+        want = sorted(["Dave's locker code is 25.", "Dave's bike has 25 gears."])
+        assert sorted(r["memory"] for r in w2.get_all(user_id="dave")["results"]) == want
+        assert sorted(r["memory"] for r in w1.get_all(user_id="dave")["results"]) == want
+
+
 WRITER = textwrap.dedent("""
     import sys
     from inferscale import Memory
