@@ -50,13 +50,13 @@ class _Partition:
     rows: torch.Tensor | None = None  # [capacity, dim]
     lock: threading.RLock = field(default_factory=threading.RLock)
     columns: dict[str, np.ndarray] = field(default_factory=dict)  # field -> [n] object values, MISSING if absent
-    keyword: KeywordIndex | None = None  # BM25 over the rows' texts, built on the first keyword search
+    keyword: KeywordIndex | None = None  # BM25 over the rows' texts: built on the first keyword search, then kept
     version: int | None = None  # the scope's version the rows are current for (VectorIndex.refresh)
 
     def changed(self) -> None:
-        """Drop what is derived from the rows (filter columns, the keyword index)."""
+        """Drop what is derived from the rows and rebuilt on use (the filter columns); the
+        keyword index is updated by the writes themselves."""
         self.columns.clear()
-        self.keyword = None
 
     def keyword_index(self) -> KeywordIndex:
         if self.keyword is None:
@@ -219,6 +219,8 @@ class VectorIndex:
                     part.by_hash[r.hash] = r.id
                     part.records[j], part.fields[j] = r, r.filter_fields()
                     part.rows[j] = emb[i]
+                    if part.keyword is not None:
+                        part.keyword.replace(j, r.text)
             if not fresh:
                 return
             n, need = len(part.records), len(part.records) + len(fresh)
@@ -234,6 +236,8 @@ class VectorIndex:
                 part.by_hash[records[i].hash] = records[i].id
                 part.records.append(records[i])
                 part.fields.append(records[i].filter_fields())
+            if part.keyword is not None:
+                part.keyword.append([records[i].text for i in fresh])
 
     # ------------------------------------------------------------------ writes
 
@@ -265,6 +269,8 @@ class VectorIndex:
             part.fields = [part.fields[i] for i in keep]
             part.pos = {r.id: j for j, r in enumerate(part.records)}
             part.by_hash = {r.hash: r.id for r in part.records}
+            if part.keyword is not None:
+                part.keyword.keep(keep)
 
     def clear(self) -> None:
         """Forget every partition (they reload from the loader on next use)."""

@@ -39,6 +39,48 @@ def test_keyword_index_scores_rare_words_and_ignores_unknown_ones():
     assert KeywordIndex([]).scores("anything").shape == (0,)
 
 
+def _bm25s_scores(texts: list[str], query: str) -> np.ndarray:
+    """``bm25s``'s own scores (defaults) over ``texts`` for ``query``, tokenized as ours are."""
+    import bm25s
+
+    from inferscale.keyword import tokens
+
+    model = bm25s.BM25()
+    model.index([tokens(t) for t in texts], show_progress=False)
+    known = [t for t in tokens(query) if t in model.vocab_dict]
+    return np.asarray(model.get_scores(known), dtype=np.float32) if known else np.zeros(len(texts), np.float32)
+
+
+def test_the_kept_keyword_index_scores_as_bm25s_does_after_appends_replaces_and_deletes(locomo_path):
+    """LoCoMo's facts of one conversation: the index updated write by write (appends, texts
+    replaced in place, rows deleted and renumbered, as the partition does) gives ``bm25s``'s
+    scores over the current texts for every question, within float32 rounding."""
+    import random
+
+    from inferscale.datasets.locomo import load_locomo
+
+    sample = load_locomo(locomo_path)[0]
+    pool = [f.dated_text() for f in sample.facts]
+    questions = [qa.question for qa in sample.qa[:60]] + ["Caroline Caroline LGBTQ", "the of and"]
+    rng = random.Random(0)
+    texts = pool[:40]
+    index = KeywordIndex(texts)
+    for step in range(12):
+        texts = texts + pool[40 + 10 * step: 50 + 10 * step]
+        index.append(pool[40 + 10 * step: 50 + 10 * step])
+        for row in rng.sample(range(len(texts)), 5):
+            texts[row] = rng.choice(pool)
+            index.replace(row, texts[row])
+        keep = sorted(rng.sample(range(len(texts)), len(texts) - 4))
+        texts = [texts[r] for r in keep]
+        index.keep(keep)
+        assert index.size == len(texts)
+        for q in questions[step * 5: step * 5 + 5] + questions[-2:]:
+            ours, theirs = index.scores(q), _bm25s_scores(texts, q)
+            np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=1e-6, err_msg=q)
+    assert index.scores("paintings")[[i for i, t in enumerate(texts) if "paint" in t.lower()]].min() > 0
+
+
 _MEM: dict = {}
 OPS = st.lists(
     st.one_of(
