@@ -101,7 +101,7 @@ class Embedder:
         """Embed ``texts``: returns ``[len(texts), dim]`` float32, L2-normalised, on the CPU."""
         model = self._load()
         if not texts:
-            return torch.zeros((0, self.dim))
+            return torch.zeros((0, self.dim), dtype=torch.float32)
         if self.backend_in_use == "onnx":
             emb = torch.from_numpy(np.ascontiguousarray(model.encode(list(texts))))
         else:

@@ -226,7 +226,9 @@ class VectorIndex:
             n, need = len(part.records), len(part.records) + len(fresh)
             if part.rows is None or part.rows.shape[0] < need:
                 cap = max(need, 2 * (part.rows.shape[0] if part.rows is not None else 16))
-                rows = torch.zeros((cap, self.dim), device=self.device)
+                # float32 explicitly: a model loading in another thread (the KV encoder, in bf16)
+                # sets torch's process-wide default dtype for the length of its load
+                rows = torch.zeros((cap, self.dim), device=self.device, dtype=torch.float32)
                 if part.rows is not None:
                     rows[:n] = part.rows[:n]
                 part.rows = rows

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import platform
 import shlex
 import signal
 import statistics
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from inferscale.bench.common import machine
 from inferscale.server.vllm_process import free_port
 
 KEY = "visibility-bench"
@@ -124,7 +124,7 @@ def main() -> None:
         "# Search visibility between API workers",
         "",
         f"Command: `.venv/bin/python {' '.join(shlex.quote(a) for a in sys.argv)}`",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs; {args.workers} workers, one vLLM server, "
+        f"Machine: {machine()['cpu']}, {os.cpu_count()} CPUs, commit {machine()['commit']}; {args.workers} workers, one vLLM server, "
         f"Chroma server, {'the given database' if args.database_url else 'SQLite'} for turns and history; "
         f"{args.threads} client threads, every request on a new connection.",
         "",

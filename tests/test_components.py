@@ -106,6 +106,25 @@ def test_index_top_k_is_exact_and_partitioned():
         index.add("C", _records("c", 1), torch.randn(1, 8))
 
 
+def test_index_rows_stay_float32_while_a_bf16_model_loads_in_another_thread():
+    """transformers sets torch's process-wide default dtype while it loads a bf16 model (the
+    KV encoder's background thread in a server worker); a partition that grew then was
+    allocated in bf16 and every later search of the scope failed (found by the visibility
+    benchmark: ``addmv ... Float, BFloat16``). The state is set here as that load sets it."""
+    torch.manual_seed(0)
+    index = VectorIndex("cpu")
+    emb = torch.randn(40, 16)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # what modeling_utils does for the load's length
+    try:
+        index.add("A", _records("a", 20), emb[:20])
+        index.add("A", _records("a", 20, start=20), emb[20:])  # grows past its capacity
+    finally:
+        torch.set_default_dtype(previous)
+    got = index.search("A", emb[33], 1)
+    assert got[0][0].id == "a33" and got[0][1] == pytest.approx(1.0, abs=1e-6)  # exact: no bf16 rounding
+
+
 def test_a_load_racing_clear_is_discarded():
     """A partition loaded from what a concurrent clear() deleted is not published."""
     started, release = threading.Event(), threading.Event()
