@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import torch
 
-from inferscale.models import model_fingerprint, resolve_embedder
+from inferscale.models import MODEL_LOADS, model_fingerprint, resolve_embedder
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "onnx", "torch")
@@ -52,14 +52,15 @@ class Embedder:
     def _load(self):
         with self._lock:
             if self._model is None:
-                folder = self.source or resolve_embedder(self.name)
-                if self.backend == "onnx" or (self.backend == "auto" and self.device == "cpu"):
-                    self._model = self._load_onnx(folder, required=self.backend == "onnx")
-                if self._model is None:
-                    from sentence_transformers import SentenceTransformer
+                with MODEL_LOADS:  # torch's default dtype is process-wide during a load
+                    folder = self.source or resolve_embedder(self.name)
+                    if self.backend == "onnx" or (self.backend == "auto" and self.device == "cpu"):
+                        self._model = self._load_onnx(folder, required=self.backend == "onnx")
+                    if self._model is None:
+                        from sentence_transformers import SentenceTransformer
 
-                    self._model = SentenceTransformer(folder, device=self.device)
-                    self.backend_in_use = "torch"
+                        self._model = SentenceTransformer(folder, device=self.device)
+                        self.backend_in_use = "torch"
             return self._model
 
     def _load_onnx(self, folder: str, required: bool):

@@ -20,12 +20,20 @@ import importlib.util
 import json
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from inferscale.config import DEFAULT_EMBEDDER, DEFAULT_LLM, cache_dir
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_FOLDER = "SmolLM2-135M-Instruct-Q4_1"
+
+
+#: Held around every model load (the KV encoder's, the embedder's, conversions). transformers
+#: sets torch's process-wide default dtype for the length of a load and restores the one it
+#: found; two loads in two threads (a server worker's background KV encoder and its
+#: embedder) could interleave the two and leave the process at bf16 for good.
+MODEL_LOADS = threading.RLock()
 
 
 class ModelNotFoundError(ValueError):
@@ -142,7 +150,8 @@ def prepare_smollm2(target_root: Path | None = None) -> Path:
     src, fname = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)
     config = AutoConfig.from_pretrained(src, gguf_file=fname)
-    quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
+    with MODEL_LOADS:
+        quantized = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
     state = quantized.state_dict()
     del quantized
     config_dict = config.to_dict()

@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from inferscale.kv.pool import FactKV
+from inferscale.models import MODEL_LOADS
 from inferscale.kv.rope import RopeRotator
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,7 +74,8 @@ class KVEncoder:
 
         self.device = device or best_device()
         self.dtype = torch_dtype(dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype).to(self.device).eval()
+        with MODEL_LOADS:  # torch's default dtype is process-wide during the load
+            self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=self.dtype).to(self.device).eval()
         self.rotator = RopeRotator(self.model.config)
         self.batch_tokens = batch_tokens
 
