@@ -35,6 +35,28 @@ def _rows(path: Path) -> list[dict]:
 # ---------------------------------------------------------------- the result log
 
 
+def test_result_log_keys_the_data_by_content_and_auto_by_the_dtype_it_means(tmp_path, locomo_path):
+    """A committed run resumes from any checkout holding the same dataset (the path differs),
+    not from another dataset; ``auto`` is recorded as what it means on this machine."""
+    from inferscale.config import auto_dtype
+
+    log = ResultLog(tmp_path / "r", "b", {"data": str(locomo_path), "dtype": "auto"})
+    log.add("a", {"v": 1})
+    kept = json.loads((tmp_path / "r" / "b.settings.json").read_text())
+    assert kept["dtype"] == auto_dtype() and kept["data"].startswith("locomo10.json sha256:")
+    assert str(locomo_path.parent) not in json.dumps(kept)
+    moved = tmp_path / "elsewhere" / "locomo10.json"
+    moved.parent.mkdir()
+    moved.write_bytes(locomo_path.read_bytes())
+    assert ResultLog(tmp_path / "r", "b", {"data": str(moved), "dtype": auto_dtype()}).done("a")
+    moved.write_bytes(locomo_path.read_bytes().replace(b"Caroline", b"Carolyn", 1))
+    with pytest.raises(ValueError, match="other settings \\(data\\)"):
+        ResultLog(tmp_path / "r", "b", {"data": str(moved), "dtype": "auto"})
+    other = "float32" if auto_dtype() == "bfloat16" else "bfloat16"
+    with pytest.raises(ValueError, match="other settings \\(dtype\\)"):
+        ResultLog(tmp_path / "r", "b", {"data": str(locomo_path), "dtype": other})
+
+
 def test_result_log_resumes_skips_cut_lines_and_refuses_other_settings(tmp_path):
     log = ResultLog(tmp_path, "b", {"ks": (1, 2)})
     log.add("a", {"v": 1})

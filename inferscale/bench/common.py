@@ -14,6 +14,7 @@ other settings is refused (results measured under two settings would be mixed).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -23,8 +24,32 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from inferscale.config import auto_dtype
 from inferscale.datasets.locomo import LocomoSample, store_conversation
 from inferscale.memory import Memory
+
+
+def dataset_id(path: Path) -> str:
+    """A dataset file named by its content, not its place: ``"<name> sha256:<16 hex>"``, so a
+    run's settings match on any checkout holding the same file (the path itself when the
+    file cannot be read; loading it then reports that)."""
+    try:
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return str(path)
+    return f"{Path(path).name} sha256:{digest}"
+
+
+def portable_settings(settings: dict) -> dict:
+    """``settings`` as a result log keys them: ``data`` by :func:`dataset_id`, and ``dtype``
+    ``"auto"`` resolved for this machine (:func:`inferscale.config.auto_dtype`), so a run is
+    never resumed on a machine where ``auto`` means another dtype."""
+    out = dict(settings)
+    if out.get("data") is not None:
+        out["data"] = dataset_id(Path(out["data"]))
+    if out.get("dtype") == "auto":
+        out["dtype"] = auto_dtype()
+    return out
 
 
 class ResultLog:
@@ -44,7 +69,7 @@ class ResultLog:
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / f"{name}.jsonl"
         self._settings_path = self.out_dir / f"{name}.settings.json"
-        settings = json.loads(json.dumps(settings))  # normalise tuples to lists
+        settings = portable_settings(json.loads(json.dumps(settings)))  # tuples become lists
         if not fresh and self._settings_path.exists() and self.path.exists():
             old = json.loads(self._settings_path.read_text())
             if old != settings:

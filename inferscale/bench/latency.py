@@ -120,7 +120,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, sample: int = 0, question
         })
     log.commit()
     summary = summarize(log.all(), ks, modes)
-    summary["settings"] = settings
+    summary["settings"] = log.settings  # as keyed: data by content, dtype resolved
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
     plot_latency(summary, out_dir / f"{NAME}.png")
     return summary

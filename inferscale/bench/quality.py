@@ -115,7 +115,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, samples: Sequence[int] = 
             })
     log.commit()
     summary = summarize(log.all(), ks, modes)
-    summary["settings"] = settings
+    summary["settings"] = log.settings  # as keyed: data by content, dtype resolved
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
     plot_quality(summary, out_dir / f"{NAME}.png")
     return summary

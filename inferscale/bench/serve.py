@@ -129,7 +129,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
             server.stop()
     log.commit()
     summary = summarize(log.all(), levels)
-    summary["settings"] = settings
+    summary["settings"] = log.settings  # as keyed: data by content, dtype resolved
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
     plot_throughput(summary, out_dir / f"{NAME}.png")
     return summary
@@ -212,7 +212,7 @@ def to_markdown(summary: dict) -> str:
     reproduce = (f"Machine: {m['cpu']}, {m['cores']} cores, {m.get('gpu') or 'no GPU'}. Reproduce: `inferscale bench "
                  f"serve --users {','.join(map(str, s['levels']))} --facts-per-user {s['facts_per_user']} "
                  f"--requests-per-user {s['requests_per_user']} --k {s['k']} --context-window {s['context_window']} "
-                 f"--max-tokens {s['max_tokens']}{flags} --out <folder>`.")
+                 f"--max-tokens {s['max_tokens']} --dtype {s['dtype']}{flags} --out <folder>`.")
     return (f"# Throughput through `inferscale serve`: concurrent users over HTTP\n\nThe `openai` SDK's async "
             f"client, streamed chat completions, through InferScale's front to vLLM's OpenAI server. Each user: "
             f"{s['facts_per_user']} facts of its own, {s['requests_per_user']} questions in a row, k={s['k']}, KV at "

@@ -119,7 +119,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
         asyncio.run(_measure(memory, plan, todo, log, k=k, w=context_window, max_tokens=max_tokens))
     log.commit()
     summary = summarize(log.all(), levels)
-    summary["settings"] = settings
+    summary["settings"] = log.settings  # as keyed: data by content, dtype resolved
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
     plot_throughput(summary, out_dir / f"{NAME}.png")
     return summary
