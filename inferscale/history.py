@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import Column, Index, Integer, MetaData, String, Table, Text, delete, func, select
+from sqlalchemy import Column, Index, Integer, MetaData, String, Table, Text, delete, func, select, text
 
 from inferscale.sql import Database
 
@@ -59,6 +59,8 @@ class HistoryLog:
 
     def __init__(self, db: Database) -> None:
         self.db = db
+        if db.dialect == "sqlite":
+            _rebuild_without_reuse(db)
         db.create(_META, *HISTORY.indexes)  # indexes too: a history table of an older version lacks one
 
     def record(self, scope: str, events: list[tuple[str, str, str | None, str | None]]) -> tuple[int, int]:
@@ -131,6 +133,34 @@ class HistoryLog:
         """Delete every event."""
         with self.db.write() as con:
             con.execute(delete(HISTORY))
+
+
+def _rebuild_without_reuse(db: Database) -> None:
+    """Give a SQLite ``history`` table made without ``AUTOINCREMENT`` (by the commits between
+    66945c8 and b4275c2, which ``create_all`` never alters) the current schema, rows and
+    ``seq`` values kept. Without it SQLite reuses the ``seq`` of deleted rows after a reset,
+    so a scope's version could come back to a value a reader holds, and that reader would
+    miss the reset (or catch up on part of what followed it). Once, in a write transaction;
+    another process doing it at the same moment finds it done."""
+    def table_sql(con) -> str | None:
+        return con.execute(text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'history'")).scalar()
+
+    with db.read() as con:
+        found = table_sql(con)
+    if found is None or "AUTOINCREMENT" in found.upper():
+        return
+    with db.write() as con:
+        found = table_sql(con)
+        if found is None or "AUTOINCREMENT" in found.upper():
+            return
+        con.execute(text("ALTER TABLE history RENAME TO history_before_autoincrement"))
+        for index in ("history_memory", "history_scope_seq"):  # their names move with the table
+            con.execute(text(f"DROP INDEX IF EXISTS {index}"))
+        _META.create_all(con)
+        con.execute(text("INSERT INTO history (seq, scope, memory_id, event, old_memory, new_memory, created_at) "
+                         "SELECT seq, scope, memory_id, event, old_memory, new_memory, created_at "
+                         "FROM history_before_autoincrement ORDER BY seq"))
+        con.execute(text("DROP TABLE history_before_autoincrement"))
 
 
 def _version(scope: str):

@@ -22,6 +22,10 @@ from inferscale.checks import first_line
 
 SCHEMA_VERSION = 1
 _COLLECTION = "inferscale_memories"
+#: Ids per Chroma read. Chroma's SQLite binds one variable per id and refuses more than
+#: 32,766 (SQLite's SQLITE_MAX_VARIABLE_NUMBER since 3.32), so a scope of 33,000 facts could
+#: not be loaded in one ``get``; reads of more ids go in chunks of this many.
+IDS_PER_READ = 10_000
 
 
 @dataclass(frozen=True)
@@ -250,11 +254,39 @@ class FactStore:
             for start in range(0, len(ids), 5000):
                 self._col.delete(ids=ids[start : start + 5000])
 
+    def _get(self, include: list[str], ids: list[str] | None = None, where: dict | None = None) -> dict:
+        """Chroma's ``get`` by ``ids`` or by ``where``, in reads of at most :data:`IDS_PER_READ`
+        ids: ``{"ids", and each of include}`` as lists (embeddings ``[n, dim]`` float32)."""
+        if ids is None:  # one read when the answer fits, else its ids first, then by id
+            got = self._col.get(where=where, include=include, limit=IDS_PER_READ + 1)
+            if len(got["ids"]) <= IDS_PER_READ:
+                return self._lists(got, include)
+            ids = self._col.get(where=where, include=[])["ids"]
+        parts = [self._lists(self._col.get(ids=ids[i: i + IDS_PER_READ], include=include), include)
+                 for i in range(0, len(ids), IDS_PER_READ)] or [self._lists({"ids": []}, include)]
+        out = {key: [v for part in parts for v in part[key]] for key in ("ids", *include) if key != "embeddings"}
+        if "embeddings" in include:
+            out["embeddings"] = np.concatenate([part["embeddings"] for part in parts]) if out["ids"] \
+                else np.zeros((0, 0), dtype=np.float32)
+        return out
+
+    @staticmethod
+    def _lists(got: dict, include: list[str]) -> dict:
+        out = {"ids": list(got["ids"])}
+        for key in include:
+            if key == "embeddings":
+                emb = got.get("embeddings")
+                out[key] = np.asarray(emb, dtype=np.float32) if emb is not None and len(got["ids"]) \
+                    else np.zeros((0, 0), dtype=np.float32)
+            else:
+                out[key] = list(got.get(key) or [])
+        return out
+
     def get(self, scope: Scope, ids: list[str]) -> list[FactRecord]:
         """The records of ``ids`` that belong to ``scope`` (others are absent), in ``ids`` order."""
         if not ids:
             return []
-        got = self._col.get(ids=ids, include=["documents", "metadatas"])
+        got = self._get(["documents", "metadatas"], ids=list(ids))
         by_id = {
             i: FactRecord.from_chroma(i, d, m)
             for i, d, m in zip(got["ids"], got["documents"], got["metadatas"])
@@ -277,32 +309,33 @@ class FactStore:
 
     def list(self, scope: Scope) -> list[FactRecord]:
         """All records of ``scope``, oldest first."""
-        got = self._col.get(where={"scope": scope.key}, include=["documents", "metadatas"])
+        got = self._get(["documents", "metadatas"], where={"scope": scope.key})
         records = [FactRecord.from_chroma(i, d, m) for i, d, m in zip(got["ids"], got["documents"], got["metadatas"])]
         return sorted(records, key=lambda r: (r.created_at, r.id))
 
     def load_scope(self, scope_key: str) -> tuple[list[FactRecord], np.ndarray]:
         """The records of one scope (by :attr:`Scope.key`) and their embeddings
-        (``[n, dim]`` float32), for the index partition; one Chroma query on the scope field."""
-        got = self._col.get(where={"scope": scope_key}, include=["embeddings", "documents", "metadatas"])
-        emb = got["embeddings"]
-        if emb is None or len(got["ids"]) == 0:
+        (``[n, dim]`` float32), for the index partition; one Chroma query on the scope field
+        (past :data:`IDS_PER_READ` facts, their ids and then reads by id)."""
+        got = self._get(["embeddings", "documents", "metadatas"], where={"scope": scope_key})
+        if not got["ids"]:
             return [], np.zeros((0, 0), dtype=np.float32)
         records = [FactRecord.from_chroma(i, d, m) for i, d, m in zip(got["ids"], got["documents"], got["metadatas"])]
-        return records, np.asarray(emb, dtype=np.float32)
+        return records, got["embeddings"]
 
     def fetch(self, scope_key: str, ids: list[str]) -> tuple[list[FactRecord], np.ndarray]:
         """The records of ``ids`` that are in the scope ``scope_key`` now, and their embeddings
         (``[n, dim]`` float32, in the records' order); absent ids (deleted, or of another
-        scope) are left out. One Chroma query by id, for an index partition's catch-up."""
+        scope) are left out. Reads by id (:data:`IDS_PER_READ` at a time), for an index
+        partition's catch-up."""
         if not ids:
             return [], np.zeros((0, 0), dtype=np.float32)
-        got = self._col.get(ids=list(ids), include=["embeddings", "documents", "metadatas"])
+        got = self._get(["embeddings", "documents", "metadatas"], ids=list(ids))
         keep = [j for j, m in enumerate(got["metadatas"]) if m.get("scope") == scope_key]
         if not keep:
             return [], np.zeros((0, 0), dtype=np.float32)
         records = [FactRecord.from_chroma(got["ids"][j], got["documents"][j], got["metadatas"][j]) for j in keep]
-        return records, np.asarray([got["embeddings"][j] for j in keep], dtype=np.float32)
+        return records, got["embeddings"][keep]
 
     def count(self) -> int:
         return self._col.count()

@@ -125,6 +125,38 @@ def test_index_rows_stay_float32_while_a_bf16_model_loads_in_another_thread():
     assert got[0][0].id == "a33" and got[0][1] == pytest.approx(1.0, abs=1e-6)  # exact: no bf16 rounding
 
 
+def test_a_scope_past_chromas_variable_limit_loads_lists_and_catches_up(tmp_path):
+    """Chroma's SQLite refuses a read of more than 32,766 ids in one query (found by the
+    breaker: such a scope could not be loaded, and a catch-up on that many ids failed on
+    every read); the store reads in chunks of ``IDS_PER_READ``."""
+    import uuid
+
+    import numpy as np
+
+    from inferscale.store import IDS_PER_READ, FactStore
+
+    store = FactStore(tmp_path / "chroma")
+    scope, other = Scope("big"), Scope("other")
+    n = 33_000
+    assert n > 32_766 > IDS_PER_READ
+    records = [FactRecord(uuid.uuid4().hex, f"fact {i}", f"h{i}", scope, (), {}, f"t{i:06d}", "t") for i in range(n)]
+    emb = np.random.default_rng(0).standard_normal((n, 8)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)  # unit vectors, as the embedder's (Chroma's cosine space)
+    for i in range(0, n, 5000):
+        store.add(records[i: i + 5000], emb[i: i + 5000])
+    store.add([FactRecord("x1", "other fact", "hx", other, (), {}, "t", "t")], emb[:1])
+    loaded, vectors = store.load_scope(scope.key)
+    by_id = {r.id: j for j, r in enumerate(records)}
+    assert len(loaded) == n and vectors.shape == (n, 8)
+    assert all(np.allclose(vectors[j], emb[by_id[loaded[j].id]], atol=1e-6) for j in range(0, n, 997))
+    assert [r.id for r in store.list(scope)] == [r.id for r in records]  # oldest first
+    ids = [r.id for r in records[::-1]] + ["x1", "gone"]
+    fetched, vectors = store.fetch(scope.key, ids)  # the other scope's and an absent id left out
+    assert {r.id for r in fetched} == set(by_id) and vectors.shape == (n, 8)
+    assert all(np.allclose(vectors[j], emb[by_id[fetched[j].id]], atol=1e-6) for j in range(0, n, 997))
+    assert store.load_scope(other.key)[0][0].id == "x1" and store.fetch(scope.key, ["gone"])[0] == []
+
+
 def test_a_load_racing_clear_is_discarded():
     """A partition loaded from what a concurrent clear() deleted is not published."""
     started, release = threading.Event(), threading.Event()

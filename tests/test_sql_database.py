@@ -173,6 +173,39 @@ def test_catching_up_under_concurrent_updates_and_searches_ends_on_the_last_writ
         assert sorted(r["memory"] for r in w1.get_all(user_id="dave")["results"]) == want
 
 
+def test_a_history_table_that_reused_seqs_is_rebuilt_and_a_reset_elsewhere_is_seen(chroma, tmp_path):
+    """Data dirs of commits 66945c8..b4275c2 have a history table without AUTOINCREMENT, so
+    after a reset SQLite reused seqs: a worker holding version 3 saw the new events 4-5 as
+    all that changed, listed deleted facts and answered NOOP for a deleted text (found by
+    the breaker). Opening such a data dir rebuilds the table, its rows and seqs kept."""
+    import sqlite3
+
+    data = tmp_path / "data"
+    data.mkdir()
+    con = sqlite3.connect(data / "history.sqlite")
+    con.execute("CREATE TABLE history (seq INTEGER NOT NULL, scope VARCHAR NOT NULL, memory_id VARCHAR NOT NULL, "
+                "event VARCHAR NOT NULL, old_memory TEXT, new_memory TEXT, created_at VARCHAR NOT NULL, "
+                "PRIMARY KEY (seq))")  # the table as 66945c8 made it
+    con.execute("INSERT INTO history VALUES (7, 'elsewhere', 'm1', 'ADD', NULL, 'kept', '2026-12-02T00:00:00')")
+    con.commit()
+    con.close()
+    settings = dict(data_dir=data, dtype="float32", context_window=0, precompute_kv=False, chroma_url=chroma["url"])
+    with Memory(**settings) as a, Memory(**settings) as b:
+        table = sqlite3.connect(data / "history.sqlite").execute(
+            "SELECT sql FROM sqlite_master WHERE name = 'history'").fetchone()[0]
+        assert "AUTOINCREMENT" in table.upper()
+        assert [e.new_memory for e in a.history_log.events("elsewhere", "m1")] == ["kept"]
+        for t in ["old one", "old two", "old three"]:
+            a.add(t, user_id="u", infer=False)
+        assert b.count(user_id="u") == 3
+        a.reset()
+        new = ["new one", "new two", "new three", "new four", "new five"]
+        for t in new:
+            a.add(t, user_id="u", infer=False)
+        assert sorted(r["memory"] for r in b.get_all(user_id="u")["results"]) == sorted(new)
+        assert b.add("old one", user_id="u", infer=False)["results"][0]["event"] == "ADD"
+
+
 WRITER = textwrap.dedent("""
     import sys
     from inferscale import Memory

@@ -123,7 +123,9 @@ def run(data: Path, out_dir: Path, *, big: int = 20_000, latency_queries: int = 
         memory.close()
         if own_store:
             shutil.rmtree(store, ignore_errors=True)
-    result = _summarize(convs, latency)
+    from inferscale.bench.common import machine
+
+    result = {**_summarize(convs, latency), "machine": machine()}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "retrieval.json").write_text(json.dumps(result, indent=2))
     (out_dir / "retrieval.md").write_text(_markdown(result))
@@ -161,7 +163,9 @@ def _markdown(r: dict) -> str:
     h = r["held_out"]
     lines = ["# Retrieval: dense vs hybrid (dense + BM25, reciprocal rank fusion)", "",
              f"LoCoMo, every question with evidence; held out: {', '.join(h['conversations'])} "
-             f"({h['questions']} questions). Reproduce: `inferscale bench retrieval`.", "",
+             f"({h['questions']} questions). Reproduce: `inferscale bench retrieval`."
+             + (f" Machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, commit {r['machine']['commit']}."
+                if r.get("machine") else ""), "",
              "## Held-out evidence recall@k and hit@k", "",
              "| k | " + " | ".join(f"recall {m}" for m in MODES) + " | recall gain | "
              + " | ".join(f"hit {m}" for m in MODES) + " |",
