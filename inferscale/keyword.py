@@ -22,7 +22,7 @@ import numpy as np
 
 #: Reciprocal rank fusion constant (ranks counted from 1). The paper's 60 flattens the top of
 #: each ranking; on LoCoMo conversations 0-2 (184-324 facts each) evidence recall@10 was
-#: 0.640 for c = 1 and 2, 0.638 for 5, 0.631 for 10, 0.585 for 60
+#: 0.640 for c = 1 and 2, 0.638 for 5, 0.631 for 10, 0.586 for 60
 #: (docs/results/retrieval/retrieval.md); ties go to the larger, smoother c.
 RRF_C = 2
 #: Search modes: ``"hybrid"`` (dense and BM25 fused), ``"dense"`` (cosine only).
