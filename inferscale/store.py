@@ -251,8 +251,8 @@ class FactStore:
         """Delete every record (``Memory.reset``)."""
         with self._lock:
             ids = self._col.get(include=[])["ids"]
-            for start in range(0, len(ids), 5000):
-                self._col.delete(ids=ids[start : start + 5000])
+            for start in range(0, len(ids), IDS_PER_READ):
+                self._col.delete(ids=ids[start : start + IDS_PER_READ])
 
     def _get(self, include: list[str], ids: list[str] | None = None, where: dict | None = None) -> dict:
         """Chroma's ``get`` by ``ids`` or by ``where``, in reads of at most :data:`IDS_PER_READ`
@@ -265,9 +265,9 @@ class FactStore:
         parts = [self._lists(self._col.get(ids=ids[i: i + IDS_PER_READ], include=include), include)
                  for i in range(0, len(ids), IDS_PER_READ)] or [self._lists({"ids": []}, include)]
         out = {key: [v for part in parts for v in part[key]] for key in ("ids", *include) if key != "embeddings"}
-        if "embeddings" in include:
-            out["embeddings"] = np.concatenate([part["embeddings"] for part in parts]) if out["ids"] \
-                else np.zeros((0, 0), dtype=np.float32)
+        if "embeddings" in include:  # a chunk whose ids are all gone has no rows and no width
+            filled = [part["embeddings"] for part in parts if part["ids"]]
+            out["embeddings"] = np.concatenate(filled) if filled else np.zeros((0, 0), dtype=np.float32)
         return out
 
     @staticmethod

@@ -155,6 +155,9 @@ def test_a_scope_past_chromas_variable_limit_loads_lists_and_catches_up(tmp_path
     assert {r.id for r in fetched} == set(by_id) and vectors.shape == (n, 8)
     assert all(np.allclose(vectors[j], emb[by_id[fetched[j].id]], atol=1e-6) for j in range(0, n, 997))
     assert store.load_scope(other.key)[0][0].id == "x1" and store.fetch(scope.key, ["gone"])[0] == []
+    gone = [f"gone{i}" for i in range(IDS_PER_READ)]  # a whole chunk of deleted ids, then rows
+    fetched, vectors = store.fetch(scope.key, gone + [r.id for r in records[:5]])
+    assert [r.id for r in fetched] == [r.id for r in records[:5]] and vectors.shape == (5, 8)
 
 
 def test_a_load_racing_clear_is_discarded():
