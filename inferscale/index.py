@@ -149,8 +149,10 @@ class VectorIndex:
         (a reset) or not worth it (more changed ids than ``max(CATCH_UP_MIN, rows / 2)``).
         One indexed query when nothing changed; nothing without a versioner.
 
-        The check, the fetch and the apply hold the partition's lock, as this process's own
-        writes to it do, so a row fetched before a newer write can never overwrite it.
+        A check that finds nothing new takes no partition lock (reads of one scope stay
+        parallel); otherwise the check is repeated, and the fetch and the apply done, under the
+        partition's lock, as this process's own writes to it are, so a row fetched before a
+        newer write can never overwrite it.
         """
         if self._versioner is None:
             return
@@ -158,8 +160,13 @@ class VectorIndex:
             part = self._parts.get(scope)
         if part is None:
             return
-        with part.lock:
-            if self.catch_up and self._changes is not None and part.version:
+        catch_up = self.catch_up and self._changes is not None
+        if catch_up and part.version:  # the hot path: nothing written since, no partition lock taken
+            got = self._changes(scope, part.version, max(CATCH_UP_MIN, len(part.records) // 2))
+            if got is not None and not got[1]:
+                return
+        with part.lock:  # asked again under the lock: another thread may have caught up meanwhile
+            if catch_up and part.version:
                 got = self._changes(scope, part.version, max(CATCH_UP_MIN, len(part.records) // 2))
                 if got is not None:
                     version, ids = got

@@ -66,13 +66,16 @@ class KeywordIndex:
     B = 0.75
 
     def __init__(self, texts: Sequence[str] = ()) -> None:
+        self._empty()
+        self.append(texts)
+
+    def _empty(self) -> None:
         self._rows: list[Counter] = []  # row -> term frequencies
         self._lengths: list[int] = []  # row -> length in terms
         self._total = 0  # sum of the lengths
         self._postings: dict[str, dict[int, int]] = {}  # term -> {row: tf}
         self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # term -> (rows, tfs), built on use
         self._length_array: np.ndarray | None = None
-        self.append(texts)
 
     @property
     def size(self) -> int:
@@ -93,7 +96,7 @@ class KeywordIndex:
         """Keep only ``rows`` (ascending), renumbered ``0..len(rows)-1`` as the partition's rows
         are after a delete; re-indexed from the kept rows' terms, nothing tokenized again."""
         kept = [self._rows[r] for r in rows]
-        self.__init__()
+        self._empty()
         for counts in kept:
             self._index(len(self._rows), counts, new=True)
 
