@@ -29,7 +29,7 @@ import httpx
 from tqdm import tqdm
 
 from inferscale import FactInput, Memory
-from inferscale.bench.common import machine
+from inferscale.bench.common import machine, print_page
 from inferscale.server.vllm_process import free_port
 from inferscale.store import Scope
 
@@ -137,11 +137,7 @@ def main() -> None:
               "rebuilt it from every text of the scope (the rebuilt column uses today's index build; "
               "`bm25s`'s, used before, took about as long: 404 vs 464 ms for 20,000 sentences of 25 words; "
               "docs/decisions.md)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    print_page("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from inferscale.bench.common import machine
+from inferscale.bench.common import machine, print_page
 from inferscale.server.vllm_process import free_port
 
 KEY = "visibility-bench"
@@ -141,11 +141,7 @@ def main() -> None:
     lines += ["", "The delay is the search's own latency when the first search finds the fact: a write is "
               "visible to every worker as soon as it is acknowledged (each read compares the scope's version "
               "with its index partition's first; docs/decisions.md)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    print_page("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

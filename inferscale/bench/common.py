@@ -239,6 +239,14 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def print_page(text: str, out: Path | None) -> None:
+    """Print a script's markdown page and, when ``out`` is given, write it there (folders made)."""
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+
+
 def write_outputs(out_dir: Path, name: str, summary: dict, markdown: str) -> None:
     """Write ``<name>.json`` (summary plus machine) and ``<name>.md``."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
