@@ -293,6 +293,10 @@ def test_memory_routes_follow_mem0(server):
     assert [m["id"] for m in found.json()["results"]] == [mid]
     current = server.http("POST", "/search", json={"query": "tea", "filters": {"user_id": "erin", "topic": "food"}})
     assert current.json() == found.json()  # Mem0's current style: the scope inside filters
+    dense = server.http("POST", "/search", json={"query": "tea", "user_id": "erin", "mode": "dense"})
+    assert [m["id"] for m in dense.json()["results"]] == [mid]  # the ranking is chosen per request, as in search()
+    bad = server.http("POST", "/search", json={"query": "tea", "user_id": "erin", "mode": "bm25"})
+    assert bad.status_code == 422 and "mode" in bad.json()["error"]["message"]
     assert server.http("POST", "/search", json={"query": "tea", "filters": {"topic": "food"}}).status_code == 400
     assert server.http("PUT", f"/memories/{mid}?user_id=erin", json={"text": "I drink black tea."}).status_code == 200
     events = server.http("GET", f"/memories/{mid}/history?user_id=erin").json()

@@ -15,7 +15,7 @@ loop keeps serving chat while a write waits for its lock.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,6 +53,8 @@ class SearchRequest(ScopeFields):
     threshold: float | None = None
     filters: dict[str, Any] | None = Field(default=None, description="metadata filters; Mem0's current style "
                                            "puts the scope here too ({'user_id': 'alice', ...})")
+    mode: Literal["hybrid", "dense"] | None = Field(default=None, description="ranking: 'hybrid' (cosine and BM25 "
+                                                    "fused) or 'dense' (cosine); default the server's search_mode")
 
     def scope(self) -> dict[str, str]:
         """The body's scope fields, or none when ``filters`` carries the scope (Mem0's current style)."""
@@ -101,7 +103,7 @@ def router() -> APIRouter:
     @r.post("/search", summary="Search memories")
     def search(body: SearchRequest, request: Request) -> dict:
         return request.app.state.memory.search(body.query, limit=body.limit, threshold=body.threshold,
-                                               filters=body.filters, **body.scope())
+                                               filters=body.filters, mode=body.mode, **body.scope())
 
     @r.put("/memories/{memory_id}", summary="Update a memory")
     def update(memory_id: str, body: MemoryUpdate, request: Request, user_id: str | None = None,
