@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from typing import Iterator
 
 #: The environment variable of the verbose switch (``MemoryConfig.verbose``).
@@ -81,16 +82,33 @@ def quiet_vllm_logger(verbose: bool) -> None:
         handler.setLevel(level)
 
 
+_bars_lock = threading.Lock()
+_bars_quieted = 0  # blocks inside quiet_progress_bars that turned the bars off
+
+
 @contextlib.contextmanager
 def quiet_progress_bars(verbose: bool) -> Iterator[None]:
-    """transformers' progress bars off inside the block (unless ``verbose``), restored after."""
+    """transformers' progress bars off inside the block (unless ``verbose``), restored after
+    the last of several overlapping blocks (threads loading models at once) ends: the switch
+    is process-wide, so the first block to end must not turn the bars on under another."""
+    global _bars_quieted
     from transformers.utils import logging as hf_logging
 
-    was_on = hf_logging.is_progress_bar_enabled()
-    if was_on and not verbose:
-        hf_logging.disable_progress_bar()
+    if verbose:
+        yield
+        return
+    with _bars_lock:
+        if _bars_quieted == 0 and not hf_logging.is_progress_bar_enabled():
+            quieted = False  # the user turned them off: leave them off
+        else:
+            quieted = True
+            _bars_quieted += 1
+            hf_logging.disable_progress_bar()
     try:
         yield
     finally:
-        if was_on and not verbose:
-            hf_logging.enable_progress_bar()
+        if quieted:
+            with _bars_lock:
+                _bars_quieted -= 1
+                if _bars_quieted == 0:
+                    hf_logging.enable_progress_bar()

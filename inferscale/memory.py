@@ -41,6 +41,7 @@ from inferscale.kv.jobs import KVJobQueue
 from inferscale.kv.manager import KVManager
 from inferscale.kv.pool import FactKV, KVPool
 from inferscale.kv.reference import ReferenceModel
+from inferscale.lifecycle import close_at_exit
 from inferscale.models import model_fingerprint, resolve_embedder, resolve_llm
 from inferscale.options import GenerationOptions
 from inferscale.prompt import PromptBuilder
@@ -166,6 +167,7 @@ class Memory:
         self._owns_engine = engine is None
         self._closed = False
         self.serve = ServePath(self.facts, self.prompts, self.kv, self.turns, self.config.max_model_len)
+        close_at_exit(self, first=True)  # a script that never calls close() still exits cleanly
         self.kv.start()  # jobs an earlier process left queued (a crash) are encoded now
 
     def _check_data_dir(self, data: Path) -> dict | None:

@@ -29,8 +29,10 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from inferscale.config import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
+from inferscale.lifecycle import close_at_exit
 from inferscale.logs import quiet_vllm_logger
 from inferscale.kv.injection import injected_tokens
+from inferscale.serving.spawn import children_skip_main
 from inferscale.serving.vllm_compat import (check_json_schema, check_vllm_version, engine_kwargs,
                                             engine_process_environment, structured_outputs)
 
@@ -155,6 +157,7 @@ class Engine:
             raise
         # the finalizer owns the only other reference, so AsyncLLM is gone once it ran
         self._finalizer = weakref.finalize(self, _shutdown, self._holder, self._loop, self._thread)
+        close_at_exit(self)  # stopped before the interpreter tears down, not during
 
     @property
     def llm(self):
@@ -178,7 +181,7 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         stats = self.batch_stats  # not self: the engine must stay collectable
-        with engine_process_environment(self._verbose):
+        with engine_process_environment(self._verbose), children_skip_main():
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[lambda config, index: stats])
 
     def run_coroutine(self, coro):
