@@ -90,6 +90,43 @@ def demo(
         console.print(f"transcript written to {record}")
 
 
+@app.command("copy-to-chroma")
+def copy_to_chroma(
+    chroma_url: Optional[str] = typer.Option(None, help="The Chroma server (http://host:port; default $INFERSCALE_CHROMA_URL)."),
+    data_dir: Optional[Path] = typer.Option(None, help="The data dir whose embedded store to copy (default: $INFERSCALE_DATA_DIR or ~/.local/share/inferscale)."),
+) -> None:
+    """Move a data dir's memories from its embedded Chroma store to a Chroma server (ids, texts,
+    embeddings, metadata; the history, turns and KV stay where they are); the embedded folder is
+    kept as chroma.copied-<time>. Chroma's settings (tenant, database, collection, auth) are
+    INFERSCALE_CHROMA_*'s."""
+    from inferscale.config import MemoryConfig
+    from inferscale.embedded_store import copy_to_server, embedded_path
+    from inferscale.store import StoreError
+
+    overrides: dict = {}
+    if chroma_url is not None:
+        overrides["chroma_url"] = chroma_url
+    if data_dir is not None:
+        overrides["data_dir"] = data_dir
+    try:
+        config = MemoryConfig(**overrides)
+    except (TypeError, ValueError) as exc:
+        _fail(str(exc))
+    if config.chroma_url is None:
+        _fail("give the Chroma server: --chroma-url http://host:port (or set INFERSCALE_CHROMA_URL)")
+    if not embedded_path(config.data_dir).is_dir():
+        _fail(f"{config.data_dir} has no embedded Chroma store ({embedded_path(config.data_dir)}): nothing to copy")
+    try:
+        copied, backup = copy_to_server(config.data_dir, config.chroma_server())
+    except StoreError as exc:
+        _fail(str(exc))
+    if not copied:
+        console.print(f"the embedded store of {config.data_dir} holds no memories: nothing to copy")
+        return
+    console.print(f"copied {copied} memories to {config.chroma_url} (collection {config.chroma_collection}); the "
+                  f"embedded store is kept as {backup}. Open the data dir with chroma_url={config.chroma_url}.")
+
+
 def _fail(message: str) -> None:
     console.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(code=2)
@@ -306,26 +343,22 @@ def serve(
     dtype: str = _DTYPE,
     max_num_seqs: int = typer.Option(64, min=1, help="Most requests vLLM batches at once."),
     tool_call_parser: str = typer.Option("hermes", help="vLLM's tool-call parser for the model's tool-call format ('none': tools refused)."),
+    default_max_tokens: Optional[int] = typer.Option(None, min=1, help="Answer budget (tokens) of a chat that sends no max_tokens (default 256, or $INFERSCALE_DEFAULT_MAX_TOKENS)."),
 ) -> None:
     """Serve memory over HTTP: chat with memory on vLLM's OpenAI server, and Mem0-style memory routes."""
     from inferscale.config import MemoryConfig
     from inferscale.models import ModelNotFoundError
     from inferscale.server.main import ServeOptions
     from inferscale.server.main import serve as run_server
-    from inferscale.server.vllm_process import VLLMStartError
     from inferscale.store import StoreError
 
-    if tool_call_parser != "none" and not vllm_url:
-        from inferscale.serving.vllm_compat import tool_call_parsers
-
-        if tool_call_parser not in tool_call_parsers():
-            _fail(f"--tool-call-parser {tool_call_parser!r} is not one of vLLM's: {', '.join(tool_call_parsers())} "
-                  "(or 'none')")
     overrides: dict = {} if dtype == "auto" else {"dtype": dtype}  # INFERSCALE_DTYPE applies otherwise
     if data_dir is not None:
         if data_dir.exists() and not data_dir.is_dir():
             _fail(f"--data-dir {data_dir} is a file: give a folder (created when missing)")
         overrides["data_dir"] = data_dir
+    if default_max_tokens is not None:
+        overrides["default_max_tokens"] = default_max_tokens
     try:
         config = MemoryConfig(**overrides)
         run_server(config, ServeOptions(host=host, port=port, vllm_urls=tuple(vllm_url or ()), replicas=replicas,
@@ -333,7 +366,7 @@ def serve(
                                         served_model_name=served_model_name, max_num_seqs=max_num_seqs,
                                         tool_call_parser=None if tool_call_parser == "none" else tool_call_parser),
                    say=console.print)
-    except (OSError, ModelNotFoundError, VLLMStartError, StoreError, RuntimeError, ValueError) as exc:
+    except (OSError, ModelNotFoundError, StoreError, RuntimeError, ValueError) as exc:  # VLLMStartError is a RuntimeError
         _fail(str(exc))
 
 

@@ -141,6 +141,13 @@ class MemoryConfig(BaseSettings):
         chroma_tenant / chroma_database: Chroma's tenant and database on that server.
         chroma_collection: the server's collection for this deployment's memories (3-63
             characters; deployments with different embedders need different ones).
+        hide_embedded_memories: open ``chroma_url`` even though the embedded store in
+            ``data_dir/chroma`` holds memories, which the server then does not show (default
+            False: refused, naming ``inferscale chroma copy``, which moves them to the server).
+        default_max_tokens: answer budget (tokens) of a chat request to ``inferscale serve``
+            that sends neither ``max_tokens`` nor ``max_completion_tokens`` (default 256: about
+            10-25 s on a 2-core CPU with the default model, instead of generating to the end of
+            the context). A request that sends either keeps its own.
     """
 
     model_config = SettingsConfigDict(env_prefix="INFERSCALE_", extra="forbid")
@@ -190,9 +197,11 @@ class MemoryConfig(BaseSettings):
     chroma_tenant: str = "default_tenant"
     chroma_database: str = "default_database"
     chroma_collection: str = Field(default="inferscale_memories", min_length=3, max_length=63)
+    hide_embedded_memories: bool = False
+    default_max_tokens: int = Field(default=256, ge=1)
 
     @field_validator("context_window", "top_k", "max_model_len", "kv_cache_memory_bytes", "device_kv_budget_bytes",
-                     "encode_batch_tokens", "max_fact_tokens", mode="before")
+                     "encode_batch_tokens", "max_fact_tokens", "default_max_tokens", mode="before")
     @classmethod
     def _not_a_flag(cls, value: object, info) -> object:
         if isinstance(value, bool):  # pydantic would take True as 1

@@ -24,6 +24,7 @@ from typing import Any, Iterator, Sequence
 
 from inferscale.checks import MAX_CONTEXT_WINDOW, check_bool, check_id, check_int, check_role, first_line
 from inferscale.config import MemoryConfig
+from inferscale.embedded_store import embedded_count, hidden_memories_message
 from inferscale.embedding import Embedder
 from inferscale.extraction import (
     FactExtractor,
@@ -126,6 +127,10 @@ class Memory:
             raise ValueError(f"the given engine serves KV from {engine.kv_dir}, not this memory's {self.kv_dir}")
         manifest = self._check_data_dir(data)
         self.device = best_device()
+        if self.config.chroma_url is not None and not self.config.hide_embedded_memories:
+            hidden = embedded_count(data)  # memories the server would hide: refused, never silently
+            if hidden:
+                raise StoreError(hidden_memories_message(data, hidden, self.config.chroma_url))
         try:
             self.store = FactStore(data / "chroma", self.config.chroma_server())
             if self.config.database_url is None:  # the embedded default: two SQLite files in the data dir

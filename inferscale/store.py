@@ -339,3 +339,17 @@ class FactStore:
 
     def count(self) -> int:
         return self._col.count()
+
+    def rows(self, ids: list[str] | None = None,
+             include: tuple[str, ...] = ("embeddings", "documents", "metadatas")) -> dict:
+        """Chroma's stored columns of every row (or of ``ids``; absent ids are left out):
+        ``{"ids", and each of include}`` as lists, embeddings ``[n, dim]`` float32. For
+        copying a store (:mod:`inferscale.embedded_store`)."""
+        return self._get(list(include), ids=None if ids is None else list(ids))
+
+    def write_rows(self, ids: list[str], embeddings: np.ndarray, documents: list[str], metadatas: list[dict]) -> None:
+        """Write rows exactly as :meth:`rows` returned them (another store's), replacing rows of the same id."""
+        if ids:
+            with self._lock:
+                self._col.upsert(ids=list(ids), embeddings=np.asarray(embeddings, dtype=np.float32),
+                                 documents=list(documents), metadatas=list(metadatas))

@@ -37,3 +37,56 @@ def test_an_unreachable_chroma_server_is_one_clear_error(tmp_path, unused_port):
     assert "\n" not in str(caught.value)
     with pytest.raises(ValueError, match="chroma_url must look like http://host:port"):
         Memory(data_dir=tmp_path / "m", chroma_url="localhost:8000")
+
+
+def test_a_chroma_url_never_hides_a_data_dirs_memories_and_the_copy_moves_them(tmp_path, chroma):
+    """Issue 28: a data dir whose embedded store holds memories, opened with ``chroma_url``,
+    is refused in one line naming how many and the command that moves them; the command
+    copies them to the real server with their ids, metadata and history."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    url, data = chroma["url"], tmp_path / "data"
+    settings = dict(dtype="float32", context_window=0, precompute_kv=False)
+    with Memory(data_dir=data, **settings) as m:
+        ids = [m.add(text, user_id="alice", metadata={"n": i})["results"][0]["id"]
+               for i, text in enumerate(["I live in Lisbon.", "My dog is called Rex.", "I work as a nurse."])]
+        m.add("Bob likes tea.", user_id="bob")
+        m.update(ids[0], "I live in Porto.", user_id="alice")
+        before = {i: m.get(i, user_id="alice") for i in ids}
+        history = {i: m.history(i, user_id="alice") for i in ids}
+
+    with pytest.raises(StoreError) as caught:
+        Memory(data_dir=data, chroma_url=url, **settings)
+    message = str(caught.value)
+    assert "\n" not in message and "holds 4 memories" in message and "inferscale copy-to-chroma" in message, message
+    assert f"--chroma-url {url}" in message and "hide_embedded_memories" in message
+
+    exe = Path(sys.executable).with_name("inferscale")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERSCALE_")}
+    done = subprocess.run([str(exe), "copy-to-chroma", "--data-dir", str(data), "--chroma-url", url],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and "copied 4 memories" in done.stdout, done.stdout + done.stderr
+    assert not (data / "chroma").exists() and list(data.glob("chroma.copied-*"))  # the old store kept aside
+
+    with Memory(data_dir=data, chroma_url=url, **settings) as m:
+        for i in ids:
+            got = m.get(i, user_id="alice")
+            assert (got["memory"], got["metadata"], got["created_at"]) == (
+                before[i]["memory"], before[i]["metadata"], before[i]["created_at"])
+            assert m.history(i, user_id="alice") == history[i]
+        assert [e["event"] for e in m.history(ids[0], user_id="alice")] == ["ADD", "UPDATE"]
+        assert m.search("Where do I live?", user_id="alice", limit=1)["results"][0]["id"] == ids[0]
+        assert [r["memory"] for r in m.get_all(user_id="bob")["results"]] == ["Bob likes tea."]
+
+    again = subprocess.run([str(exe), "copy-to-chroma", "--data-dir", str(data), "--chroma-url", url],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 2 and "nothing to copy" in again.stdout, again.stdout
+
+    other = tmp_path / "other"  # asked for explicitly, the server opens over embedded memories
+    with Memory(data_dir=other, **settings) as m:
+        m.add("I collect stamps.", user_id="carl")
+    with Memory(data_dir=other, chroma_url=url, hide_embedded_memories=True, **settings) as m:
+        assert m.get_all(user_id="carl")["results"] == []

@@ -8,7 +8,8 @@ import socket
 
 import pytest
 
-from inferscale.server.vllm_process import check_port_free, cpu_shares
+from inferscale.server.ports import listen_on
+from inferscale.server.vllm_process import cpu_shares
 
 
 def test_a_port_whose_last_connections_linger_in_time_wait_is_free_again():
@@ -24,7 +25,7 @@ def test_a_port_whose_last_connections_linger_in_time_wait_is_free_again():
     conn.close()  # the server closes first: its end goes to TIME-WAIT
     client.close()
     server.close()
-    check_port_free("127.0.0.1", port)  # raised "Address already in use" before
+    listen_on("127.0.0.1", port).close()  # raised "Address already in use" before
 
 
 def test_a_port_someone_listens_on_is_refused():
@@ -33,7 +34,7 @@ def test_a_port_someone_listens_on_is_refused():
     server.listen()
     try:
         with pytest.raises(OSError, match="choose another with --port"):
-            check_port_free("127.0.0.1", server.getsockname()[1])
+            listen_on("127.0.0.1", server.getsockname()[1])
     finally:
         server.close()
 

@@ -283,6 +283,41 @@ def test_one_server_per_data_dir_and_front_metrics(server):
     assert (server.data_dir / "logs" / "vllm.log").stat().st_size > 0
 
 
+def test_a_second_server_on_a_busy_port_fails_in_seconds_with_one_line(server, tmp_path):
+    """On the running server's port, and on the port of a server that is still starting vLLM
+    (the race of issue 28: the second one spent 36 s starting vLLM before it failed)."""
+    exe = Path(sys.executable).with_name("inferscale")
+    port = int(server.url.rsplit(":", 1)[1])
+
+    def second(on: int, name: str) -> tuple[subprocess.CompletedProcess, float]:
+        t0 = time.monotonic()
+        proc = subprocess.run([str(exe), "serve", "--port", str(on), "--data-dir", str(tmp_path / name)],
+                              capture_output=True, text=True, timeout=120)
+        return proc, time.monotonic() - t0
+
+    busy, took = second(port, "busy")
+    assert busy.returncode == 2 and took < 10, (took, busy.stdout, busy.stderr)
+    assert busy.stdout.strip().count("\n") == 0 and f"127.0.0.1:{port}" in busy.stdout and "--port" in busy.stdout
+    assert not (tmp_path / "busy").exists()  # refused before it touched its data dir
+
+    starting_port = free_port()
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:  # a first server, still starting vLLM while the second tries its port
+        first = subprocess.Popen([str(exe), "serve", "--port", str(starting_port), "--data-dir", str(tmp_path / "a")],
+                                 stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "starting vLLM" not in log.read_text():
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        raced, took = second(starting_port, "b")
+        assert raced.returncode == 2 and took < 10, (took, raced.stdout, raced.stderr)
+        assert f"127.0.0.1:{starting_port}" in raced.stdout and raced.stdout.strip().count("\n") == 0
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(120) == 0, log.read_text()
+
+
 def test_memory_routes_follow_mem0(server):
     r = server.http("POST", "/memories", json={"messages": "I drink green tea.", "user_id": "erin",
                                                "metadata": {"topic": "food"}})
@@ -439,7 +474,7 @@ def test_fronting_a_vllm_server_that_is_already_running(tmp_path):
         exe = Path(sys.executable).with_name("inferscale")
         with open(tmp_path / "front.log", "w") as out:
             front = subprocess.Popen([str(exe), "serve", "--port", str(port), "--data-dir", str(data), "--vllm-url",
-                                      vllm.url], stdout=out, stderr=subprocess.STDOUT,
+                                      vllm.url, "--default-max-tokens", "5"], stdout=out, stderr=subprocess.STDOUT,
                                      env={**os.environ, "INFERSCALE_DTYPE": "float32"})
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300
@@ -452,6 +487,14 @@ def test_fronting_a_vllm_server_that_is_already_running(tmp_path):
                                               messages=[{"role": "user", "content": "What colour is my bike?"}],
                                               extra_body={"memory": {"wait_for_kv": True}})
         assert report(resp)["injected_tokens"] > 0 and report(resp)["kv_memory_ids"]
+        # a chat that sends no max_tokens ends at the front's default (--default-max-tokens 5),
+        # not at the end of the context; one that sends it keeps its own
+        uncapped = client.chat.completions.create(model="smol", user="gus", temperature=0, messages=[
+            {"role": "user", "content": "Write a long story about my bike, with many details."}])
+        assert uncapped.usage.completion_tokens == 5 and uncapped.choices[0].finish_reason == "length", uncapped
+        own = client.chat.completions.create(model="smol", user="gus", temperature=0, max_tokens=9, messages=[
+            {"role": "user", "content": "Write a long story about my bike, with many details."}])
+        assert own.usage.completion_tokens == 9, own
         front.send_signal(signal.SIGTERM)
         assert front.wait(120) == 0
         assert listening(vllm.url), "the front stopped a vLLM server it did not start"

@@ -118,6 +118,7 @@ def create_app(memory: Any, upstream: Replicas, *, api_key: str | None = None,
     app.state.memory = memory
     app.state.upstream = upstream
     app.state.metrics = metrics = FrontMetrics()
+    default_max_tokens = memory.config.default_max_tokens  # for chats that send no max_tokens
     worker = str(os.getpid())
 
     @app.middleware("http")
@@ -202,14 +203,14 @@ def create_app(memory: Any, upstream: Replicas, *, api_key: str | None = None,
         messages = check_messages(body)
         t0 = time.perf_counter()
         if options.mode == "none":
-            plan = ChatPlan(forward_body(body, None, None), None, "none")
+            plan = ChatPlan(forward_body(body, None, None, default_max_tokens), None, "none")
             key = _route_key(body, request.headers)
         else:
             scope = request_scope(body, request.headers)
             key = scope.key
             instructions, rest, query = split_messages(messages)
             block = await run_in_threadpool(_memory_block, memory, scope, query, options, instructions)
-            plan = ChatPlan(forward_body(body, block, rest), block, options.mode)
+            plan = ChatPlan(forward_body(body, block, rest, default_max_tokens), block, options.mode)
         metrics.observe(plan, time.perf_counter() - t0)
         if "model" not in plan.body:
             plan.body["model"] = await upstream.model_name()

@@ -192,10 +192,14 @@ class ChatPlan:
         return out
 
 
-def forward_body(body: dict, block: MemoryBlock | None, rest: list[dict] | None) -> dict:
+def forward_body(body: dict, block: MemoryBlock | None, rest: list[dict] | None, default_max_tokens: int) -> dict:
     """The client's request with the memory system turn in front, the server's KV fields set,
-    and the client's own copies of them dropped."""
+    the client's own copies of them dropped, and ``max_tokens`` set to ``default_max_tokens``
+    when the client sent neither ``max_tokens`` nor ``max_completion_tokens`` (vLLM would
+    generate to the end of the context: minutes on a CPU)."""
     out = {k: v for k, v in body.items() if k not in _SERVER_FIELDS}
+    if out.get("max_tokens") is None and out.get("max_completion_tokens") is None:
+        out["max_tokens"] = default_max_tokens
     if block is not None:
         out["messages"] = [{"role": "system", "content": block.system_text}, *(rest or [])]
         if block.plan is not None:

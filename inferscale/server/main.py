@@ -60,7 +60,8 @@ class ServeOptions:
     def check(self, config: MemoryConfig) -> None:
         """Raises:
             ValueError: ``workers`` or ``replicas`` below 1, ``replicas`` with ``vllm_urls``,
-                or several workers over the embedded Chroma store.
+                several workers over the embedded Chroma store, or a tool-call parser vLLM
+                does not have.
         """
         if self.workers < 1 or self.replicas < 1:
             raise ValueError(f"--workers and --replicas must be at least 1, got {self.workers} and {self.replicas}")
@@ -74,6 +75,12 @@ class ServeOptions:
             raise ValueError(f"--workers {self.workers} needs Chroma as a server: the embedded store in the data dir "
                              "is one process's. Start `chroma run --path <dir> --port 8001` and set "
                              "INFERSCALE_CHROMA_URL=http://127.0.0.1:8001 (docs/deployment.md), or use --workers 1")
+        if self.tool_call_parser is not None and not self.vllm_urls:
+            from inferscale.serving.vllm_compat import tool_call_parsers  # imports vLLM: seconds
+
+            if self.tool_call_parser not in tool_call_parsers():
+                raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not one of vLLM's: "
+                                 f"{', '.join(tool_call_parsers())} (or 'none')")
 
 
 def served_name(config: MemoryConfig, model_path: Path) -> str:
@@ -136,17 +143,22 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
     """
     import os
 
+    from inferscale.server.ports import listen_on
+
+    # the port first, held from here on: a second server on it fails now, in about a second,
+    # not after a minute of starting vLLM (even one started a moment later, before uvicorn
+    # runs); then the data dir's lock; each before the imports and checks that take seconds
+    sock = listen_on(options.host, options.port)
+    lock = lock_data_dir(config.data_dir)  # noqa: F841  (held until this process exits)
+    options.check(config)
+
     import uvicorn
 
     from inferscale.memory import Memory
     from inferscale.models import resolve_llm
     from inferscale.server.upstream import HttpEngine
-    from inferscale.server.vllm_process import ReplicaSupervisor, VLLMProcess, check_port_free
+    from inferscale.server.vllm_process import ReplicaSupervisor, VLLMProcess
     from inferscale.server.worker import WORKER_ENV, WorkerSpec, open_front
-
-    options.check(config)
-    check_port_free(options.host, options.port)
-    lock = lock_data_dir(config.data_dir)  # noqa: F841  (held until this process exits)
     model_path = resolve_llm(config.llm)
     name = options.served_model_name or served_name(config, model_path)
     kv_dir = config.data_dir / "kv"
@@ -196,19 +208,20 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
                 "(OpenAI API under /v1, docs at /docs)")
             # uvicorn handles SIGTERM / Ctrl-C itself and raises the signal again once it has
             # stopped: the handler above then ends this function through ``finally``
-            uvicorn.run(front.app, host=options.host, port=options.port, log_level="warning",
-                        timeout_graceful_shutdown=10)
+            uvicorn.Server(uvicorn.Config(front.app, host=options.host, port=options.port, log_level="warning",
+                                          timeout_graceful_shutdown=10)).run(sockets=[sock])
         else:
             # the workers are spawned processes: they read their settings from the environment
             os.environ.update(config.environment())
             os.environ[WORKER_ENV] = spec.to_json()
             say(f"InferScale is serving {name} with memory from {config.data_dir} on {where} with "
                 f"{options.workers} workers and {len(urls)} vLLM server(s) (OpenAI API under /v1, docs at /docs)")
-            _run_workers(options)
+            _run_workers(options, sock)
     except (_Stop, KeyboardInterrupt):
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sock.close()
         if front is not None:
             front.close()
         elif options.workers == 1:
@@ -254,9 +267,10 @@ def _supervisor_events(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING or " died" in message or "failed to start" in message
 
 
-def _run_workers(options: ServeOptions) -> None:
+def _run_workers(options: ServeOptions, sock) -> None:
     """uvicorn's multi-process supervisor over :func:`~inferscale.server.worker.app_from_environment`
-    (what ``uvicorn.run(..., workers=N)`` does, keeping the workers to read their exit codes).
+    (what ``uvicorn.run(..., workers=N)`` does, keeping the workers to read their exit codes),
+    on ``sock``, the front's listening socket.
 
     Raises:
         RuntimeError: a worker failed to start (uvicorn then stops them all).
@@ -273,12 +287,8 @@ def _run_workers(options: ServeOptions) -> None:
     events = logging.getLogger("uvicorn.error")  # the supervisor's logger (in this process only)
     events.setLevel(logging.INFO)
     events.addFilter(_supervisor_events)
-    sock = config.bind_socket()
-    supervisor = Multiprocess(config, sockets=[sock])
-    try:
-        supervisor.run()
-    finally:
-        sock.close()
+    supervisor = Multiprocess(config, sockets=[sock])  # the workers inherit the listening socket
+    supervisor.run()
     if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes):
         raise RuntimeError("a worker could not start (its error is above), so the server stopped")
 

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 import httpx
 
+from inferscale.server.ports import free_port
 from inferscale.serving.vllm_compat import engine_environment, openai_server_command
 
 _PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -32,28 +33,6 @@ _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 class VLLMStartError(RuntimeError):
     """vLLM's server exited or did not become ready; the message carries its last log lines."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on at ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise ``OSError`` naming the port when ``host:port`` cannot be bound (in use, or not ours).
-
-    Binds as uvicorn will, with ``SO_REUSEADDR``: connections of a server that just stopped
-    linger in TIME-WAIT for a minute, which keeps a plain bind from the port but not uvicorn.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise OSError(f"cannot listen on {host}:{port} ({exc.strerror}): the port is in use or not allowed; "
-                          "choose another with --port") from None
 
 
 def cpu_shares(n: int) -> list[str]:

@@ -10,7 +10,6 @@ KV InferScale injects into vLLM's cache, so only the new question is prefilled.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 
 from langchain_core.messages import AIMessage, HumanMessage
@@ -51,7 +50,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default=None, help="memory store (default: a new temporary folder)")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with tempfile.TemporaryDirectory(prefix="inferscale-agent-") as scratch:  # removed at exit
         run(Memory(data_dir=args.data_dir or scratch))
 

@@ -18,7 +18,6 @@ model trained for tool calling, drop ``tool_choice`` and let it decide.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from dataclasses import dataclass
 
@@ -85,7 +84,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default=None, help="memory store (default: a new temporary folder)")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with tempfile.TemporaryDirectory(prefix="inferscale-agent-") as scratch:  # removed at exit
         with Memory(data_dir=args.data_dir or scratch) as memory:  # closing it stops vLLM's engine
             run(memory)

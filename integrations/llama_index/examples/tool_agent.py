@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import tempfile
 
 from llama_index.core.agent.workflow import AgentOutput, FunctionAgent, ToolCallResult
@@ -70,7 +69,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default=None, help="memory store (default: a new temporary folder)")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with tempfile.TemporaryDirectory(prefix="inferscale-agent-") as scratch:  # removed at exit
         with Memory(data_dir=args.data_dir or scratch) as memory:  # closing it stops vLLM's engine
             run(memory)
