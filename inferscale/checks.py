@@ -41,6 +41,21 @@ def check_int(name: str, value: Any, minimum: int = 0, *, optional: bool = False
     return value
 
 
+def result_limit(limit: Any, top_k: Any, default: int = 100) -> int:
+    """How many results a read returns: ``limit`` (Mem0 2.x's name) or ``top_k`` (Mem0's current
+    name, ``Memory.search(query, top_k=...)``), ``default`` when neither is given.
+
+    Raises:
+        TypeError: not an integer. ValueError: negative, or both given with different values.
+    """
+    check_int("limit", limit, optional=True)
+    check_int("top_k", top_k, optional=True)
+    if limit is not None and top_k is not None and limit != top_k:
+        raise ValueError(f"limit={limit} and top_k={top_k} disagree: they are one setting (Mem0's old and new "
+                         "names); give one")
+    return default if limit is None and top_k is None else (limit if limit is not None else top_k)
+
+
 def check_number(name: str, value: Any, low: float, high: float, *, optional: bool = False) -> float | None:
     """``value`` if it is a finite real number in ``[low, high]`` (or ``None`` when ``optional``).
 

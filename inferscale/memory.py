@@ -22,7 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from inferscale.checks import MAX_CONTEXT_WINDOW, check_bool, check_id, check_int, check_role, first_line
+from inferscale.checks import (MAX_CONTEXT_WINDOW, check_bool, check_id, check_int, check_role, first_line,
+                               result_limit)
 from inferscale.config import MemoryConfig
 from inferscale.embedded_store import embedded_count, hidden_memories_message
 from inferscale.embedding import Embedder
@@ -468,8 +469,8 @@ class Memory:
         return self._item(self.facts.get(Scope.of(user_id, agent_id, run_id), memory_id))
 
     def search(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
-               run_id: str | None = None, limit: int = 100, threshold: float | None = None,
-               filters: dict | None = None, mode: str | None = None) -> dict:
+               run_id: str | None = None, limit: int | None = None, threshold: float | None = None,
+               filters: dict | None = None, mode: str | None = None, top_k: int | None = None) -> dict:
         """The scope's facts best matching ``query``: hybrid (cosine and BM25 keyword ranks
         fused) or dense (exact cosine) top-``limit``.
 
@@ -477,6 +478,7 @@ class Memory:
         (``filters={"user_id": "alice"}``, Mem0's current style), or both when they agree.
 
         Args:
+            limit / top_k: most results (default 100); ``top_k`` is Mem0's current name for it.
             threshold: minimum cosine similarity of a result.
             filters: metadata filters (:mod:`inferscale.filters`); a field no memory has
                 matches nothing. Top-level ``user_id`` / ``agent_id`` / ``run_id`` keys are
@@ -489,21 +491,23 @@ class Memory:
             under ``"hybrid"`` the order is the fused rank, so scores need not descend.
 
         Raises:
-            ValueError: empty query, bad ``limit`` / ``threshold`` / ``mode``, malformed filters, a
-                scope in ``filters`` that is not a string or disagrees with the keyword.
+            ValueError: empty query, bad ``limit`` / ``threshold`` / ``mode``, ``limit`` and
+                ``top_k`` that disagree, malformed filters, a scope in ``filters`` that is not a
+                string or disagrees with the keyword.
         """
         self._check_open()
         scope, filters = scope_and_filters(user_id, agent_id, run_id, filters)
-        hits = self.facts.search(scope, query, limit, threshold, filters, mode)
+        hits = self.facts.search(scope, query, result_limit(limit, top_k), threshold, filters, mode)
         return {"results": [self._item(r, s) for r, s in hits]}
 
     def get_all(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
-                limit: int = 100, filters: dict | None = None) -> dict:
-        """Every fact of the scope matching ``filters``, oldest first, at most ``limit``; the scope
-        as keywords or inside ``filters``, as :meth:`search` takes it."""
+                limit: int | None = None, filters: dict | None = None, top_k: int | None = None) -> dict:
+        """Every fact of the scope matching ``filters``, oldest first, at most ``limit`` (or
+        ``top_k``, Mem0's current name; default 100); the scope as keywords or inside
+        ``filters``, as :meth:`search` takes it."""
         self._check_open()
         scope, filters = scope_and_filters(user_id, agent_id, run_id, filters)
-        check_int("limit", limit)
+        limit = result_limit(limit, top_k)
         return {"results": [self._item(r) for r in self.facts.list(scope, filters)[:limit]]}
 
     def history(self, memory_id: str, *, user_id: str | None = None, agent_id: str | None = None,

@@ -51,6 +51,15 @@ def test_add_search_get_all_round_trip(memory):
     assert stored["metadata"] == {"src": "chat"}
     assert stored["user_id"] == "hiker"
     assert len(stored["source_turn_ids"]) == 1  # provenance: its own turn
+    # Mem0's current spelling: top_k, the scope in filters (mem0 main.py, Memory.search / get_all)
+    memory.add("I also love cycling.", user_id="hiker")
+    assert len(memory.search("hobbies", filters={"user_id": "hiker"}, top_k=1)["results"]) == 1
+    assert len(memory.search("hobbies", user_id="hiker", top_k=5, limit=5)["results"]) == 2
+    assert len(memory.get_all(filters={"user_id": "hiker"}, top_k=1)["results"]) == 1
+    with pytest.raises(ValueError, match="limit=1 and top_k=2 disagree"):
+        memory.search("hobbies", user_id="hiker", limit=1, top_k=2)
+    with pytest.raises(TypeError, match="top_k must be an integer"):
+        memory.get_all(user_id="hiker", top_k="3")
 
 
 def test_locomo_facts_keep_their_provenance(memory, sample):

@@ -328,6 +328,10 @@ def test_memory_routes_follow_mem0(server):
     assert [m["id"] for m in found.json()["results"]] == [mid]
     current = server.http("POST", "/search", json={"query": "tea", "filters": {"user_id": "erin", "topic": "food"}})
     assert current.json() == found.json()  # Mem0's current style: the scope inside filters
+    top = server.http("POST", "/search", json={"query": "tea", "filters": {"user_id": "erin"}, "top_k": 1})
+    assert [m["id"] for m in top.json()["results"]] == [mid]  # and its top_k
+    clash = server.http("POST", "/search", json={"query": "tea", "user_id": "erin", "top_k": 1, "limit": 2})
+    assert clash.status_code == 400 and "disagree" in clash.json()["error"]["message"]
     dense = server.http("POST", "/search", json={"query": "tea", "user_id": "erin", "mode": "dense"})
     assert [m["id"] for m in dense.json()["results"]] == [mid]  # the ranking is chosen per request, as in search()
     bad = server.http("POST", "/search", json={"query": "tea", "user_id": "erin", "mode": "bm25"})

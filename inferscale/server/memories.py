@@ -49,7 +49,8 @@ class MemoryCreate(ScopeFields):
 
 class SearchRequest(ScopeFields):
     query: str
-    limit: int = Field(default=100, ge=1, le=10_000, strict=True)
+    limit: int | None = Field(default=None, ge=1, le=10_000, strict=True, description="most results (default 100)")
+    top_k: int | None = Field(default=None, ge=1, le=10_000, strict=True, description="Mem0's current name for limit")
     threshold: float | None = None
     filters: dict[str, Any] | None = Field(default=None, description="metadata filters; Mem0's current style "
                                            "puts the scope here too ({'user_id': 'alice', ...})")
@@ -102,7 +103,7 @@ def router() -> APIRouter:
 
     @r.post("/search", summary="Search memories")
     def search(body: SearchRequest, request: Request) -> dict:
-        return request.app.state.memory.search(body.query, limit=body.limit, threshold=body.threshold,
+        return request.app.state.memory.search(body.query, limit=body.limit, top_k=body.top_k, threshold=body.threshold,
                                                filters=body.filters, mode=body.mode, **body.scope())
 
     @r.put("/memories/{memory_id}", summary="Update a memory")
