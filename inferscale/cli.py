@@ -1,4 +1,4 @@
-"""``inferscale`` command line: ``demo``, ``serve``, ``models prepare`` and ``bench``."""
+"""``inferscale`` command line: ``demo``, ``serve``, ``copy-to-chroma``, ``models prepare`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+
+from inferscale.config import AUTO_DTYPE_RULE
 
 app = typer.Typer(add_completion=False, help="InferScale: LLM memory served as precomputed KV in vLLM.")
 models_app = typer.Typer(help="Default model preparation.")
@@ -55,7 +57,7 @@ def demo(
     questions: int = typer.Option(10, min=1, help="Questions to answer (categories 1-4, in file order)."),
     k: int = typer.Option(10, min=0, help="Facts retrieved per question."),
     context_window: int = typer.Option(5, min=0, help="w: turns before each fact's source turn encoded with it."),
-    dtype: str = typer.Option("auto", help="auto (bf16 on CUDA and on CPUs with AMX, else fp32), float32 or bfloat16."),
+    dtype: str = typer.Option("auto", help=f"auto ({AUTO_DTYPE_RULE}), float32 or bfloat16."),
     data_dir: Optional[Path] = typer.Option(None, help="Memory store (default: <data dir>/demo; data dir: $INFERSCALE_DATA_DIR or ~/.local/share/inferscale)."),
     record: Optional[Path] = typer.Option(None, help="Also write this run's transcript as a Markdown page (docs/results/demo.md)."),
 ) -> None:
@@ -195,7 +197,7 @@ _DATA = typer.Option(None, help="locomo10.json (default: ../shared/data/locomo).
 _STORE = typer.Option(None, help="Benchmark memory store, shared by the benchmarks so KV is encoded once "
                                  "(default: <data dir>/bench; data dir: $INFERSCALE_DATA_DIR or ~/.local/share/inferscale).")
 _FRESH = typer.Option(False, "--fresh", help="Discard earlier results in --out instead of resuming.")
-_DTYPE = typer.Option("auto", callback=_check_dtype, help="auto (bf16 on CUDA and on CPUs with AMX, else fp32), float32 or bfloat16.")
+_DTYPE = typer.Option("auto", callback=_check_dtype, help=f"auto ({AUTO_DTYPE_RULE}), float32 or bfloat16.")
 
 
 # the options of the two concurrent-users benchmarks (throughput, serve)

@@ -281,6 +281,10 @@ class MemoryConfig(BaseSettings):
         return value
 
 
+#: What ``dtype="auto"`` means, as every page says it (``scripts/page_facts.py`` writes it there).
+AUTO_DTYPE_RULE = "bfloat16 on CUDA and on CPUs with Intel AMX, float32 on other CPUs"
+
+
 def auto_dtype() -> str:
     """What ``dtype="auto"`` means on this machine: ``"bfloat16"`` on a CUDA GPU and on a CPU
     with Intel AMX (bf16 tiles), ``"float32"`` on other CPUs.
