@@ -147,10 +147,15 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
 
     # the port first, held from here on: a second server on it fails now, in about a second,
     # not after a minute of starting vLLM (even one started a moment later, before uvicorn
-    # runs); then the data dir's lock; each before the imports and checks that take seconds
+    # runs); then the options (the tool-call parser's check imports vLLM: seconds); then the
+    # data dir's lock, so a refused option leaves no data dir behind
     sock = listen_on(options.host, options.port)
-    lock = lock_data_dir(config.data_dir)  # noqa: F841  (held until this process exits)
-    options.check(config)
+    try:
+        options.check(config)
+        lock = lock_data_dir(config.data_dir)  # noqa: F841  (held until this process exits)
+    except BaseException:
+        sock.close()
+        raise
 
     import uvicorn
 
