@@ -116,17 +116,24 @@ def copy_to_chroma(
         _fail(str(exc))
     if config.chroma_url is None:
         _fail("give the Chroma server: --chroma-url http://host:port (or set INFERSCALE_CHROMA_URL)")
+    if config.data_dir.exists() and not config.data_dir.is_dir():
+        _fail(f"--data-dir {config.data_dir} is a file: give the data dir (a folder)")
     if not embedded_path(config.data_dir).is_dir():
-        _fail(f"{config.data_dir} has no embedded Chroma store ({embedded_path(config.data_dir)}): nothing to copy")
+        backups = sorted(config.data_dir.glob("chroma.copied-*"))
+        _fail(f"{config.data_dir} has no embedded Chroma store ({embedded_path(config.data_dir)}): nothing to copy"
+              + (f" (copied before: the old store is kept as {backups[-1]})" if backups else ""))
     try:
-        copied, backup = copy_to_server(config.data_dir, config.chroma_server())
+        copied, held, backup = copy_to_server(config.data_dir, config.chroma_server())
     except StoreError as exc:
         _fail(str(exc))
-    if not copied:
+    if backup is None:
         console.print(f"the embedded store of {config.data_dir} holds no memories: nothing to copy")
         return
-    console.print(f"copied {copied} memories to {config.chroma_url} (collection {config.chroma_collection}); the "
-                  f"embedded store is kept as {backup}. Open the data dir with chroma_url={config.chroma_url}.")
+    console.print(f"copied {copied} memories to {config.chroma_url} (collection {config.chroma_collection}"
+                  + (f"; {held} were there already" if held else "") + f"); the embedded store is kept as {backup}. "
+                  f"Open the data dir with chroma_url={config.chroma_url}"
+                  + (f" and chroma_collection={config.chroma_collection}" if "INFERSCALE_CHROMA_COLLECTION" in os.environ
+                     else "") + ".")
 
 
 def _fail(message: str) -> None:

@@ -14,9 +14,14 @@ were: a memory keeps its id, so its history and its KV still belong to it on the
 from __future__ import annotations
 
 import datetime as dt
+import json
 from pathlib import Path
 
-from inferscale.store import _COLLECTION, IDS_PER_READ, ChromaServer, FactStore, StoreError
+from inferscale.checks import first_line
+from inferscale.store import _COLLECTION, ChromaServer, FactStore, StoreError
+
+#: The data dir's manifest (schema version, embedder; where its memories moved).
+MANIFEST = "inferscale.json"
 
 #: Chroma's database file inside an embedded store's folder.
 CHROMA_FILE = "chroma.sqlite3"
@@ -51,48 +56,97 @@ def hidden_memories_message(data_dir: Path, count: int, chroma_url: str) -> str:
             "(INFERSCALE_HIDE_EMBEDDED_MEMORIES=1) to use the server without them")
 
 
-def copy_to_server(data_dir: Path, server: ChromaServer) -> tuple[int, Path | None]:
+def copy_to_server(data_dir: Path, server: ChromaServer) -> tuple[int, int, Path | None]:
     """Copy every memory of ``data_dir``'s embedded store into ``server``'s collection (ids,
-    texts, embeddings and metadata as they are), check that the server holds each, then move
-    the embedded folder aside to ``chroma.copied-<UTC time>`` (kept as a backup).
+    texts, embeddings and metadata as they are), check that the server holds each, note the
+    move in the data dir's manifest (so the data dir is not opened without ``chroma_url``
+    again), then move the embedded folder aside to ``chroma.copied-<UTC time>`` (a backup).
 
     Idempotent: memories the server already holds unchanged are not written again, so a
     copy that stopped half-way is finished by running it again.
 
     Returns:
-        ``(memories copied, the backup folder)``; ``(0, None)`` when there was nothing to copy.
+        ``(memories written, memories the server already held, the backup folder)``;
+        ``(0, 0, None)`` when there was nothing to copy.
 
     Raises:
-        StoreError: the server cannot be reached; or it holds one of these ids with another
-            text or metadata (nothing is written then); or a copied memory is missing after
-            the copy (the embedded store is left in place).
+        StoreError: ``inferscale serve`` holds the data dir; the embedded store or the
+            server cannot be read or written (one line; the embedded store is left in
+            place); the server holds one of these ids with other contents (nothing is
+            written then); a copied memory is missing after the copy.
     """
     path = embedded_path(data_dir)
-    if embedded_count(data_dir) == 0:
-        return 0, None
-    source = FactStore(path)
-    rows = source.rows()
-    target = FactStore(path, server)
-    there = target.rows(ids=rows["ids"])
-    held = {i: (d, m) for i, d, m in zip(there["ids"], there["documents"], there["metadatas"])}
-    conflicts = [i for i, d, m in zip(rows["ids"], rows["documents"], rows["metadatas"])
-                 if i in held and held[i] != (d, m)]
-    if conflicts:
-        raise StoreError(f"the Chroma server at {server.url} already holds {len(conflicts)} of these memory ids with "
-                         f"other contents (e.g. {conflicts[0]}): nothing was copied; use another chroma_collection")
-    todo = [j for j, i in enumerate(rows["ids"]) if i not in held]
-    for start in range(0, len(todo), IDS_PER_READ):
-        part = todo[start:start + IDS_PER_READ]
-        target.write_rows([rows["ids"][j] for j in part], rows["embeddings"][part],
-                          [rows["documents"][j] for j in part], [rows["metadatas"][j] for j in part])
-    landed = set(target.rows(ids=rows["ids"], include=())["ids"])
+    _check_not_served(data_dir)
+    try:
+        if embedded_count(data_dir) == 0:
+            return 0, 0, None
+        rows = FactStore(path).rows()
+        target = FactStore(path, server)
+        there = target.rows(ids=rows["ids"])
+        held = {i: (d, m) for i, d, m in zip(there["ids"], there["documents"], there["metadatas"])}
+        conflicts = [i for i, d, m in zip(rows["ids"], rows["documents"], rows["metadatas"])
+                     if i in held and held[i] != (d, m)]
+        if conflicts:
+            raise StoreError(f"the Chroma server at {server.url} already holds {len(conflicts)} of these memory ids "
+                             f"with other contents (e.g. {conflicts[0]}) in collection {server.collection!r}: nothing "
+                             "was copied; copy into another collection (INFERSCALE_CHROMA_COLLECTION)")
+        todo = [j for j, i in enumerate(rows["ids"]) if i not in held]
+        target.write_rows([rows["ids"][j] for j in todo], rows["embeddings"][todo],
+                          [rows["documents"][j] for j in todo], [rows["metadatas"][j] for j in todo])
+        landed = set(target.rows(ids=rows["ids"], include=())["ids"])
+    except StoreError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - chromadb's and httpx's errors: one line, nothing moved
+        raise StoreError(f"the copy from {path} to the Chroma server at {server.url} stopped ({type(exc).__name__}: "
+                         f"{first_line(exc)}): the embedded store is left as it was; run the copy again") from None
     missing = [i for i in rows["ids"] if i not in landed]
     if missing:
         raise StoreError(f"{len(missing)} memories did not reach the Chroma server at {server.url} (e.g. "
                          f"{missing[0]}): the embedded store is left as it was; run the copy again")
-    del source, target
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    backup = path.with_name(f"chroma.copied-{stamp}")
+    stamp = dt.datetime.now(dt.timezone.utc)
+    backup = path.with_name(f"chroma.copied-{stamp.strftime('%Y%m%dT%H%M%SZ')}")
+    record_move(data_dir, server.url, stamp.isoformat(timespec="seconds"))
     path.rename(backup)
-    return len(rows["ids"]), backup
+    return len(todo), len(rows["ids"]) - len(todo), backup
 
+
+def _check_not_served(data_dir: Path) -> None:
+    """Refuse while an ``inferscale serve`` holds the data dir (its ``serve.lock``)."""
+    import fcntl
+
+    lock = Path(data_dir) / "serve.lock"
+    if not lock.is_file():
+        return
+    with open(lock, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            raise StoreError(f"an inferscale serve (pid {f.read().strip() or '?'}) is serving {data_dir}: stop it "
+                             "before copying its memories") from None
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+#: The manifest field that says where a data dir's memories went (``inferscale copy-to-chroma``).
+MOVED_TO = "memories_moved_to"
+
+
+def record_move(data_dir: Path, url: str, when: str) -> None:
+    """Note in ``data_dir``'s manifest that its memories now live on the Chroma server ``url``."""
+    path = Path(data_dir) / MANIFEST
+    manifest = json.loads(path.read_text()) if path.is_file() else {}
+    manifest[MOVED_TO] = {"chroma_url": url, "at": when}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(path)
+
+
+def moved_message(data_dir: Path, manifest: dict) -> str | None:
+    """The one line that refuses to open ``data_dir`` without ``chroma_url`` after its memories
+    moved to a server (``None`` when they did not)."""
+    moved = manifest.get(MOVED_TO)
+    if not isinstance(moved, dict):
+        return None
+    url = moved.get("chroma_url", "?")
+    return (f"the memories of {data_dir} were moved to the Chroma server at {url} (inferscale copy-to-chroma, "
+            f"{moved.get('at', '?')}): open it with chroma_url={url} (INFERSCALE_CHROMA_URL)")

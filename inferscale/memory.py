@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 from inferscale.checks import (MAX_CONTEXT_WINDOW, check_bool, check_id, check_int, check_role, first_line,
                                result_limit)
 from inferscale.config import MemoryConfig
-from inferscale.embedded_store import embedded_count, hidden_memories_message
+from inferscale.embedded_store import MANIFEST, embedded_count, hidden_memories_message, moved_message
 from inferscale.embedding import Embedder
 from inferscale.extraction import (
     FactExtractor,
@@ -62,7 +62,6 @@ from inferscale.types import (
     require_text,
 )
 
-_MANIFEST = "inferscale.json"
 
 
 #: Longest ``wait_for_kv`` timeout accepted, in seconds (a year; ``None`` waits without limit).
@@ -152,7 +151,7 @@ class Memory:
             raise StoreError(f"cannot open the store at {data} ({type(exc).__name__}: {exc}): move the damaged "
                              "file aside or choose another data_dir") from exc
         if manifest is not None:
-            (data / _MANIFEST).write_text(json.dumps(manifest, indent=2))
+            (data / MANIFEST).write_text(json.dumps(manifest, indent=2))
         self.embedder = Embedder(self.config.embedder, self.device, source=embedder_source,
                                  backend=self.config.embedder_backend)
         # partitions load on first use, and catch up on (or reload after) other processes' writes
@@ -186,7 +185,7 @@ class Memory:
             probe.unlink()
         except OSError as exc:
             raise StoreError(f"cannot use data_dir {data}: {exc}. Choose a writable folder.") from exc
-        path = data / _MANIFEST
+        path = data / MANIFEST
         manifest = {"schema_version": SCHEMA_VERSION, "embedder": self.config.embedder}
         if path.exists():
             try:
@@ -196,6 +195,9 @@ class Memory:
             if found.get("schema_version", 0) > SCHEMA_VERSION:
                 raise StoreError(f"the store at {data} has schema version {found['schema_version']}, newer than this "
                                  f"InferScale's {SCHEMA_VERSION}: upgrade inferscale to open it")
+            moved = moved_message(data, found) if self.config.chroma_url is None else None
+            if moved:  # its memories are on a server: the empty embedded store would hide them
+                raise StoreError(moved)
             if found.get("embedder") != self.config.embedder:
                 raise StoreError(f"the store at {data} was built with embedder {found.get('embedder')!r}, not "
                                  f"{self.config.embedder!r}: open it with embedder={found.get('embedder')!r} or use "

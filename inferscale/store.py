@@ -218,18 +218,32 @@ class FactStore:
                 f"{SCHEMA_VERSION}: upgrade inferscale"
             )
         self._lock = threading.Lock()
+        self._max_batch: int | None = None
+
+    @property
+    def max_batch(self) -> int:
+        """Most rows Chroma takes in one write (``get_max_batch_size``: 5,461 with its SQLite
+        backend, embedded or server)."""
+        if self._max_batch is None:
+            self._max_batch = int(self._client.get_max_batch_size())
+        return self._max_batch
 
     def add(self, records: list[FactRecord], embeddings: np.ndarray) -> None:
-        """Write ``records`` with their ``embeddings`` (``[n, dim]`` float32) in one batch."""
-        if not records:
-            return
+        """Write ``records`` with their ``embeddings`` (``[n, dim]`` float32), in batches of at
+        most :attr:`max_batch` rows; when a batch fails, the batches written before it are
+        deleted again and the error is raised (all or nothing, as far as Chroma allows)."""
+        ids = [r.id for r in records]
         with self._lock:
-            self._col.add(
-                ids=[r.id for r in records],
-                embeddings=embeddings.astype(np.float32),
-                documents=[r.text for r in records],
-                metadatas=[r.to_chroma_metadata() for r in records],
-            )
+            for start in range(0, len(records), self.max_batch):
+                part = records[start:start + self.max_batch]
+                try:
+                    self._col.add(ids=ids[start:start + len(part)],
+                                  embeddings=embeddings[start:start + len(part)].astype(np.float32),
+                                  documents=[r.text for r in part], metadatas=[r.to_chroma_metadata() for r in part])
+                except BaseException:
+                    if start:
+                        self._col.delete(ids=ids[:start])
+                    raise
 
     def update(self, record: FactRecord, embedding: np.ndarray) -> None:
         """Replace a stored record's text, metadata and embedding (``[1, dim]``)."""
@@ -242,17 +256,17 @@ class FactStore:
             )
 
     def delete(self, ids: list[str]) -> None:
-        """Delete records by id."""
-        if ids:
-            with self._lock:
-                self._col.delete(ids=ids)
+        """Delete records by id (in batches of at most :attr:`max_batch`)."""
+        with self._lock:
+            for start in range(0, len(ids), self.max_batch):
+                self._col.delete(ids=ids[start:start + self.max_batch])
 
     def delete_everything(self) -> None:
         """Delete every record (``Memory.reset``)."""
         with self._lock:
             ids = self._col.get(include=[])["ids"]
-            for start in range(0, len(ids), IDS_PER_READ):
-                self._col.delete(ids=ids[start : start + IDS_PER_READ])
+            for start in range(0, len(ids), self.max_batch):
+                self._col.delete(ids=ids[start:start + self.max_batch])
 
     def _get(self, include: list[str], ids: list[str] | None = None, where: dict | None = None) -> dict:
         """Chroma's ``get`` by ``ids`` or by ``where``, in reads of at most :data:`IDS_PER_READ`
@@ -348,8 +362,11 @@ class FactStore:
         return self._get(list(include), ids=None if ids is None else list(ids))
 
     def write_rows(self, ids: list[str], embeddings: np.ndarray, documents: list[str], metadatas: list[dict]) -> None:
-        """Write rows exactly as :meth:`rows` returned them (another store's), replacing rows of the same id."""
-        if ids:
-            with self._lock:
-                self._col.upsert(ids=list(ids), embeddings=np.asarray(embeddings, dtype=np.float32),
-                                 documents=list(documents), metadatas=list(metadatas))
+        """Write rows exactly as :meth:`rows` returned them (another store's), replacing rows of
+        the same id, in batches of at most :attr:`max_batch` rows."""
+        embeddings = np.asarray(embeddings, dtype=np.float32)
+        with self._lock:
+            for start in range(0, len(ids), self.max_batch):
+                end = start + self.max_batch
+                self._col.upsert(ids=list(ids[start:end]), embeddings=embeddings[start:end],
+                                 documents=list(documents[start:end]), metadatas=list(metadatas[start:end]))

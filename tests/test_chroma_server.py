@@ -90,3 +90,39 @@ def test_a_chroma_url_never_hides_a_data_dirs_memories_and_the_copy_moves_them(t
         m.add("I collect stamps.", user_id="carl")
     with Memory(data_dir=other, chroma_url=url, hide_embedded_memories=True, **settings) as m:
         assert m.get_all(user_id="carl")["results"] == []
+
+
+def test_the_copy_goes_in_chromas_batches_refuses_a_served_dir_and_leaves_a_note(tmp_path, chroma):
+    """From the breaker of issue 28: more memories than one Chroma write takes (5,461) are
+    copied; a data dir `inferscale serve` holds is refused; the moved data dir is not opened
+    without the server again (its empty embedded store would hide the memories)."""
+    import numpy as np
+
+    from inferscale.embedded_store import copy_to_server, embedded_count, embedded_path
+    from inferscale.server.main import lock_data_dir
+    from inferscale.store import ChromaServer, FactRecord, FactStore, Scope
+
+    data = tmp_path / "big"
+    with Memory(data_dir=data, dtype="float32", context_window=0, precompute_kv=False) as m:
+        m.add("I keep bees.", user_id="ann")
+    local = FactStore(embedded_path(data))
+    n = local.max_batch + 600
+    records = [FactRecord(f"{i:032x}", f"bulk fact {i}", f"h{i}", Scope("bulk")) for i in range(n)]
+    local.add(records, np.random.default_rng(0).standard_normal((n, 384)).astype(np.float32))  # more than one write
+    assert embedded_count(data) == n + 1
+    del local
+
+    lock = lock_data_dir(data)  # as a running server holds it
+    with pytest.raises(StoreError, match="is serving"):
+        copy_to_server(data, ChromaServer(chroma["url"]))
+    lock.close()
+    assert embedded_count(data) == n + 1  # refused before anything moved
+
+    copied, held, backup = copy_to_server(data, ChromaServer(chroma["url"]))
+    assert (copied, held) == (n + 1, 0) and backup.is_dir()
+    with pytest.raises(StoreError, match="were moved to the Chroma server at") as caught:
+        Memory(data_dir=data, dtype="float32", precompute_kv=False)
+    assert "\n" not in str(caught.value) and f"chroma_url={chroma['url']}" in str(caught.value)
+    assert not embedded_path(data).exists()  # the refusal made no new empty store
+    with Memory(data_dir=data, dtype="float32", precompute_kv=False, chroma_url=chroma["url"]) as m:
+        assert m.count(user_id="bulk") == n and m.get_all(user_id="ann")["results"][0]["memory"] == "I keep bees."

@@ -57,3 +57,11 @@ def test_replicas_on_a_multi_gpu_machine_get_a_gpu_each():
     assert gpu_shares(2, None, 4) == ["0", "1"]
     assert gpu_shares(3, None, 2) == ["0", "1", "0"]  # more replicas than GPUs: they share
     assert gpu_shares(2, "2,3", 2) == ["2", "3"]  # the user's CUDA_VISIBLE_DEVICES, split
+
+
+@pytest.mark.parametrize("host,says", [("", "--host is empty"), ("999.1.1.1", "give one with --host"),
+                                       ("http://127.0.0.1", "give one with --host")])
+def test_a_bad_host_is_named_not_the_port(host, says):
+    with pytest.raises(OSError, match=says) as caught:
+        listen_on(host, 18999)
+    assert "--port" not in str(caught.value) and "\n" not in str(caught.value)

@@ -6,6 +6,7 @@ torch or Chroma (seconds).
 
 from __future__ import annotations
 
+import errno
 import socket
 
 
@@ -28,6 +29,8 @@ def listen_on(host: str, port: int) -> socket.socket:
     Raises:
         OSError: the port is in use, or not ours to bind (one line naming it and ``--port``).
     """
+    if not host.strip():  # the empty host binds every interface: say so instead
+        raise OSError("--host is empty: give an address (127.0.0.1, the default; 0.0.0.0 for every interface)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -36,7 +39,11 @@ def listen_on(host: str, port: int) -> socket.socket:
         sock.listen(2048)  # uvicorn's default backlog
     except OSError as exc:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror}): the port is in use or not allowed; "
+        reason = exc.strerror or type(exc).__name__
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            raise OSError(f"cannot listen on {host}:{port} ({reason}): {host} is not an address of this machine; "
+                          "give one with --host (127.0.0.1, 0.0.0.0, ::1)") from None
+        raise OSError(f"cannot listen on {host}:{port} ({reason}): the port is in use or not allowed; "
                       "choose another with --port") from None
     sock.set_inheritable(True)  # uvicorn's worker processes serve on it too
     return sock
