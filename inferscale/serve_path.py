@@ -20,9 +20,9 @@ from inferscale.kv.manager import KVManager
 from inferscale.options import GenerationOptions
 from inferscale.prompt import PromptBuilder, Segment
 from inferscale.store import FactRecord, Scope
-from inferscale.tools import call_schema, render_tool_calls, tool_instructions
+from inferscale.tools import call_schema, parse_tool_calls, render_tool_calls, tool_instructions
 from inferscale.turns import TurnLog
-from inferscale.types import UnknownScopeError, require_text
+from inferscale.types import Generation, GenerationChunk, UnknownScopeError, require_text
 
 
 class EngineLike(Protocol):
@@ -323,3 +323,22 @@ def run(engine: EngineLike, request: PreparedRequest) -> Iterator[ServedChunk]:
         emitted += delta
         if chunk.output is not None or delta:
             yield ServedChunk(delta, visible, chunk.output)
+
+
+def generation_chunks(engine: EngineLike, request: PreparedRequest) -> Iterator[GenerationChunk]:
+    """:func:`run`, as the facade's chunks: each delta, and on the last chunk the whole
+    :class:`~inferscale.types.Generation` (timings, token counts, memories as Mem0 items,
+    which came as KV, parsed tool calls)."""
+    memories = [r.to_item(s) for r, s in request.hits]
+    for piece in run(engine, request):
+        out = piece.output
+        yield GenerationChunk(piece.delta, None if out is None else Generation(
+            text=piece.text, mode=request.options.mode, ttft_s=out.ttft_s, latency_s=out.latency_s,
+            retrieval_s=request.retrieval_s, num_prompt_tokens=out.num_prompt_tokens,
+            num_injected_tokens=out.num_injected_tokens,
+            num_prefilled_tokens=out.num_prompt_tokens - out.num_cached_tokens, memories=memories,
+            first_logprobs=out.first_logprobs, num_generated_tokens=out.num_output_tokens,
+            kv_memory_ids=list(request.kv_memory_ids), text_memory_ids=list(request.text_memory_ids),
+            tool_calls=[c.to_dict() for c in parse_tool_calls(piece.text, request.options.offered_tools())],
+            finish_reason=out.finish_reason,
+        ))

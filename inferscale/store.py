@@ -9,6 +9,7 @@ turn ids, JSON) and the user's metadata (JSON).
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from dataclasses import dataclass, field
@@ -95,6 +96,19 @@ class FactRecord:
     def filter_fields(self) -> dict:
         """What metadata filters see: the user metadata plus ``created_at`` / ``updated_at``."""
         return {**self.metadata, "created_at": self.created_at, "updated_at": self.updated_at}
+
+    def to_item(self, score: float | None = None) -> dict:
+        """Mem0's memory item: ``{"id", "memory", "hash", "metadata", "source_turn_ids",
+        "created_at", "updated_at"}`` plus the scope's ids (and ``score`` when given); the
+        metadata is a copy."""
+        item = {
+            "id": self.id, "memory": self.text, "hash": self.hash, "metadata": copy.deepcopy(self.metadata),
+            "source_turn_ids": list(self.source_turn_ids), "created_at": self.created_at,
+            "updated_at": self.updated_at, **self.scope.as_dict(),
+        }
+        if score is not None:
+            item["score"] = score
+        return item
 
     def to_chroma_metadata(self) -> dict:
         meta = {

@@ -62,6 +62,11 @@ class WriteEvent:
         return item
 
 
+def write_results(events: list[WriteEvent]) -> dict:
+    """Mem0's ``{"results": [...]}`` of a write, from its typed events."""
+    return {"results": [e.to_dict() for e in events]}
+
+
 @dataclass(frozen=True)
 class Injection:
     """One vLLM request prepared by :meth:`Memory.inject` / :meth:`Memory.prepare`.

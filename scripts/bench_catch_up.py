@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from inferscale import FactInput, Memory
 from inferscale.bench.common import machine, print_page
-from inferscale.server.vllm_process import free_port
+from inferscale.server.ports import free_port
 from inferscale.store import Scope
 
 QUERY = "What does the user do on weekends?"

@@ -17,8 +17,8 @@ def new_memory(path, **kw) -> Memory:
 
 
 def state(mem: Memory, user: str) -> tuple:
-    return (sorted(r["memory"] for r in mem.get_all(user_id=user)["results"]), mem.turns.count(Scope(user).key),
-            mem.store.count(), mem.facts.count(Scope(user)))
+    return (sorted(r["memory"] for r in mem.get_all(user_id=user)["results"]), mem.components.turns.count(Scope(user).key),
+            mem.components.store.count(), mem.components.facts.count(Scope(user)))
 
 
 @pytest.fixture
@@ -224,5 +224,5 @@ def test_a_memory_block_that_cannot_fit_the_context_is_refused_before_encoding(t
                 user_id="u", encode_kv=False)
     o = m.options(GenerationOptions(k=12, wait_for_kv=True))
     with pytest.raises(ValueError, match="lower memory.k"):
-        m.serve.prepare_memory_block(Scope("u"), "what do I keep?", o)
+        m.components.serve.prepare_memory_block(Scope("u"), "what do I keep?", o)
     assert m.pending_kv() == 0 and not any(m.kv_dir.rglob("*.safetensors"))  # nothing was encoded

@@ -125,7 +125,7 @@ def test_sigkill_mid_stream_keeps_every_acknowledged_add(tmp_path):
     for r in stored.values():
         assert r["hash"] == hashlib.sha256(r["memory"].encode()).hexdigest()
         assert r["source_turn_ids"]
-    assert mem.index.size(Scope("crash").key) == len(stored) == mem.store.count()
+    assert mem.components.index.size(Scope("crash").key) == len(stored) == mem.components.store.count()
 
 
 _MEM: dict = {}
@@ -189,4 +189,4 @@ def test_random_operation_sequences_match_a_plain_model(tmp_path_factory, ops):
         for s in ("x", "y"):
             got = {r["id"]: r["memory"] for r in mem.get_all(user_id=s)["results"]}
             assert got == model[s]
-            assert {r.id: r.text for r in mem.store.list(Scope(s))} == model[s]  # the index agrees with Chroma
+            assert {r.id: r.text for r in mem.components.store.list(Scope(s))} == model[s]  # the index agrees with Chroma

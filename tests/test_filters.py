@@ -123,7 +123,7 @@ FILTERS = st.recursive(
 
 
 def _rows(mem: Memory, scope: str) -> dict:
-    return mem.store._col.get(where={"scope": Scope(scope).key}, include=["embeddings", "metadatas"])
+    return mem.components.store._col.get(where={"scope": Scope(scope).key}, include=["embeddings", "metadatas"])
 
 
 def _fields(meta: dict) -> dict:
@@ -132,7 +132,7 @@ def _fields(meta: dict) -> dict:
 
 def _brute_force(mem: Memory, scope: str, query: str, flt: dict, limit: int) -> list[tuple[str, float]]:
     got = _rows(mem, scope)
-    q = mem.embedder.encode([query])[0].numpy()
+    q = mem.components.embedder.encode([query])[0].numpy()
     rows = []
     for mid, emb, meta in zip(got["ids"], got["embeddings"], got["metadatas"]):
         if _reference(flt, _fields(meta)):

@@ -95,7 +95,7 @@ OPS = st.lists(
 
 def _check_keyword_hits(mem: Memory, model: dict[str, dict[str, str]]) -> None:
     for scope, facts in model.items():
-        assert {r.id: r.text for r in mem.store.list(Scope(scope))} == facts  # the model is Chroma's content
+        assert {r.id: r.text for r in mem.components.store.list(Scope(scope))} == facts  # the model is Chroma's content
         for word in WORDS:
             holders = {mid for mid, text in facts.items() if word in text}
             found = mem.search(f"{word}?", user_id=scope, limit=2, mode="hybrid")["results"]

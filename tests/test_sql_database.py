@@ -194,7 +194,7 @@ def test_a_history_table_that_reused_seqs_is_rebuilt_and_a_reset_elsewhere_is_se
         table = sqlite3.connect(data / "history.sqlite").execute(
             "SELECT sql FROM sqlite_master WHERE name = 'history'").fetchone()[0]
         assert "AUTOINCREMENT" in table.upper()
-        assert [e.new_memory for e in a.history_log.events("elsewhere", "m1")] == ["kept"]
+        assert [e.new_memory for e in a.components.history_log.events("elsewhere", "m1")] == ["kept"]
         for t in ["old one", "old two", "old three"]:
             a.add(t, user_id="u", infer=False)
         assert b.count(user_id="u") == 3

@@ -54,7 +54,7 @@ def _conversation(memory, sample: LocomoSample, user: str) -> dict:
            "tune_recall_at_10": {c: [] for c in TUNE_C}}
     texts = [r["memory"] for r in records]
     keyword = KeywordIndex(texts)
-    facts = memory.embedder.encode(texts).numpy()
+    facts = memory.embed(texts).numpy()
     for qa in questions:
         for mode in MODES:
             ids = [r["id"] for r in memory.search(qa.question, user_id=user, limit=max(KS), mode=mode)["results"]]
@@ -62,7 +62,7 @@ def _conversation(memory, sample: LocomoSample, user: str) -> dict:
                 recall, hit = _recall(sample, ids[:k], qa.evidence, by_id)
                 out["recall"][mode][k].append(recall)
                 out["hit"][mode][k].append(hit)
-        dense = facts @ memory.embedder.encode([qa.question])[0].numpy()
+        dense = facts @ memory.embed([qa.question])[0].numpy()
         scores = keyword.scores(qa.question)
         for c in TUNE_C:
             top = fuse(dense, scores, 10, c)

@@ -17,6 +17,7 @@ import time
 from typing import Callable, Sequence
 
 from inferscale.kv.jobs import KVJob, KVJobQueue
+from inferscale.lifecycle import close_at_exit
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class BackgroundEncoder:
         self.failures = 0
         self.last_error: str | None = None
         self._attempts: dict[int, int] = {}
+        # stopped before the interpreter tears down, even when its Memory was collected while
+        # the thread still ran (the thread keeps this object alive, so the weak reference holds)
+        close_at_exit(self, first=True)
 
     def notify(self) -> None:
         """New jobs were queued: start the thread if needed and wake it."""

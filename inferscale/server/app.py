@@ -241,9 +241,9 @@ def _memory_options(value: Any) -> MemoryOptions:
 
 
 def _memory_block(memory: Any, scope, query: str, options: MemoryOptions, instructions: str | None):
-    o = memory.options(mode="inject" if options.mode == "inject" else "text", k=options.k,
-                       context_window=options.context_window, wait_for_kv=options.wait_for_kv)
-    return memory.serve.prepare_memory_block(scope, query, o, instructions=instructions)
+    return memory.memory_block(query, **scope.as_dict(), instructions=instructions,
+                               mode="inject" if options.mode == "inject" else "text", k=options.k,
+                               context_window=options.context_window, wait_for_kv=options.wait_for_kv)
 
 
 def _no_constant(name: str):
