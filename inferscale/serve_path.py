@@ -18,7 +18,7 @@ from inferscale.facts import FactService
 from inferscale.kv.injection import InjectionPlan
 from inferscale.kv.manager import KVManager
 from inferscale.options import GenerationOptions
-from inferscale.prompt import PromptBuilder, Segment
+from inferscale.prompt import PREAMBLE_OWNER, PromptBuilder, Segment
 from inferscale.store import FactRecord, Scope
 from inferscale.tools import call_schema, parse_tool_calls, render_tool_calls, tool_instructions
 from inferscale.turns import TurnLog
@@ -240,7 +240,7 @@ class ServePath:
                 raise ValueError(f"the memory block of {len(ranked)} memories is {block} tokens, which leaves no room "
                                  f"in the context of {self.max_model_len} tokens: lower memory.k")
         if options.mode != "inject":
-            return _Selection(ranked, (), tuple(hits), retrieval, (), tuple(r.id for r in ranked))
+            return _Selection(ranked, {}, tuple(hits), retrieval, (), tuple(r.id for r in ranked))
         w = options.context_window
         preamble = self.kv.preamble_span()
         keys = self.kv.fact_keys(scope.key, ranked, w)
@@ -255,25 +255,59 @@ class ServePath:
         n_kv = sum(ready)
         if n_kv < len(ranked):
             self.kv.schedule(scope.key, ranked[n_kv:], w)
-        return _Selection(ranked, (preamble.key, *keys[:n_kv]), tuple(hits), retrieval,
+        kv_keys = {PREAMBLE_OWNER: preamble.key, **{r.id: key for r, key in zip(ranked[:n_kv], keys[:n_kv])}}
+        return _Selection(ranked, kv_keys, tuple(hits), retrieval,
                           tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]))
 
 
 @dataclass(frozen=True)
 class _Selection:
     """Retrieved facts in prompt order (stored KV first, then text; best-ranked last within
-    each) and, in inject mode, the keys of the preamble and the stored facts."""
+    each) and, in inject mode, the KV key of each injected segment by its owner (the
+    preamble's :data:`~inferscale.prompt.PREAMBLE_OWNER`, then the stored facts' ids)."""
 
     ranked: list[FactRecord]
-    keys: tuple[str, ...]
+    kv_keys: dict[str, str]
     hits: tuple[tuple[FactRecord, float], ...]
     retrieval_s: float
     kv_ids: tuple[str, ...]
     text_ids: tuple[str, ...]
 
     def plan(self, segments: Sequence[Segment]) -> InjectionPlan:
-        """The injection of the preamble and the stored facts' lines, laid out as ``segments``."""
-        return InjectionPlan.of((key, seg.start, len(seg.token_ids)) for key, seg in zip(self.keys, segments))
+        """The injection of the preamble and the stored facts' lines, laid out as ``segments``
+        (:func:`plan_segments`)."""
+        return plan_segments(self.kv_keys, segments)
+
+
+def plan_segments(kv_keys: dict[str, str], segments: Sequence[Segment]) -> InjectionPlan:
+    """Pair each leading segment of a memory block with the KV of its own owner.
+
+    Each segment's key is looked up by the segment's owner (a fact id, or the preamble's
+    owner), never by position, and must name that owner (``"<owner>/<hash>"``); the injected
+    segments are the leading run of segments that have KV.
+
+    Args:
+        kv_keys: the KV key of every segment to inject, by owner.
+        segments: the memory block's segments in prompt order (``PromptBuilder.memory_segments``).
+
+    Raises:
+        ValueError: a key that names another owner, a segment with KV after one without
+            (injected KV must be a prefix of the prompt), or a key with no segment.
+    """
+    planned = []
+    for seg in segments:
+        key = kv_keys.get(seg.owner)
+        if key is None:
+            break
+        if key.split("/", 1)[0] != seg.owner:
+            raise ValueError(f"the KV key {key} does not belong to segment {seg.owner}: the plan would inject "
+                             "another memory's KV")
+        planned.append((key, seg.start, len(seg.token_ids)))
+    late = [seg.owner for seg in segments[len(planned):] if seg.owner in kv_keys]
+    if late or len(planned) != len(kv_keys):
+        raise ValueError(f"the memory block does not lead with its KV segments (owners {late or sorted(kv_keys)}): "
+                         "segments with KV must come first, preamble at 0")
+    return InjectionPlan.of(planned)
 
 
 @dataclass(frozen=True)

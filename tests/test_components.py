@@ -294,3 +294,28 @@ def test_default_model_is_prepared_offline(model_path):
     assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30
     assert (model_path / "model.safetensors").exists()
     assert len(model_fingerprint(model_path)) == 16
+
+
+def test_the_plan_pairs_kv_with_segments_by_owner_never_by_position(tokenizer):
+    """Issue 29: each injected segment gets the KV of its own fact (looked up by the segment's
+    owner); a layout that would pair a segment with another memory's KV, or inject after a
+    text line, is refused before vLLM sees the plan."""
+    import pytest
+
+    from inferscale.prompt import PREAMBLE_OWNER, PromptBuilder
+    from inferscale.serve_path import plan_segments
+
+    prompts = PromptBuilder(tokenizer, "You are helpful.")
+    segments = prompts.memory_segments([("fa", "I like tea."), ("fb", "My dog is Rex."), ("fc", "I live in Porto.")])
+    keys = {"fb": "fb/" + "1" * 32, PREAMBLE_OWNER: f"{PREAMBLE_OWNER}/" + "0" * 32, "fa": "fa/" + "2" * 32}
+    plan = plan_segments(keys, segments)  # fc has no KV yet: it is prefilled as text, after the others
+    assert [(s.key, s.start, s.num_tokens) for s in plan.segments] == [
+        (keys[seg.owner], seg.start, len(seg.token_ids)) for seg in segments[:3]]
+    assert plan.memory_end == segments[2].end
+
+    with pytest.raises(ValueError, match="does not belong to segment fa"):
+        plan_segments({**keys, "fa": "fb/" + "3" * 32}, segments)
+    with pytest.raises(ValueError, match="does not lead with its KV segments"):
+        plan_segments({PREAMBLE_OWNER: keys[PREAMBLE_OWNER], "fb": keys["fb"]}, segments)  # fa (text) before fb
+    with pytest.raises(ValueError, match="does not lead with its KV segments"):
+        plan_segments({**keys, "zz": "zz/" + "4" * 32}, segments)  # KV for a memory the block does not hold
