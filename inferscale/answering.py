@@ -18,9 +18,9 @@ from inferscale.components import Components
 from inferscale.config import MemoryConfig
 from inferscale.kv.pool import FactKV
 from inferscale.kv.reference import ReferenceModel
-from inferscale.options import GenerationOptions
-from inferscale.serve_path import MemoryBlock, PreparedRequest, generation_chunks
-from inferscale.store import Scope
+from inferscale.generation.options import GenerationOptions
+from inferscale.generation.request import MemoryBlock, PreparedRequest, generation_chunks
+from inferscale.store.records import Scope
 from inferscale.types import Generation, GenerationChunk, Injection, require_text
 
 CLOSED = "this Memory was closed: open a new Memory(...) over the same data_dir"
@@ -148,7 +148,7 @@ class Answering:
                  options: GenerationOptions | None, followup, overrides: dict) -> PreparedRequest:
         self._check_open()
         o = self.options(options, **overrides)
-        return self.components.serve.prepare(Scope.of(user_id, agent_id, run_id), query, o, history=history,
+        return self.components.requests.prepare(Scope.of(user_id, agent_id, run_id), query, o, history=history,
                                              instructions=instructions, allow_unknown_scope=allow_unknown_scope,
                                              followup=followup)
 
@@ -193,14 +193,14 @@ class Answering:
                      run_id: str | None = None, instructions: str | None = None, **overrides: Any) -> MemoryBlock:
         """The memory block of a chat whose template someone else applies (vLLM's chat
         endpoint, ``inferscale serve``): the system turn's text and, in inject mode, the plan
-        (:meth:`~inferscale.serve_path.ServePath.prepare_memory_block`). An unknown scope gets
+        (:meth:`~inferscale.generation.request.RequestBuilder.prepare_memory_block`). An unknown scope gets
         an empty block. ``overrides``: ``mode``, ``k``, ``context_window``, ``wait_for_kv``.
 
         Raises:
             TypeError / ValueError: a bad option, an empty query or instructions.
         """
         scope = self._scope(user_id, agent_id, run_id)
-        return self.components.serve.prepare_memory_block(scope, query, self.options(**overrides),
+        return self.components.requests.prepare_memory_block(scope, query, self.options(**overrides),
                                                           instructions=instructions)
 
     def generate(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
@@ -220,12 +220,12 @@ class Answering:
             instructions: extra system text, placed after the memory block.
             allow_unknown_scope: answer a scope with no memories and no turns (a new user)
                 without memories instead of raising ``UnknownScopeError``.
-            options: a :class:`~inferscale.options.GenerationOptions`.
+            options: a :class:`~inferscale.generation.options.GenerationOptions`.
             **overrides: its fields one by one: ``k``, ``context_window``, ``mode``
                 (``"inject"``: the memory block as precomputed KV; ``"text"``: the same
                 tokens prefilled, Mem0-style), ``max_tokens`` (default 64), ``temperature``
                 (0 is greedy), ``stop``, ``logprobs``, ``json_schema`` (constrained decoding),
-                ``tools`` and ``tool_choice`` (:mod:`inferscale.tools`; the calls come back
+                ``tools`` and ``tool_choice`` (:mod:`inferscale.generation.tools`; the calls come back
                 in ``Generation.tool_calls``).
 
         Raises:

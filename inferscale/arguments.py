@@ -12,9 +12,9 @@ import json
 from typing import Any, Sequence
 
 from inferscale.checks import MAX_CONTEXT_WINDOW, check_int, check_role
-from inferscale.filters import MAX_DEPTH as MAX_FILTER_DEPTH
-from inferscale.store import Scope
-from inferscale.turns import Turn
+from inferscale.store.filters import MAX_DEPTH as MAX_FILTER_DEPTH
+from inferscale.store.records import Scope
+from inferscale.store.turns import Turn
 from inferscale.types import FactInput, require_text
 
 #: Longest ``wait_for_kv`` timeout accepted, in seconds (a year; ``None`` waits without limit).
@@ -152,7 +152,7 @@ def scope_and_filters(user_id: str | None, agent_id: str | None, run_id: str | N
 
 def _nested_scope_key(values, depth: int = 0) -> str | None:
     """A scope field used as a key below the top level of filters (inside a logical operator);
-    nesting past the filters' own limit is left to :func:`inferscale.filters.compile_filter`."""
+    nesting past the filters' own limit is left to :func:`inferscale.store.filters.compile_filter`."""
     if depth > MAX_FILTER_DEPTH:
         return None
     for value in values:
@@ -167,7 +167,7 @@ def _nested_scope_key(values, depth: int = 0) -> str | None:
 
 
 def turn_from_message(i: int, m: Any) -> Turn:
-    """Message ``i`` of a call as a :class:`~inferscale.turns.Turn` (its id ``""`` when the message has none).
+    """Message ``i`` of a call as a :class:`~inferscale.store.turns.Turn` (its id ``""`` when the message has none).
 
     Raises:
         TypeError: not a dict, or a field of the wrong type. ValueError: empty content, a

@@ -19,21 +19,22 @@ import torch
 
 from inferscale.checks import first_line
 from inferscale.config import MemoryConfig
-from inferscale.embedded_store import embedded_count, hidden_memories_message
+from inferscale.store.embedded import embedded_count, hidden_memories_message
 from inferscale.embedding import Embedder
 from inferscale.facts import FactService
-from inferscale.history import HistoryLog
-from inferscale.index import VectorIndex
+from inferscale.store.history import HistoryLog
+from inferscale.store.index import VectorIndex
 from inferscale.devices import best_device
 from inferscale.kv.jobs import KVJobQueue
 from inferscale.kv.manager import KVManager
 from inferscale.kv.pool import KVPool
 from inferscale.models import model_fingerprint, resolve_embedder, resolve_llm
-from inferscale.prompt import PromptBuilder
-from inferscale.serve_path import ServePath
-from inferscale.sql import Database
-from inferscale.store import SCHEMA_VERSION, FactStore, StoreError
-from inferscale.turns import TurnLog
+from inferscale.generation.prompt import PromptBuilder
+from inferscale.generation.request import RequestBuilder
+from inferscale.store.sql import Database
+from inferscale.store.chroma import FactStore
+from inferscale.store.records import SCHEMA_VERSION, StoreError
+from inferscale.store.turns import TurnLog
 
 #: The data dir's manifest: schema version and embedder, checked on every open.
 MANIFEST = "inferscale.json"
@@ -55,7 +56,7 @@ class Components:
         embedder: query and fact embeddings. index: exact top-k per scope.
         kv: Context-Window Encoding, KV naming and the background encoder.
         facts: ordered, locked writes and reads of facts.
-        serve: retrieval, prompt layout and the injection plan of one request.
+        requests: retrieval, prompt layout and the injection plan of one request.
     """
 
     config: MemoryConfig
@@ -73,7 +74,7 @@ class Components:
     index: VectorIndex
     kv: KVManager
     facts: FactService
-    serve: ServePath
+    requests: RequestBuilder
 
 
 def resolve_models(config: MemoryConfig) -> tuple[Path, Path | str, Any]:
@@ -98,7 +99,7 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
 
     Raises:
         inferscale.models.ModelNotFoundError: the LLM or embedder cannot be found.
-        inferscale.store.StoreError: the data dir cannot be used (unwritable, written by a
+        inferscale.store.records.StoreError: the data dir cannot be used (unwritable, written by a
             newer version or with another embedder, damaged), the database or the Chroma
             server cannot be reached, or ``chroma_url`` would hide the embedded store's memories.
     """
@@ -132,10 +133,10 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
                    config.encode_batch_tokens, config.max_model_len, jobs=kv_jobs, store=store, verbose=config.verbose)
     facts = FactService(store, index, embedder, kv, history_log, config.context_window, config.precompute_kv,
                         config.max_fact_tokens, config.search_mode)
-    serve = ServePath(facts, prompts, kv, turns, config.max_model_len)
+    requests = RequestBuilder(facts, prompts, kv, turns, config.max_model_len)
     return Components(config=config, model_path=model_path, tokenizer=tokenizer, prompts=prompts, device=device,
                       kv_dir=kv_dir, store=store, turns=turns, history_log=history_log, kv_jobs=kv_jobs, pool=pool,
-                      embedder=embedder, index=index, kv=kv, facts=facts, serve=serve)
+                      embedder=embedder, index=index, kv=kv, facts=facts, requests=requests)
 
 
 def _logs(config: MemoryConfig) -> tuple[TurnLog, HistoryLog]:
@@ -156,7 +157,7 @@ def check_data_dir(data: Path, embedder: str) -> dict | None:
     embedder). Returns the manifest to write once the store opened, or ``None`` if one exists.
 
     Raises:
-        inferscale.store.StoreError: unwritable, not JSON, a newer schema, another embedder.
+        inferscale.store.records.StoreError: unwritable, not JSON, a newer schema, another embedder.
     """
     try:
         data.mkdir(parents=True, exist_ok=True)

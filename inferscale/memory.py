@@ -3,7 +3,7 @@
 The data dir's components are opened and wired by :func:`inferscale.components.open_components`;
 arguments are checked by :mod:`inferscale.arguments` before anything is written. Writes go
 through :class:`~inferscale.facts.FactService` (Chroma, then the index, the history and the
-KV queue); requests are built by :class:`~inferscale.serve_path.ServePath` and run on the
+KV queue); requests are built by :class:`~inferscale.generation.request.RequestBuilder` and run on the
 vLLM engine with InferScale's connector (:mod:`inferscale.serving.engine`).
 
 Every call is scoped by ``user_id`` / ``agent_id`` / ``run_id`` (at least one), by-id
@@ -24,8 +24,8 @@ from inferscale.config import MemoryConfig
 from inferscale.extraction import (FactExtractor, LLMFactExtractor, Reconciler, SimilarityReconciler,
                                    extract_and_reconcile)
 from inferscale.lifecycle import close_at_exit
-from inferscale.store import Scope
-from inferscale.turns import Turn
+from inferscale.store.records import Scope
+from inferscale.store.turns import Turn
 from inferscale.types import FactInput, MemoryNotFoundError, write_results
 
 
@@ -49,7 +49,7 @@ class Memory(Answering):
 
     Raises:
         inferscale.models.ModelNotFoundError: the LLM or embedder cannot be found.
-        inferscale.store.StoreError: the data dir cannot be used (unwritable, written by a
+        inferscale.store.records.StoreError: the data dir cannot be used (unwritable, written by a
             newer version or with another embedder; memories a ``chroma_url`` would hide).
         TypeError / ValueError: an unknown or invalid setting or argument.
 
@@ -278,7 +278,7 @@ class Memory(Answering):
         Args:
             limit / top_k: most results (default 100); ``top_k`` is Mem0's current name for it.
             threshold: minimum cosine similarity of a result.
-            filters: metadata filters (:mod:`inferscale.filters`); a field no memory has
+            filters: metadata filters (:mod:`inferscale.store.filters`); a field no memory has
                 matches nothing. Top-level ``user_id`` / ``agent_id`` / ``run_id`` keys are
                 the scope, not metadata.
             mode: ``"hybrid"`` or ``"dense"`` (default: ``config.search_mode``, hybrid).

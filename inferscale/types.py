@@ -130,7 +130,7 @@ class Generation:
         text_memory_ids: memories prefilled as text (in inject mode: their KV was not
             encoded yet; it is being encoded in the background).
         tool_calls: the calls of offered tools parsed from ``text`` (``{"id", "name",
-            "arguments"}`` dicts; :mod:`inferscale.tools`), empty when none.
+            "arguments"}`` dicts; :mod:`inferscale.generation.tools`), empty when none.
         finish_reason: ``"stop"`` (the answer ended) or ``"length"`` (``max_tokens`` ran
             out: a forced call or JSON answer cut there is not parsed, raise ``max_tokens``).
     """

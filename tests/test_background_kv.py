@@ -9,9 +9,7 @@ import textwrap
 import pytest
 
 from inferscale import Memory
-from inferscale.store import Scope
-
-
+from inferscale.store.records import Scope
 @pytest.fixture
 def mem(tmp_path):
     m = Memory(data_dir=tmp_path / "store", dtype="float32", context_window=0)

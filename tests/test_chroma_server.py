@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from inferscale import Memory
-from inferscale.store import StoreError
-
+from inferscale.store.records import StoreError
 def test_memories_live_on_the_chroma_server(tmp_path, chroma):
     url = chroma["url"]
     settings = dict(dtype="float32", context_window=0, precompute_kv=False, chroma_url=url)

@@ -8,15 +8,13 @@ import torch
 
 from inferscale.config import MemoryConfig, cache_dir
 from inferscale.datasets.locomo import LocomoFormatError, load_locomo, token_f1
-from inferscale.filters import compile_filter
-from inferscale.index import VectorIndex
+from inferscale.store.filters import compile_filter
+from inferscale.store.index import VectorIndex
 from inferscale.kv.pool import FactKV, KVPool, kv_key, validate_key
 from inferscale.models import ModelNotFoundError, model_fingerprint, resolve_llm
 from inferscale.kv.injection import InjectionPlan
-from inferscale.prompt import PromptBuilder
-from inferscale.store import FactRecord, Scope
-
-
+from inferscale.generation.prompt import PromptBuilder
+from inferscale.store.records import FactRecord, Scope
 def kv(tokens: int, fill: float = 1.0) -> FactKV:
     return FactKV(torch.full((2, tokens, 3, 4), fill), torch.full((2, tokens, 3, 4), -fill))
 
@@ -133,8 +131,7 @@ def test_a_scope_past_chromas_variable_limit_loads_lists_and_catches_up(tmp_path
 
     import numpy as np
 
-    from inferscale.store import IDS_PER_READ, FactStore
-
+    from inferscale.store.chroma import IDS_PER_READ, FactStore
     store = FactStore(tmp_path / "chroma")
     scope, other = Scope("big"), Scope("other")
     n = 33_000
@@ -302,8 +299,8 @@ def test_the_plan_pairs_kv_with_segments_by_owner_never_by_position(tokenizer):
     text line, is refused before vLLM sees the plan."""
     import pytest
 
-    from inferscale.prompt import PREAMBLE_OWNER, PromptBuilder
-    from inferscale.serve_path import plan_segments
+    from inferscale.generation.prompt import PREAMBLE_OWNER, PromptBuilder
+    from inferscale.generation.request import plan_segments
 
     prompts = PromptBuilder(tokenizer, "You are helpful.")
     segments = prompts.memory_segments([("fa", "I like tea."), ("fb", "My dog is Rex."), ("fc", "I live in Porto.")])

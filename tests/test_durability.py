@@ -13,9 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inferscale import Memory, MemoryNotFoundError
-from inferscale.store import Scope
-
-
+from inferscale.store.records import Scope
 def new_memory(path) -> Memory:
     return Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False)
 
@@ -80,7 +78,7 @@ def test_many_threads_lose_nothing_and_duplicate_nothing(tmp_path):
     reopened = new_memory(tmp_path / "store")  # restart: index rebuilt from Chroma
     assert texts_by_scope(reopened, scopes) == expected
     for s in scopes:
-        assert reopened.index.size(Scope(s).key) == len(expected[s])
+        assert reopened.components.index.size(Scope(s).key) == len(expected[s])
     some_scope = max(scopes, key=lambda s: len(expected[s]))
     probe = expected[some_scope][0]
     # dense: the exact text is the top cosine; hybrid may rank a near-twin first ("shared fact

@@ -12,8 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inferscale import Memory
-from inferscale.store import Scope
-
+from inferscale.store.records import Scope
 TOPICS = ["food", "home", "work"]
 QUERIES = ["What do I like to eat?", "Where do I live?", "What is my job?", "Tell me about my family.",
            "Which sports do I play?"]
@@ -45,7 +44,7 @@ def store(tmp_path_factory):
 
 
 def _reference(flt: dict, fields: dict) -> bool:
-    """The filter semantics written out plainly, independently of inferscale.filters."""
+    """The filter semantics written out plainly, independently of inferscale.store.filters."""
     for key, cond in flt.items():
         name = key.lstrip("$").upper()
         if name in ("AND", "OR", "NOT"):
@@ -180,7 +179,7 @@ def test_filtered_search_after_restart_equals_brute_force(store):
     path, _ = store
     reopened = Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False)
     try:
-        assert not reopened.index.loaded(Scope("alice").key)  # nothing is loaded before first use
+        assert not reopened.components.index.loaded(Scope("alice").key)  # nothing is loaded before first use
         for flt in ({"topic": "food"}, {"n": {"$gte": 2}}, {"OR": [{"flag": True}, {"NOT": [{"topic": "home"}]}]},
                     {"nowhere": {"ne": 1}}):
             _check(reopened, "alice", QUERIES[0], flt, 10)

@@ -10,10 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inferscale import Memory
-from inferscale.keyword import KeywordIndex, fuse
-from inferscale.store import Scope
-
-# every text holds one rare word, so a keyword query names exactly the facts that hold it
+from inferscale.store.keyword import KeywordIndex, fuse
+from inferscale.store.records import Scope
 WORDS = ["zebra", "quartz", "violet", "ember", "falcon", "maple"]
 TEXTS = st.sampled_from([f"The {w} note from {day}." for w in WORDS for day in ("Monday", "Friday")])
 
@@ -43,7 +41,7 @@ def _bm25s_scores(texts: list[str], query: str) -> np.ndarray:
     """``bm25s``'s own scores (defaults) over ``texts`` for ``query``, tokenized as ours are."""
     import bm25s
 
-    from inferscale.keyword import tokens
+    from inferscale.store.keyword import tokens
 
     model = bm25s.BM25()
     model.index([tokens(t) for t in texts], show_progress=False)

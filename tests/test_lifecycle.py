@@ -9,9 +9,7 @@ from inferscale import AsyncMemory, Memory, MemoryNotFoundError
 from inferscale.config import DEFAULT_EMBEDDER
 from inferscale.kv.manager import KVManager
 from inferscale.models import resolve_embedder
-from inferscale.store import Scope, StoreError
-
-
+from inferscale.store.records import Scope, StoreError
 def new_memory(path, **kw) -> Memory:
     return Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False, **kw)
 

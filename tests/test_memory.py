@@ -12,8 +12,7 @@ from vllm import SamplingParams
 
 from inferscale import FactInput, Memory, UnknownScopeError
 from inferscale.datasets.locomo import load_locomo, store_conversation
-from inferscale.store import Scope
-
+from inferscale.store.records import Scope
 USER = "locomo-conv-26-s12"
 
 

@@ -10,8 +10,7 @@ import pytest
 
 from inferscale import AsyncMemory, FactInput, Memory
 from inferscale.async_memory import _METHODS
-from inferscale.store import Scope
-
+from inferscale.store.records import Scope
 OK = "My dog is called Rex."
 # (method, positional args, keyword args, exception, the argument the message must name)
 CASES = [

@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from inferscale.store import FactRecord, FactStore, Scope
+from inferscale.store.chroma import FactStore
 
+from inferscale.store.records import FactRecord, Scope
 BIG_SCOPE = "synthetic-big"
 _FILTERS = {
     "topic == t3 (10%)": {"topic": "t3"},

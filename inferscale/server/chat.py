@@ -27,10 +27,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inferscale.serve_path import MemoryBlock
-from inferscale.store import Scope
-
-#: Most memories one chat request may ask for.
+from inferscale.generation.request import MemoryBlock
+from inferscale.store.records import Scope
 MAX_K = 200
 AGENT_HEADER = "x-inferscale-agent-id"
 RUN_HEADER = "x-inferscale-run-id"

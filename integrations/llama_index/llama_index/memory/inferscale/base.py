@@ -12,7 +12,7 @@ from llama_index.llms.inferscale.messages import to_session_message
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from inferscale import Memory
-from inferscale.options import PlainErrors
+from inferscale.generation.options import PlainErrors
 from inferscale.sessions import ChatSessions
 
 #: Session id of messages flushed without one.

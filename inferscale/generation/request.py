@@ -1,6 +1,6 @@
-"""The serve path: retrieval, prompt layout, KV readiness, and running the request.
+"""The request builder: retrieval, prompt layout, KV readiness, the injection plan, and running the request.
 
-:meth:`ServePath.prepare` turns a query into a :class:`PreparedRequest` (token ids, the
+:meth:`RequestBuilder.prepare` turns a query into a :class:`PreparedRequest` (token ids, the
 :class:`~inferscale.kv.injection.InjectionPlan` in inject mode, the retrieved facts);
 :func:`run` sends it to an engine and yields the answer as it grows. Both are typed:
 Mem0's result dicts are made by the facade (:class:`inferscale.Memory`) only.
@@ -17,11 +17,11 @@ from inferscale.checks import check_bool
 from inferscale.facts import FactService
 from inferscale.kv.injection import InjectionPlan
 from inferscale.kv.manager import KVManager
-from inferscale.options import GenerationOptions
-from inferscale.prompt import PREAMBLE_OWNER, PromptBuilder, Segment
-from inferscale.store import FactRecord, Scope
-from inferscale.tools import call_schema, parse_tool_calls, render_tool_calls, tool_instructions
-from inferscale.turns import TurnLog
+from inferscale.generation.options import GenerationOptions
+from inferscale.generation.prompt import PREAMBLE_OWNER, PromptBuilder, Segment
+from inferscale.store.records import FactRecord, Scope
+from inferscale.generation.tools import call_schema, parse_tool_calls, render_tool_calls, tool_instructions
+from inferscale.store.turns import TurnLog
 from inferscale.types import Generation, GenerationChunk, UnknownScopeError, require_text
 
 
@@ -75,7 +75,7 @@ def check_history(history: Sequence[dict] | None, what: str = "history") -> tupl
     """Validate conversation messages: ``{"role": "user" | "assistant" | "tool", "content": str}``
     dicts; an assistant message may instead (or also) carry ``"tool_calls"`` (``{"name",
     "arguments"}`` dicts, OpenAI's ``{"function": {...}}`` form too), rendered into its text
-    as :func:`inferscale.tools.render_tool_calls` writes them.
+    as :func:`inferscale.generation.tools.render_tool_calls` writes them.
 
     Returns:
         The messages as ``{"role", "content"}`` dicts, ready for the chat template.
@@ -135,7 +135,7 @@ def _tool_calls(calls: object, what: str) -> list[dict]:
     return out
 
 
-class ServePath:
+class RequestBuilder:
     """Builds requests for one memory store.
 
     Args:
@@ -204,7 +204,7 @@ class ServePath:
         unknown scope gets an empty block (a new user's first request).
 
         The plan assumes the rendered prompt starts with the preamble and fact lines as
-        :class:`~inferscale.prompt.PromptBuilder` tokenizes them; the connector verifies each
+        :class:`~inferscale.generation.prompt.PromptBuilder` tokenizes them; the connector verifies each
         segment's tokens against the prompt and prefills whatever does not match.
 
         Args:
@@ -264,7 +264,7 @@ class ServePath:
 class _Selection:
     """Retrieved facts in prompt order (stored KV first, then text; best-ranked last within
     each) and, in inject mode, the KV key of each injected segment by its owner (the
-    preamble's :data:`~inferscale.prompt.PREAMBLE_OWNER`, then the stored facts' ids)."""
+    preamble's :data:`~inferscale.generation.prompt.PREAMBLE_OWNER`, then the stored facts' ids)."""
 
     ranked: list[FactRecord]
     kv_keys: dict[str, str]
@@ -312,7 +312,7 @@ def plan_segments(kv_keys: dict[str, str], segments: Sequence[Segment]) -> Injec
 
 @dataclass(frozen=True)
 class MemoryBlock:
-    """A chat request's memory: see :meth:`ServePath.prepare_memory_block`.
+    """A chat request's memory: see :meth:`RequestBuilder.prepare_memory_block`.
 
     Attributes:
         system_text: the system turn's text (system prompt, memories, the client's instructions).

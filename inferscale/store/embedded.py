@@ -16,9 +16,9 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
-from inferscale.store import _COLLECTION, IDS_PER_READ, ChromaServer, FactStore, StoreError
+from inferscale.store.chroma import _COLLECTION, IDS_PER_READ, ChromaServer, FactStore
 
-#: Chroma's database file inside an embedded store's folder.
+from inferscale.store.records import StoreError
 CHROMA_FILE = "chroma.sqlite3"
 
 
