@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "inferscale"
-APPLICATION = ("inferscale", "inferscale.memory", "inferscale.answering", "inferscale.async_memory", "inferscale.sessions",
+APPLICATION = ("inferscale", "inferscale.memory", "inferscale.answering", "inferscale.integration", "inferscale.async_memory", "inferscale.sessions",
                "inferscale.demo", "inferscale.cli", "inferscale.datasets", "inferscale.bench", "inferscale.server")
 FRAMEWORKS = ("vllm", "langchain", "langchain_core", "langchain_inferscale", "llama_index", "integrations")
 
@@ -156,3 +156,22 @@ def test_the_connector_loads_a_small_part_of_the_package():
     assert loaded <= {"inferscale", "inferscale.devices", "inferscale.sizes", "inferscale.logs", "inferscale.kv",
                       "inferscale.kv.injection", "inferscale.kv.pool", "inferscale.kv.rope", "inferscale.serving",
                       "inferscale.serving.connector"}, sorted(loaded)
+
+
+def test_the_adapters_use_only_the_public_api_and_the_integration_module():
+    """Issue 29: langchain-inferscale and llama-index-inferscale import ``inferscale`` and
+    ``inferscale.integration`` only (their tests may reach further), and pin the 0.1 series."""
+    allowed = {"inferscale", "inferscale.integration"}
+    for path in sorted((ROOT / "integrations").rglob("*.py")):
+        if "tests" in path.parts or "examples" in path.parts:
+            continue
+        used = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                used.add(node.module)
+            elif isinstance(node, ast.Import):
+                used.update(a.name for a in node.names)
+        used = {m for m in used if m.split(".")[0] == "inferscale"}
+        assert used <= allowed, f"{path.relative_to(ROOT)} imports {sorted(used - allowed)}"
+    for project in sorted((ROOT / "integrations").glob("*/pyproject.toml")):
+        assert '"inferscale>=0.1.0,<0.2"' in project.read_text(), project
