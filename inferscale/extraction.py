@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from inferscale.facts import FactService
-from inferscale.store import FactRecord, Scope
-from inferscale.turns import Turn
+from inferscale.store.records import FactRecord, Scope
+from inferscale.store.turns import Turn
 from inferscale.types import FactInput, WriteEvent
 
 EXTRACTION_SYSTEM = "List the facts about the user in the conversation as a JSON list of short sentences."

@@ -22,13 +22,14 @@ from typing import Iterator, Sequence
 
 from inferscale.checks import check_int, check_number
 from inferscale.embedding import Embedder
-from inferscale.filters import compile_filter
-from inferscale.history import HistoryLog
-from inferscale.index import VectorIndex
-from inferscale.keyword import SEARCH_MODES
+from inferscale.store.filters import compile_filter
+from inferscale.store.history import HistoryLog
+from inferscale.store.index import VectorIndex
+from inferscale.store.keyword import SEARCH_MODES
 from inferscale.kv.manager import KVManager
-from inferscale.store import FactRecord, FactStore, Scope
-from inferscale.turns import TurnLog
+from inferscale.store.chroma import FactStore
+from inferscale.store.records import FactRecord, Scope
+from inferscale.store.turns import TurnLog
 from inferscale.types import FactInput, MemoryNotFoundError, WriteEvent, require_text
 
 
@@ -265,11 +266,11 @@ class FactService:
 
         Args:
             threshold: drop results whose cosine similarity is below it (-1..1), after ranking.
-            filters: metadata filters (:mod:`inferscale.filters`), applied as a mask inside
+            filters: metadata filters (:mod:`inferscale.store.filters`), applied as a mask inside
                 the scope's index partition: the search runs over the matching memories
                 only, so ``limit`` results come back when that many match.
             mode: ``"hybrid"`` (cosine and BM25 ranks fused by reciprocal rank fusion,
-                :mod:`inferscale.keyword`) or ``"dense"`` (cosine order); default
+                :mod:`inferscale.store.keyword`) or ``"dense"`` (cosine order); default
                 ``search_mode``. Under fusion the order is the fused rank, so scores need
                 not descend.
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from inferscale.checks import check_bool
 from inferscale.memory import Memory
-from inferscale.store import Scope
+from inferscale.store.records import Scope
 from inferscale.types import FactInput, require_text
 
 #: Roles a session message may have.

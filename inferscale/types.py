@@ -62,6 +62,11 @@ class WriteEvent:
         return item
 
 
+def write_results(events: list[WriteEvent]) -> dict:
+    """Mem0's ``{"results": [...]}`` of a write, from its typed events."""
+    return {"results": [e.to_dict() for e in events]}
+
+
 @dataclass(frozen=True)
 class Injection:
     """One vLLM request prepared by :meth:`Memory.inject` / :meth:`Memory.prepare`.
@@ -125,7 +130,7 @@ class Generation:
         text_memory_ids: memories prefilled as text (in inject mode: their KV was not
             encoded yet; it is being encoded in the background).
         tool_calls: the calls of offered tools parsed from ``text`` (``{"id", "name",
-            "arguments"}`` dicts; :mod:`inferscale.tools`), empty when none.
+            "arguments"}`` dicts; :mod:`inferscale.generation.tools`), empty when none.
         finish_reason: ``"stop"`` (the answer ended) or ``"length"`` (``max_tokens`` ran
             out: a forced call or JSON answer cut there is not parsed, raise ``max_tokens``).
     """

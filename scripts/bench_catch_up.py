@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from inferscale import FactInput, Memory
 from inferscale.bench.common import machine, print_page
-from inferscale.server.vllm_process import free_port
-from inferscale.store import Scope
+from inferscale.server.ports import free_port
+from inferscale.store.records import Scope
 
 QUERY = "What does the user do on weekends?"
 
@@ -69,17 +69,17 @@ def measure(writer: Memory, reader: Memory, user: str, size: int, rounds: int) -
     times: dict[str, list[float]] = {"catch up": [], "reload": [], "nothing written": []}
     for r in range(2 * rounds):
         mode = "catch up" if r % 2 == 0 else "reload"
-        reader.index.catch_up = mode == "catch up"
+        reader.components.index.catch_up = mode == "catch up"
         writer.add(f"New fact {r} about {user}: they went climbing on weekend {r}.", user_id=user)
         times[mode].append(timed(lambda: reader.search(QUERY, user_id=user)))
         times["nothing written"].append(timed(lambda: reader.search(QUERY, user_id=user)))
-    reader.index.catch_up = True
+    reader.components.index.catch_up = True
     assert reader.count(user_id=user) == size + 2 * rounds, "the reader lost or duplicated a write"
     # the writer's own next search after its own add: BM25 kept up to date by the write, vs
     # rebuilt from the scope's texts as before (the partition's keyword index dropped)
     writer.search(QUERY, user_id=user)
     times |= {"own: kept": [], "own: rebuilt": []}
-    part = writer.index._parts[Scope(user).key]  # noqa: SLF001 - the bench emulates the old behaviour
+    part = writer.components.index._parts[Scope(user).key]  # noqa: SLF001 - the bench emulates the old behaviour
     for r in range(2 * rounds):
         writer.add(f"Own fact {r} about {user}: they went sailing on weekend {r}.", user_id=user)
         mode = "own: kept" if r % 2 == 0 else "own: rebuilt"

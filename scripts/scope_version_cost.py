@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from inferscale.history import HistoryLog
-from inferscale.sql import Database
+from inferscale.store.history import HistoryLog
+from inferscale.store.sql import Database
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from inferscale.bench.common import machine, print_page
-from inferscale.server.vllm_process import free_port
+from inferscale.server.ports import free_port
 
 KEY = "visibility-bench"
 HEADERS = {"Authorization": f"Bearer {KEY}", "Connection": "close"}

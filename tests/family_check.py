@@ -18,7 +18,7 @@ from inferscale.kv.encoder import EncodeItem, KVEncoder
 from inferscale.kv.pool import KVPool, kv_key
 from inferscale.models import resolve_llm
 from inferscale.serving.engine import Engine
-from inferscale.prompt import PromptBuilder
+from inferscale.generation.prompt import PromptBuilder
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 1000000.0},

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "inferscale"
-APPLICATION = ("inferscale", "inferscale.memory", "inferscale.async_memory", "inferscale.sessions",
+APPLICATION = ("inferscale", "inferscale.memory", "inferscale.answering", "inferscale.integration", "inferscale.async_memory", "inferscale.sessions",
                "inferscale.demo", "inferscale.cli", "inferscale.datasets", "inferscale.bench", "inferscale.server")
 FRAMEWORKS = ("vllm", "langchain", "langchain_core", "langchain_inferscale", "llama_index", "integrations")
 
@@ -120,3 +120,58 @@ def test_architecture_module_map_names_every_module():
     files = {p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py") if p.name != "__init__.py"}
     assert files - listed == set(), f"modules missing from docs/architecture.md's map: {sorted(files - listed)}"
     assert listed - files == set(), f"the map names modules that do not exist: {sorted(listed - files)}"
+
+
+def test_no_module_outside_serving_imports_vllm_when_imported():
+    """Measured, not parsed: a fresh interpreter imports every module outside ``serving/``
+    (the front and the CLI included) and vLLM is still not in ``sys.modules``; a module may
+    import vLLM inside a function that starts or drives an engine."""
+    import subprocess
+    import sys
+
+    names = sorted(n for n in modules() if not (n == "inferscale.serving" or n.startswith("inferscale.serving.")))
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            "    if 'vllm' in sys.modules:\n"
+            "        print('IMPORTS-VLLM', name); break\n"
+            "print('DONE', len(sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "IMPORTS-VLLM" not in done.stdout, done.stdout
+    assert "DONE" in done.stdout and len(names) > 50
+
+
+def test_the_connector_loads_a_small_part_of_the_package():
+    """vLLM's engine process loads the connector: it needs the KV pool, rotation and
+    injection, not the settings, the model registry, prompts or tools."""
+    import subprocess
+    import sys
+
+    code = ("import sys, inferscale.serving.connector\n"
+            "print(sorted(m for m in sys.modules if m.startswith('inferscale')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = set(eval(done.stdout.strip().splitlines()[-1]))  # noqa: S307 - our own printed list
+    assert loaded <= {"inferscale", "inferscale.devices", "inferscale.sizes", "inferscale.logs", "inferscale.kv",
+                      "inferscale.kv.injection", "inferscale.kv.pool", "inferscale.kv.rope", "inferscale.serving",
+                      "inferscale.serving.connector"}, sorted(loaded)
+
+
+def test_the_adapters_use_only_the_public_api_and_the_integration_module():
+    """Issue 29: langchain-inferscale and llama-index-inferscale import ``inferscale`` and
+    ``inferscale.integration`` only (their tests may reach further), and pin the 0.1 series."""
+    allowed = {"inferscale", "inferscale.integration"}
+    for path in sorted((ROOT / "integrations").rglob("*.py")):
+        if "tests" in path.parts or "examples" in path.parts:
+            continue
+        used = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                used.add(node.module)
+            elif isinstance(node, ast.Import):
+                used.update(a.name for a in node.names)
+        used = {m for m in used if m.split(".")[0] == "inferscale"}
+        assert used <= allowed, f"{path.relative_to(ROOT)} imports {sorted(used - allowed)}"
+    for project in sorted((ROOT / "integrations").glob("*/pyproject.toml")):
+        assert '"inferscale>=0.1.0,<0.2"' in project.read_text(), project

@@ -9,8 +9,7 @@ import textwrap
 import pytest
 
 from inferscale import Memory
-from inferscale.store import Scope
-
+from inferscale.store.records import Scope
 
 @pytest.fixture
 def mem(tmp_path):
@@ -20,15 +19,15 @@ def mem(tmp_path):
 
 
 def test_add_returns_with_the_encode_queued_and_wait_for_kv_finishes_it(mem):
-    mem.kv.background.pause()
+    mem.components.kv.background.pause()
     added = mem.add([{"role": "user", "content": "I keep bees on my roof."},
                      {"role": "user", "content": "My bike is a green Bianchi."}], user_id="u")["results"]
     assert mem.pending_kv() == 2  # durable jobs, nothing encoded yet
     inj = mem.inject("What is my bike?", user_id="u", k=2)
     assert sorted(inj.text_memory_ids) == sorted(r["id"] for r in added) and inj.kv_memory_ids == []
-    assert inj.plan.memory_end == len(mem.prompts.preamble_ids)  # only the preamble is injected
+    assert inj.plan.memory_end == len(mem.components.prompts.preamble_ids)  # only the preamble is injected
     assert not mem.wait_for_kv(timeout=0.5)  # paused: still pending
-    mem.kv.background.resume()
+    mem.components.kv.background.resume()
     assert mem.wait_for_kv(timeout=600) and mem.pending_kv() == 0
     again = mem.inject("What is my bike?", user_id="u", k=2)
     assert sorted(again.kv_memory_ids) == sorted(r["id"] for r in added) and again.text_memory_ids == []
@@ -37,13 +36,13 @@ def test_add_returns_with_the_encode_queued_and_wait_for_kv_finishes_it(mem):
 def test_ready_facts_come_first_then_the_rest_as_text(mem):
     first = mem.add("I was born in Porto.", user_id="u")["results"][0]["id"]
     assert mem.wait_for_kv(timeout=600)
-    mem.kv.background.pause()
+    mem.components.kv.background.pause()
     second = mem.add("I was born in April.", user_id="u")["results"][0]["id"]
     inj = mem.inject("Where and when was I born?", user_id="u", k=2)
     assert inj.kv_memory_ids == [first] and inj.text_memory_ids == [second]
     fact_ids = [s.key.split("/")[0] for s in inj.plan.segments[1:]]
     assert fact_ids == [first]  # the plan covers the preamble and the ready fact only
-    text_line = mem.prompts.fact_line_ids("I was born in April.")
+    text_line = mem.components.prompts.fact_line_ids("I was born in April.")
     start = inj.plan.memory_end
     assert inj.prompt_token_ids[start : start + len(text_line)] == text_line  # then the other fact as text
     waited = mem.inject("Where and when was I born?", user_id="u", k=2, wait_for_kv=True)
@@ -51,24 +50,24 @@ def test_ready_facts_come_first_then_the_rest_as_text(mem):
 
 
 def test_an_update_racing_an_in_flight_encode_never_leaves_the_old_kv(mem):
-    mem.kv.background.pause()
+    mem.components.kv.background.pause()
     mid = mem.add("My locker code is 1234.", user_id="u")["results"][0]["id"]
-    (job,) = mem.kv.jobs.take(10)
-    old_key = mem.kv.fact_spans(Scope("u").key, [mem.facts.get(Scope("u"), mid)], 0)[0].key
-    real_encode = mem.kv.encoder.encode
+    (job,) = mem.components.kv.jobs.take(10)
+    old_key = mem.components.kv.fact_spans(Scope("u").key, [mem.components.facts.get(Scope("u"), mid)], 0)[0].key
+    real_encode = mem.components.kv.encoder.encode
 
     def encode_while_updating(items):
         out = real_encode(items)  # the old text's KV is computed...
         mem.update(mid, "My locker code is 9876.", user_id="u")  # ...and the fact changes before it is stored
         return out
 
-    mem.kv.encoder.encode = encode_while_updating
+    mem.components.kv.encoder.encode = encode_while_updating
     try:
-        mem.kv.run_jobs([job])
+        mem.components.kv.run_jobs([job])
     finally:
-        mem.kv.encoder.encode = real_encode
-    assert not mem.pool.contains(old_key)  # written after the invalidation, then removed
-    mem.kv.background.resume()
+        mem.components.kv.encoder.encode = real_encode
+    assert not mem.components.pool.contains(old_key)  # written after the invalidation, then removed
+    mem.components.kv.background.resume()
     assert mem.wait_for_kv(timeout=600)
     inj = mem.inject("What is my locker code?", user_id="u", k=1)
     assert inj.kv_memory_ids == [mid] and inj.plan.keys[1] != old_key
@@ -77,7 +76,7 @@ def test_an_update_racing_an_in_flight_encode_never_leaves_the_old_kv(mem):
 
 
 def test_delete_drops_queued_jobs(mem):
-    mem.kv.background.pause()
+    mem.components.kv.background.pause()
     mid = mem.add("I own a red kayak.", user_id="u")["results"][0]["id"]
     assert mem.pending_kv() == 1
     mem.delete(mid, user_id="u")
@@ -89,7 +88,7 @@ CRASH = textwrap.dedent(
     import os, sys
     from inferscale import Memory
     mem = Memory(data_dir=sys.argv[1], dtype="float32", context_window=0)
-    mem.kv.background.pause()
+    mem.components.kv.background.pause()
     mem.add([{"role": "user", "content": f"Fact number {i} about my garden."} for i in range(6)], user_id="crash")
     print("PENDING", mem.pending_kv(), flush=True)
     os._exit(9)  # killed with the jobs queued
@@ -111,18 +110,18 @@ def test_jobs_pending_at_a_crash_are_encoded_on_restart(tmp_path):
 def test_a_fact_added_and_asked_at_once_is_answered_as_text_then_injected(serving_dir, engine):
     mem = Memory(data_dir=serving_dir, dtype="float32", engine=engine, context_window=0)
     user = "bg-hamster"
-    mem.kv.background.pause()
+    mem.components.kv.background.pause()
     fid = mem.add("My hamster is called Pickles.", user_id=user)["results"][0]["id"]
     first = mem.generate("What is my hamster called?", user_id=user, k=1, max_tokens=12)  # no waiting
-    preamble = len(mem.prompts.preamble_ids)
+    preamble = len(mem.components.prompts.preamble_ids)
     assert first.text_memory_ids == [fid] and first.kv_memory_ids == []
     assert first.num_injected_tokens == preamble  # the fact was prefilled as text
     assert "Pickles" in first.text
-    mem.kv.background.resume()
+    mem.components.kv.background.resume()
     assert mem.wait_for_kv(timeout=600)
     later = mem.generate("What is my hamster called?", user_id=user, k=1, max_tokens=12)
     assert later.kv_memory_ids == [fid] and later.text_memory_ids == []
-    assert later.num_injected_tokens == preamble + len(mem.prompts.fact_line_ids("My hamster is called Pickles."))
+    assert later.num_injected_tokens == preamble + len(mem.components.prompts.fact_line_ids("My hamster is called Pickles."))
     assert later.text == first.text  # the same tokens, the same greedy answer
 
 

@@ -9,16 +9,15 @@ from inferscale.datasets.locomo import LocomoFormatError, load_locomo
 from inferscale.kv.pool import kv_key, validate_key
 from inferscale.models import ModelNotFoundError
 from inferscale.kv.injection import InjectionPlan
-from inferscale.store import Scope, StoreError
-
+from inferscale.store.records import Scope, StoreError
 
 def new_memory(path, **kw) -> Memory:
     return Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False, **kw)
 
 
 def state(mem: Memory, user: str) -> tuple:
-    return (sorted(r["memory"] for r in mem.get_all(user_id=user)["results"]), mem.turns.count(Scope(user).key),
-            mem.store.count(), mem.facts.count(Scope(user)))
+    return (sorted(r["memory"] for r in mem.get_all(user_id=user)["results"]), mem.components.turns.count(Scope(user).key),
+            mem.components.store.count(), mem.components.facts.count(Scope(user)))
 
 
 @pytest.fixture
@@ -217,12 +216,12 @@ def test_metadata_that_cannot_be_read_back_is_refused(mem):
 
 
 def test_a_memory_block_that_cannot_fit_the_context_is_refused_before_encoding(tmp_path):
-    from inferscale.options import GenerationOptions
+    from inferscale.generation.options import GenerationOptions
 
     m = new_memory(tmp_path / "store", max_model_len=256)
     m.add_facts([f"Fact {i}: the user keeps a long list of things about topic {i} in a notebook." for i in range(12)],
                 user_id="u", encode_kv=False)
     o = m.options(GenerationOptions(k=12, wait_for_kv=True))
     with pytest.raises(ValueError, match="lower memory.k"):
-        m.serve.prepare_memory_block(Scope("u"), "what do I keep?", o)
+        m.components.requests.prepare_memory_block(Scope("u"), "what do I keep?", o)
     assert m.pending_kv() == 0 and not any(m.kv_dir.rglob("*.safetensors"))  # nothing was encoded

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from inferscale import Memory
-from inferscale.store import StoreError
+from inferscale.store.records import StoreError
 
 def test_memories_live_on_the_chroma_server(tmp_path, chroma):
     url = chroma["url"]
@@ -98,9 +98,10 @@ def test_the_copy_goes_in_chromas_batches_refuses_a_served_dir_and_leaves_a_note
     without the server again (its empty embedded store would hide the memories)."""
     import numpy as np
 
-    from inferscale.embedded_store import copy_to_server, embedded_count, embedded_path
+    from inferscale.store.embedded import copy_to_server, embedded_count, embedded_path
     from inferscale.server.main import lock_data_dir
-    from inferscale.store import ChromaServer, FactRecord, FactStore, Scope
+    from inferscale.store.chroma import ChromaServer, FactStore
+    from inferscale.store.records import FactRecord, Scope
 
     data = tmp_path / "big"
     with Memory(data_dir=data, dtype="float32", context_window=0, precompute_kv=False) as m:

@@ -8,14 +8,13 @@ import torch
 
 from inferscale.config import MemoryConfig, cache_dir
 from inferscale.datasets.locomo import LocomoFormatError, load_locomo, token_f1
-from inferscale.filters import compile_filter
-from inferscale.index import VectorIndex
+from inferscale.store.filters import compile_filter
+from inferscale.store.index import VectorIndex
 from inferscale.kv.pool import FactKV, KVPool, kv_key, validate_key
 from inferscale.models import ModelNotFoundError, model_fingerprint, resolve_llm
 from inferscale.kv.injection import InjectionPlan
-from inferscale.prompt import PromptBuilder
-from inferscale.store import FactRecord, Scope
-
+from inferscale.generation.prompt import PromptBuilder
+from inferscale.store.records import FactRecord, Scope
 
 def kv(tokens: int, fill: float = 1.0) -> FactKV:
     return FactKV(torch.full((2, tokens, 3, 4), fill), torch.full((2, tokens, 3, 4), -fill))
@@ -133,7 +132,7 @@ def test_a_scope_past_chromas_variable_limit_loads_lists_and_catches_up(tmp_path
 
     import numpy as np
 
-    from inferscale.store import IDS_PER_READ, FactStore
+    from inferscale.store.chroma import IDS_PER_READ, FactStore
 
     store = FactStore(tmp_path / "chroma")
     scope, other = Scope("big"), Scope("other")
@@ -294,3 +293,28 @@ def test_default_model_is_prepared_offline(model_path):
     assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30
     assert (model_path / "model.safetensors").exists()
     assert len(model_fingerprint(model_path)) == 16
+
+
+def test_the_plan_pairs_kv_with_segments_by_owner_never_by_position(tokenizer):
+    """Issue 29: each injected segment gets the KV of its own fact (looked up by the segment's
+    owner); a layout that would pair a segment with another memory's KV, or inject after a
+    text line, is refused before vLLM sees the plan."""
+    import pytest
+
+    from inferscale.generation.prompt import PREAMBLE_OWNER, PromptBuilder
+    from inferscale.generation.request import plan_segments
+
+    prompts = PromptBuilder(tokenizer, "You are helpful.")
+    segments = prompts.memory_segments([("fa", "I like tea."), ("fb", "My dog is Rex."), ("fc", "I live in Porto.")])
+    keys = {"fb": "fb/" + "1" * 32, PREAMBLE_OWNER: f"{PREAMBLE_OWNER}/" + "0" * 32, "fa": "fa/" + "2" * 32}
+    plan = plan_segments(keys, segments)  # fc has no KV yet: it is prefilled as text, after the others
+    assert [(s.key, s.start, s.num_tokens) for s in plan.segments] == [
+        (keys[seg.owner], seg.start, len(seg.token_ids)) for seg in segments[:3]]
+    assert plan.memory_end == segments[2].end
+
+    with pytest.raises(ValueError, match="does not belong to segment fa"):
+        plan_segments({**keys, "fa": "fb/" + "3" * 32}, segments)
+    with pytest.raises(ValueError, match="does not lead with its KV segments"):
+        plan_segments({PREAMBLE_OWNER: keys[PREAMBLE_OWNER], "fb": keys["fb"]}, segments)  # fa (text) before fb
+    with pytest.raises(ValueError, match="does not lead with its KV segments"):
+        plan_segments({**keys, "zz": "zz/" + "4" * 32}, segments)  # KV for a memory the block does not hold

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from inferscale.models import resolve_llm
-from inferscale.prompt import PromptBuilder
+from inferscale.generation.prompt import PromptBuilder
 
 #: the system-turn part of Llama 3.1's template, on SmolLM2's tokens
 DATED = (
@@ -68,16 +68,16 @@ def test_the_preamble_is_rendered_again_only_when_due(tokenizer):
 
 def test_fact_keys_stay_and_the_preamble_key_moves_with_the_day(tokenizer, tmp_path):
     from inferscale import Memory
-    from inferscale.store import Scope
+    from inferscale.store.records import Scope
 
     clock = Clock(datetime(2026, 12, 1, 23, 59))
     with Memory(data_dir=tmp_path, dtype="float32", context_window=2, precompute_kv=False) as mem:
-        mem.kv.prompts = PromptBuilder(tokenizer, mem.config.system_prompt, now=clock, rerender_s=0)
+        mem.components.kv.prompts = PromptBuilder(tokenizer, mem.config.system_prompt, now=clock, rerender_s=0)
         mem.add([{"role": "user", "content": "I moved to Porto."}, {"role": "user", "content": "I got a cat."}],
                 user_id="u", infer=False)
-        facts = mem.facts.list(Scope("u"))
-        day1 = [s.key for s in mem.kv.fact_spans(Scope("u").key, facts, 2)], mem.kv.preamble_span().key
+        facts = mem.components.facts.list(Scope("u"))
+        day1 = [s.key for s in mem.components.kv.fact_spans(Scope("u").key, facts, 2)], mem.components.kv.preamble_span().key
         clock.day = datetime(2026, 12, 2, 0, 1)
-        day2 = [s.key for s in mem.kv.fact_spans(Scope("u").key, facts, 2)], mem.kv.preamble_span().key
+        day2 = [s.key for s in mem.components.kv.fact_spans(Scope("u").key, facts, 2)], mem.components.kv.preamble_span().key
     assert day1[0] == day2[0]  # the facts' KV stays valid after midnight
     assert day1[1] != day2[1]  # the served preamble is a new segment (encoded once that day)

@@ -13,8 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inferscale import Memory, MemoryNotFoundError
-from inferscale.store import Scope
-
+from inferscale.store.records import Scope
 
 def new_memory(path) -> Memory:
     return Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False)
@@ -80,7 +79,7 @@ def test_many_threads_lose_nothing_and_duplicate_nothing(tmp_path):
     reopened = new_memory(tmp_path / "store")  # restart: index rebuilt from Chroma
     assert texts_by_scope(reopened, scopes) == expected
     for s in scopes:
-        assert reopened.index.size(Scope(s).key) == len(expected[s])
+        assert reopened.components.index.size(Scope(s).key) == len(expected[s])
     some_scope = max(scopes, key=lambda s: len(expected[s]))
     probe = expected[some_scope][0]
     # dense: the exact text is the top cosine; hybrid may rank a near-twin first ("shared fact
@@ -125,7 +124,7 @@ def test_sigkill_mid_stream_keeps_every_acknowledged_add(tmp_path):
     for r in stored.values():
         assert r["hash"] == hashlib.sha256(r["memory"].encode()).hexdigest()
         assert r["source_turn_ids"]
-    assert mem.index.size(Scope("crash").key) == len(stored) == mem.store.count()
+    assert mem.components.index.size(Scope("crash").key) == len(stored) == mem.components.store.count()
 
 
 _MEM: dict = {}
@@ -189,4 +188,4 @@ def test_random_operation_sequences_match_a_plain_model(tmp_path_factory, ops):
         for s in ("x", "y"):
             got = {r["id"]: r["memory"] for r in mem.get_all(user_id=s)["results"]}
             assert got == model[s]
-            assert {r.id: r.text for r in mem.store.list(Scope(s))} == model[s]  # the index agrees with Chroma
+            assert {r.id: r.text for r in mem.components.store.list(Scope(s))} == model[s]  # the index agrees with Chroma

@@ -130,7 +130,7 @@ def test_kv_that_fails_to_load_on_the_worker_is_recomputed(memory, engine):
 
     req = memory.inject("Which employee number am I?", user_id="batch-user-6", k=2)
     seg = req.plan.segments[1]
-    good = memory.pool.get(seg.key)
+    good = memory.components.pool.get(seg.key)
     owner = seg.key.split("/")[0]
     bad_key = f"{owner}/{'d' * 32}"
     path = engine.kv_dir / owner / f"{'d' * 32}.safetensors"  # the pool's disk layout

@@ -10,11 +10,11 @@ import itertools
 import pytest
 import torch
 
-from inferscale.config import DEFAULT_DEVICE_KV_BUDGET_BYTES
+from inferscale.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.datasets.locomo import load_locomo
 from inferscale.kv.encoder import EncodeItem
 from inferscale.kv.pool import FactKV, KVPool, kv_key
-from inferscale.prompt import PromptBuilder
+from inferscale.generation.prompt import PromptBuilder
 from inferscale.kv.reference import ReferenceModel
 
 OFFSET = 1000

@@ -14,7 +14,7 @@ import pytest
 from inferscale.kv.encoder import KVEncoder
 from inferscale.kv.pool import KVPool
 from inferscale.kv.reference import ReferenceModel
-from inferscale.prompt import PromptBuilder
+from inferscale.generation.prompt import PromptBuilder
 from inferscale.serving.engine import Engine
 from tests.test_exactness import inject_params, max_logprob_diff
 

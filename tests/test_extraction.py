@@ -4,7 +4,7 @@ import pytest
 
 from inferscale import Memory
 from inferscale.extraction import EXTRACTION_EXAMPLE, LLMFactExtractor, SimilarityReconciler, grounding, parse_facts
-from inferscale.turns import Turn
+from inferscale.store.turns import Turn
 
 
 @pytest.mark.parametrize(

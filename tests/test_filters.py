@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inferscale import Memory
-from inferscale.store import Scope
+from inferscale.store.records import Scope
 
 TOPICS = ["food", "home", "work"]
 QUERIES = ["What do I like to eat?", "Where do I live?", "What is my job?", "Tell me about my family.",
@@ -45,7 +45,7 @@ def store(tmp_path_factory):
 
 
 def _reference(flt: dict, fields: dict) -> bool:
-    """The filter semantics written out plainly, independently of inferscale.filters."""
+    """The filter semantics written out plainly, independently of inferscale.store.filters."""
     for key, cond in flt.items():
         name = key.lstrip("$").upper()
         if name in ("AND", "OR", "NOT"):
@@ -123,7 +123,7 @@ FILTERS = st.recursive(
 
 
 def _rows(mem: Memory, scope: str) -> dict:
-    return mem.store._col.get(where={"scope": Scope(scope).key}, include=["embeddings", "metadatas"])
+    return mem.components.store._col.get(where={"scope": Scope(scope).key}, include=["embeddings", "metadatas"])
 
 
 def _fields(meta: dict) -> dict:
@@ -132,7 +132,7 @@ def _fields(meta: dict) -> dict:
 
 def _brute_force(mem: Memory, scope: str, query: str, flt: dict, limit: int) -> list[tuple[str, float]]:
     got = _rows(mem, scope)
-    q = mem.embedder.encode([query])[0].numpy()
+    q = mem.components.embedder.encode([query])[0].numpy()
     rows = []
     for mid, emb, meta in zip(got["ids"], got["embeddings"], got["metadatas"]):
         if _reference(flt, _fields(meta)):
@@ -180,7 +180,7 @@ def test_filtered_search_after_restart_equals_brute_force(store):
     path, _ = store
     reopened = Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False)
     try:
-        assert not reopened.index.loaded(Scope("alice").key)  # nothing is loaded before first use
+        assert not reopened.components.index.loaded(Scope("alice").key)  # nothing is loaded before first use
         for flt in ({"topic": "food"}, {"n": {"$gte": 2}}, {"OR": [{"flag": True}, {"NOT": [{"topic": "home"}]}]},
                     {"nowhere": {"ne": 1}}):
             _check(reopened, "alice", QUERIES[0], flt, 10)

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inferscale import Memory
-from inferscale.keyword import KeywordIndex, fuse
-from inferscale.store import Scope
+from inferscale.store.keyword import KeywordIndex, fuse
+from inferscale.store.records import Scope
 
 # every text holds one rare word, so a keyword query names exactly the facts that hold it
 WORDS = ["zebra", "quartz", "violet", "ember", "falcon", "maple"]
@@ -43,7 +43,7 @@ def _bm25s_scores(texts: list[str], query: str) -> np.ndarray:
     """``bm25s``'s own scores (defaults) over ``texts`` for ``query``, tokenized as ours are."""
     import bm25s
 
-    from inferscale.keyword import tokens
+    from inferscale.store.keyword import tokens
 
     model = bm25s.BM25()
     model.index([tokens(t) for t in texts], show_progress=False)
@@ -95,7 +95,7 @@ OPS = st.lists(
 
 def _check_keyword_hits(mem: Memory, model: dict[str, dict[str, str]]) -> None:
     for scope, facts in model.items():
-        assert {r.id: r.text for r in mem.store.list(Scope(scope))} == facts  # the model is Chroma's content
+        assert {r.id: r.text for r in mem.components.store.list(Scope(scope))} == facts  # the model is Chroma's content
         for word in WORDS:
             holders = {mid for mid, text in facts.items() if word in text}
             found = mem.search(f"{word}?", user_id=scope, limit=2, mode="hybrid")["results"]

@@ -9,8 +9,7 @@ from inferscale import AsyncMemory, Memory, MemoryNotFoundError
 from inferscale.config import DEFAULT_EMBEDDER
 from inferscale.kv.manager import KVManager
 from inferscale.models import resolve_embedder
-from inferscale.store import Scope, StoreError
-
+from inferscale.store.records import Scope, StoreError
 
 def new_memory(path, **kw) -> Memory:
     return Memory(data_dir=path, dtype="float32", context_window=0, precompute_kv=False, **kw)
@@ -94,26 +93,26 @@ def test_update_and_delete_invalidate_kv_everywhere(mem):
     mem.inject("What is my favourite colour?", user_id="u", k=1, wait_for_kv=True)
     owners = {p.name for p in mem.kv_dir.iterdir()}
     assert mid in owners
-    old_keys = [k for k in mem.pool._hot if k.startswith(mid)]
+    old_keys = [k for k in mem.components.pool._hot if k.startswith(mid)]
     assert old_keys
     mem.update(mid, "My favourite colour is amber.", user_id="u")
-    assert not (mem.kv_dir / mid).exists() and not any(k.startswith(mid) for k in mem.pool._hot)
+    assert not (mem.kv_dir / mid).exists() and not any(k.startswith(mid) for k in mem.components.pool._hot)
     req = mem.inject("What is my favourite colour?", user_id="u", k=1, wait_for_kv=True)
     new_key = req.kv_transfer_params["inferscale"]["segments"][1][0]
     assert new_key not in old_keys  # new text, new KV
     mem.delete(mid, user_id="u")
-    assert not (mem.kv_dir / mid).exists() and not any(k.startswith(mid) for k in mem.pool._hot)
+    assert not (mem.kv_dir / mid).exists() and not any(k.startswith(mid) for k in mem.components.pool._hot)
 
 
 def test_changed_model_fingerprint_recomputes_kv(mem):
     mem.add("The wifi password is on the fridge.", user_id="u")
     mem_scope = Scope("u")
-    rec = mem.facts.list(mem_scope)
-    other = KVManager(mem.model_path, "another-model", "float32", mem.prompts, mem.pool, mem.turns, 4096)
-    other._encoder = mem.kv.encoder
-    spans_a = mem.kv.fact_spans(mem_scope.key, rec, 0)
+    rec = mem.components.facts.list(mem_scope)
+    other = KVManager(mem.model_path, "another-model", "float32", mem.components.prompts, mem.components.pool, mem.components.turns, 4096)
+    other._encoder = mem.components.kv.encoder
+    spans_a = mem.components.kv.fact_spans(mem_scope.key, rec, 0)
     spans_b = other.fact_spans(mem_scope.key, rec, 0)
-    assert mem.kv.ensure(spans_a) == 1 and mem.kv.ensure(spans_a) == 0
+    assert mem.components.kv.ensure(spans_a) == 1 and mem.components.kv.ensure(spans_a) == 0
     assert spans_a[0].key != spans_b[0].key
     assert other.ensure(spans_b) == 1  # never served the other model's KV
 
@@ -125,7 +124,7 @@ def test_delete_all_and_reset(mem):
     assert mem.get_all(user_id="u")["results"] == []
     assert len(mem.get_all(user_id="v")["results"]) == 1
     mem.reset()
-    assert mem.get_all(user_id="v")["results"] == [] and mem.store.count() == 0 and mem.index.size() == 0
+    assert mem.get_all(user_id="v")["results"] == [] and mem.components.store.count() == 0 and mem.components.index.size() == 0
 
 
 def test_unknown_ids_and_cross_scope_ids_are_not_found(mem):

@@ -12,7 +12,7 @@ from vllm import SamplingParams
 
 from inferscale import FactInput, Memory, UnknownScopeError
 from inferscale.datasets.locomo import load_locomo, store_conversation
-from inferscale.store import Scope
+from inferscale.store.records import Scope
 
 USER = "locomo-conv-26-s12"
 
@@ -68,10 +68,10 @@ def test_locomo_facts_keep_their_provenance(memory, sample):
     assert len(stored) == len(by_text)
     for item in stored:
         assert tuple(item["source_turn_ids"]) == by_text[item["memory"]]
-    turns = memory.turns.count(Scope(USER).key)
+    turns = memory.components.turns.count(Scope(USER).key)
     assert turns == len(sample.turns)
     assert store_conversation(memory, sample, USER) == 0  # a second load adds nothing, logs nothing
-    assert memory.turns.count(Scope(USER).key) == turns
+    assert memory.components.turns.count(Scope(USER).key) == turns
     assert len(memory.get_all(user_id=USER, limit=1000)["results"]) == len(by_text)
 
 
@@ -124,16 +124,16 @@ RESTART = textwrap.dedent(
     from inferscale.memory import Memory
     question, user = sys.argv[1], sys.argv[2]
     mem = Memory(data_dir=sys.argv[3], dtype="float32", context_window=3)
-    loaded_before_search = mem.embedder._model is not None
+    loaded_before_search = mem.components.embedder._model is not None
     hits = mem.search(question, user_id=user, limit=10)["results"]
-    embedded_by_search = mem.embedder.num_encoded_texts
+    embedded_by_search = mem.components.embedder.num_encoded_texts
     gen = mem.generate(question, user_id=user, k=10, max_tokens=24)
     print("RESULT" + json.dumps({
         "loaded_before_search": loaded_before_search,
         "embedded_texts": embedded_by_search,
         "hits": [[h["id"], h["score"]] for h in hits],
         "answer": gen.text, "injected": gen.num_injected_tokens,
-        "encoder_loaded": mem.kv._encoder is not None, "kv_writes": mem.pool.stats["writes"],
+        "encoder_loaded": mem.components.kv._encoder is not None, "kv_writes": mem.components.pool.stats["writes"],
     }))
     """
 )
@@ -145,7 +145,7 @@ def test_restart_rebuilds_index_from_chroma_and_reuses_kv(memory, serving_dir, s
     hits = [[h["id"], h["score"]] for h in memory.search(question, user_id=USER, limit=10)["results"]]
     answer = memory.generate(question, user_id=USER, k=10, max_tokens=24).text
     # nothing queued in the shared data dir (other tests' writes), or the new process would encode it
-    assert memory.wait_for_kv(timeout=600), memory.kv.background.last_error
+    assert memory.wait_for_kv(timeout=600), memory.components.kv.background.last_error
     env = dict(os.environ)
     proc = subprocess.run(
         [sys.executable, "-c", RESTART, question, USER, str(serving_dir)],
@@ -165,7 +165,7 @@ def test_restart_rebuilds_index_from_chroma_and_reuses_kv(memory, serving_dir, s
 
 def test_bad_input_is_rejected_and_changes_nothing(memory):
     before = memory.get_all(user_id="hiker")["results"]
-    turns_before = memory.turns.count('["hiker", null, null]')
+    turns_before = memory.components.turns.count('["hiker", null, null]')
     with pytest.raises(ValueError, match="empty"):
         memory.add("   ", user_id="hiker")
     with pytest.raises(TypeError, match="string"):
@@ -177,7 +177,7 @@ def test_bad_input_is_rejected_and_changes_nothing(memory):
     with pytest.raises(ValueError, match="mode"):
         memory.generate("hi", user_id="hiker", mode="telepathy")
     assert memory.get_all(user_id="hiker")["results"] == before
-    assert memory.turns.count('["hiker", null, null]') == turns_before
+    assert memory.components.turns.count('["hiker", null, null]') == turns_before
 
 
 def test_unknown_user_gets_a_clear_error(memory):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from inferscale.server.upstream import HttpEngine, Replicas, merge_metrics, rendezvous_order
-from inferscale.server.vllm_process import free_port
+from inferscale.server.ports import free_port
 
 KEYS = [f"user:u{i}" for i in range(2000)]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inferscale.server.vllm_process import free_port
+from inferscale.server.ports import free_port
 
 pytestmark = pytest.mark.slow
 

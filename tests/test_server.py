@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from inferscale.server.vllm_process import free_port
+from inferscale.server.ports import free_port
 
 pytestmark = pytest.mark.slow
 

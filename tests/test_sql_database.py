@@ -10,15 +10,15 @@ import textwrap
 import pytest
 
 from inferscale import FactInput, Memory
-from inferscale.sql import Database
-from inferscale.store import Scope, StoreError
-from inferscale.turns import TurnLog
+from inferscale.store.sql import Database
+from inferscale.store.records import Scope, StoreError
+from inferscale.store.turns import TurnLog
 
 
 APPENDER = textwrap.dedent("""
     import sys
-    from inferscale.sql import Database
-    from inferscale.turns import Turn, TurnLog
+    from inferscale.store.sql import Database
+    from inferscale.store.turns import Turn, TurnLog
 
     log = TurnLog(Database(sys.argv[1]))
     for i in range(40):
@@ -75,7 +75,7 @@ def test_a_write_through_one_memory_is_seen_by_the_next_search_through_another(p
     with Memory(data_dir=tmp_path / "w1", **settings) as w1, Memory(data_dir=tmp_path / "w2", **settings) as w2:
         w1.add("I live in Lisbon.", user_id="alice")
         assert [r["memory"] for r in w2.search("home", user_id="alice")["results"]] == ["I live in Lisbon."]
-        assert w2.index.loaded(Scope("alice").key)  # w2 holds the scope now; later writes must still reach it
+        assert w2.components.index.loaded(Scope("alice").key)  # w2 holds the scope now; later writes must still reach it
         mid = w1.add("My dog is called Rex.", user_id="alice")["results"][0]["id"]
         assert w2.search("pets", user_id="alice", limit=1)["results"][0]["id"] == mid
         w2.update(mid, "My dog is called Max.", user_id="alice")
@@ -94,14 +94,14 @@ def test_a_worker_catches_up_on_another_workers_writes_without_reloading_the_sco
     the history, their rows from Chroma) instead of reloading the scope: adds, updates
     (text, embedding, hash, metadata), deletes, interleaved writes of its own, filters and
     BM25 follow; a reset elsewhere, or more changes than the partition is worth, reloads."""
-    import inferscale.index
+    import inferscale.store.index
 
     settings = dict(dtype="float32", context_window=0, precompute_kv=False, database_url=postgres_url,
                     chroma_url=chroma["url"])
     with Memory(data_dir=tmp_path / "w1", **settings) as w1, Memory(data_dir=tmp_path / "w2", **settings) as w2:
         w1.add_facts([FactInput(f"Background fact number {i}.", ()) for i in range(6)], user_id="carol")
         assert w2.count(user_id="carol") == 6
-        loads = w2.index.loads
+        loads = w2.components.index.loads
 
         w1.add("I keep bees in the garden.", user_id="carol", metadata={"topic": "hobby"})
         found = w2.search("What insects does she keep?", user_id="carol", limit=1)["results"]
@@ -109,7 +109,7 @@ def test_a_worker_catches_up_on_another_workers_writes_without_reloading_the_sco
         assert [r["memory"] for r in w2.get_all(user_id="carol", filters={"topic": "hobby"})["results"]] == \
             ["I keep bees in the garden."]  # the filter columns follow the caught-up rows
         mid = found[0]["id"]
-        assert (w2.index.loads, w2.index.catch_ups) == (loads, 1)
+        assert (w2.components.index.loads, w2.components.index.catch_ups) == (loads, 1)
 
         w1.update(mid, "I keep goats behind the barn.", user_id="carol", metadata={"topic": "farm"})
         top = w2.search("goats", user_id="carol", limit=1, mode="hybrid")["results"][0]  # BM25 rebuilt too
@@ -125,17 +125,17 @@ def test_a_worker_catches_up_on_another_workers_writes_without_reloading_the_sco
         assert texts == sorted([*(f"Background fact number {i}." for i in range(6)), "I keep bees in the garden.",
                                 "My sister lives in Oslo.", "My brother lives in Rome."])
         assert texts == sorted(r["memory"] for r in w1.get_all(user_id="carol")["results"])
-        assert w2.index.loads == loads  # never reloaded: every change came as a catch-up
+        assert w2.components.index.loads == loads  # never reloaded: every change came as a catch-up
 
-        monkeypatch.setattr(inferscale.index, "CATCH_UP_MIN", 2)  # more changes than worth catching up on
+        monkeypatch.setattr(inferscale.store.index, "CATCH_UP_MIN", 2)  # more changes than worth catching up on
         w1.add_facts([FactInput(f"Bulk fact {i}.", ()) for i in range(8)], user_id="carol")
-        assert w2.count(user_id="carol") == 17 and w2.index.loads == loads + 1
+        assert w2.count(user_id="carol") == 17 and w2.components.index.loads == loads + 1
         monkeypatch.undo()
 
         w1.reset()  # deletes without events: the history's event at w2's version is gone
         w1.add("A fresh start.", user_id="carol")
         assert [r["memory"] for r in w2.get_all(user_id="carol")["results"]] == ["A fresh start."]
-        assert w2.index.loads == loads + 2
+        assert w2.components.index.loads == loads + 2
 
 
 def test_catching_up_under_concurrent_updates_and_searches_ends_on_the_last_write(postgres_url, chroma, tmp_path):
@@ -194,7 +194,7 @@ def test_a_history_table_that_reused_seqs_is_rebuilt_and_a_reset_elsewhere_is_se
         table = sqlite3.connect(data / "history.sqlite").execute(
             "SELECT sql FROM sqlite_master WHERE name = 'history'").fetchone()[0]
         assert "AUTOINCREMENT" in table.upper()
-        assert [e.new_memory for e in a.history_log.events("elsewhere", "m1")] == ["kept"]
+        assert [e.new_memory for e in a.components.history_log.events("elsewhere", "m1")] == ["kept"]
         for t in ["old one", "old two", "old three"]:
             a.add(t, user_id="u", infer=False)
         assert b.count(user_id="u") == 3
@@ -236,7 +236,7 @@ def test_a_fact_a_dead_process_wrote_but_did_not_record_is_not_stored_twice(post
     import numpy as np
 
     from inferscale.facts import text_hash
-    from inferscale.store import FactRecord
+    from inferscale.store.records import FactRecord
 
     settings = dict(dtype="float32", context_window=0, precompute_kv=False, database_url=postgres_url,
                     chroma_url=chroma["url"])
@@ -246,12 +246,12 @@ def test_a_fact_a_dead_process_wrote_but_did_not_record_is_not_stored_twice(post
         text = "My cat is called Tom."
         orphan = FactRecord("orphan0001", text, text_hash(text), Scope("bob"), (), {}, "2026-12-02T00:00:00",
                             "2026-12-02T00:00:00")
-        w1.store.add([orphan], w1.embedder.encode([text]).numpy().astype(np.float32))  # then the process died
-        w2.config.precompute_kv = w2.facts.precompute_kv = True
-        w2.kv.background.pause()  # so the queued job stays to be seen
+        w1.components.store.add([orphan], w1.components.embedder.encode([text]).numpy().astype(np.float32))  # then the process died
+        w2.config.precompute_kv = w2.components.facts.precompute_kv = True
+        w2.components.kv.background.pause()  # so the queued job stays to be seen
         retried = w2.add(text, user_id="bob")["results"][0]
         assert (retried["id"], retried["event"]) == ("orphan0001", "NOOP")
-        assert w2.kv.pending(["orphan0001"]) == 1  # its KV is queued like a new fact's
+        assert w2.components.kv.pending(["orphan0001"]) == 1  # its KV is queued like a new fact's
         assert sorted(r["memory"] for r in w1.get_all(user_id="bob")["results"]) == ["I live in Lisbon.", text]
         assert [e["event"] for e in w1.history("orphan0001", user_id="bob")] == ["ADD"]
         assert w1.search("pets", user_id="bob", limit=1)["results"][0]["id"] == "orphan0001"

@@ -22,7 +22,7 @@ def memory(serving_dir, engine):
 def user(memory) -> str:
     name = f"st-{uuid.uuid4().hex[:8]}"
     memory.add(FACT, user_id=name)
-    assert memory.wait_for_kv(timeout=120), memory.kv.background.last_error  # the injected path is tested
+    assert memory.wait_for_kv(timeout=120), memory.components.kv.background.last_error  # the injected path is tested
     return name
 
 
@@ -45,7 +45,7 @@ def test_a_stream_closed_early_frees_the_engine(memory, user):
 
 def test_history_and_instructions_follow_the_memory_block(memory, user):
     plain = memory.inject(QUESTION, user_id=user, k=3)
-    layout = memory.prompts.build(QUESTION, [("x", FACT)], history=[{"role": "user", "content": "Hi"},
+    layout = memory.components.prompts.build(QUESTION, [("x", FACT)], history=[{"role": "user", "content": "Hi"},
                                                                   {"role": "assistant", "content": "Hello"}],
                                   instructions="Answer in one word.")
     assert layout.token_ids[:plain.memory_tokens] == plain.prompt_token_ids[:plain.memory_tokens]  # same KV

@@ -10,7 +10,7 @@ import pytest
 
 from inferscale import AsyncMemory, FactInput, Memory
 from inferscale.async_memory import _METHODS
-from inferscale.store import Scope
+from inferscale.store.records import Scope
 
 OK = "My dog is called Rex."
 # (method, positional args, keyword args, exception, the argument the message must name)
@@ -96,7 +96,7 @@ def snapshot(m: Memory) -> tuple:
     """Everything a call could have changed: memories, turns, history, queued KV."""
     memories = sorted((r["id"], r["memory"], str(r["metadata"]), r["updated_at"])
                       for r in m.get_all(user_id="u", limit=1000)["results"])
-    return memories, m.turns.count(Scope("u").key), m.store.count(), m.pending_kv(), \
+    return memories, m.components.turns.count(Scope("u").key), m.components.store.count(), m.pending_kv(), \
         [len(m.history(r[0], user_id="u")) for r in memories]
 
 

@@ -1,4 +1,4 @@
-"""Tool calling and structured output in the core (``inferscale.tools``, ``Memory.generate``
+"""Tool calling and structured output in the core (``inferscale.generation.tools``, ``Memory.generate``
 with ``tools`` / ``tool_choice`` / ``json_schema`` / ``followup``), on the real engine."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import uuid
 import pytest
 
 from inferscale import GenerationOptions, Memory
-from inferscale.serve_path import check_history
-from inferscale.tools import call_schema, check_tools, chosen_tool, parse_tool_calls, render_tool_calls
+from inferscale.generation.request import check_history
+from inferscale.generation.tools import call_schema, check_tools, chosen_tool, parse_tool_calls, render_tool_calls
 
 
 def _tool(name: str, properties: dict, required: list[str] | None = None) -> dict:

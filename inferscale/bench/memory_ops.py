@@ -160,7 +160,7 @@ def run(data: Path, out_dir: Path, *, stored: int = 2500, timed_adds: int = 20, 
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"stored_facts": sum(mem.count(user_id=u) for u in {u for u, _ in facts}), "bulk_store_s": bulk_s,
             "dtype": mem.config.resolved_dtype, "device": str(mem.device),
-            "embedder_backend": mem.embedder.backend_in_use}
+            "embedder_backend": mem.components.embedder.backend_in_use}
     mem.close()
     shutil.rmtree(store_dir, ignore_errors=True)
     scale_dir = out_dir / "synthetic-store"

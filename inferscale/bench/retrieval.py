@@ -6,7 +6,7 @@ both modes through :meth:`inferscale.Memory.search`:
 
 - **evidence recall@k**: the share of a question's evidence turns that are a source turn
   of one of the top-k facts; **hit@k**: whether at least one is (k = 5, 10, 20, 50, 100);
-- the **fusion constant** of :func:`inferscale.keyword.fuse`, chosen on conversations 0-2
+- the **fusion constant** of :func:`inferscale.store.keyword.fuse`, chosen on conversations 0-2
   only (recall@10 for c in :data:`TUNE_C`); conversations 3-9 are reported as held out;
 - **search latency** (median of timed searches, query embedding included, the two modes
   alternating query by query) at one
@@ -28,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from inferscale.datasets.locomo import LocomoSample, load_locomo, store_conversation
-from inferscale.keyword import RRF_C, KeywordIndex, fuse
+from inferscale.store.keyword import RRF_C, KeywordIndex, fuse
 from inferscale.types import FactInput
 
 KS = (5, 10, 20, 50, 100)
@@ -54,7 +54,7 @@ def _conversation(memory, sample: LocomoSample, user: str) -> dict:
            "tune_recall_at_10": {c: [] for c in TUNE_C}}
     texts = [r["memory"] for r in records]
     keyword = KeywordIndex(texts)
-    facts = memory.embedder.encode(texts).numpy()
+    facts = memory.embed(texts).numpy()
     for qa in questions:
         for mode in MODES:
             ids = [r["id"] for r in memory.search(qa.question, user_id=user, limit=max(KS), mode=mode)["results"]]
@@ -62,7 +62,7 @@ def _conversation(memory, sample: LocomoSample, user: str) -> dict:
                 recall, hit = _recall(sample, ids[:k], qa.evidence, by_id)
                 out["recall"][mode][k].append(recall)
                 out["hit"][mode][k].append(hit)
-        dense = facts @ memory.embedder.encode([qa.question])[0].numpy()
+        dense = facts @ memory.embed([qa.question])[0].numpy()
         scores = keyword.scores(qa.question)
         for c in TUNE_C:
             top = fuse(dense, scores, 10, c)

@@ -44,7 +44,7 @@ from inferscale.bench.plots import plot_throughput
 from inferscale.bench.throughput import PAGED_CACHE_BYTES, level_settings, store_users, user_plan
 from inferscale.datasets.locomo import load_locomo
 from inferscale.memory import Memory
-from inferscale.server.vllm_process import free_port
+from inferscale.server.ports import free_port
 
 NAME = "serve"
 _KEY = "bench-serve"

@@ -30,8 +30,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from inferscale.store import FactRecord, FactStore, Scope
+from inferscale.store.chroma import FactStore
 
+
+from inferscale.store.records import FactRecord, Scope
 BIG_SCOPE = "synthetic-big"
 _FILTERS = {
     "topic == t3 (10%)": {"topic": "t3"},
@@ -65,7 +67,7 @@ for name, flt in json.loads(sys.argv[3]).items():
     out[f"filtered search big scope, {name} ms"] = statistics.median(
         timed(user_id=sys.argv[2], filters=flt) for _ in range(30)) * 1000
 out["rss_end_bytes"] = rss()
-out["facts"] = mem.store.count()
+out["facts"] = mem.components.store.count()
 print("RESULT " + json.dumps(out))
 """
 

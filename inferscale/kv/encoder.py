@@ -19,25 +19,10 @@ from typing import Sequence
 
 import torch
 
+from inferscale.devices import best_device, torch_dtype
 from inferscale.kv.pool import FactKV
 from inferscale.models import MODEL_LOADS
 from inferscale.kv.rope import RopeRotator
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; raises ``ValueError`` for unknown names."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}: use one of {sorted(_DTYPES)}") from None
-
-
-def best_device() -> torch.device:
-    """``cuda`` when a CUDA GPU is present, else ``cpu``."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
 
 @dataclass(frozen=True)
 class EncodeItem:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from inferscale.sqlite import ThreadConnections
+from inferscale.store.sqlite import ThreadConnections
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv_jobs (

@@ -25,9 +25,10 @@ from inferscale.kv.encoder import EncodeItem, KVEncoder
 from inferscale.kv.jobs import KVJob, KVJobQueue
 from inferscale.kv.pool import KVPool, kv_key
 from inferscale.logs import quiet_progress_bars
-from inferscale.prompt import PromptBuilder
-from inferscale.store import FactRecord, FactStore, Scope
-from inferscale.turns import TurnLog
+from inferscale.generation.prompt import PREAMBLE_OWNER, PromptBuilder
+from inferscale.store.chroma import FactStore
+from inferscale.store.records import FactRecord, Scope
+from inferscale.store.turns import TurnLog
 
 
 #: Part of every KV key: entries of an older format (format 1 stored no token ids) are
@@ -129,7 +130,7 @@ class KVManager:
         template that renders the date)."""
         ids = self.prompts.preamble_ids
         if self._preamble is None or self._preamble.item.span_ids != ids:
-            key = kv_key("_preamble", fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, ids=_digest(ids))
+            key = kv_key(PREAMBLE_OWNER, fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, ids=_digest(ids))
             self._preamble = FactSpan(key, EncodeItem((), ids))
         return self._preamble
 

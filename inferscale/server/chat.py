@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inferscale.serve_path import MemoryBlock
-from inferscale.store import Scope
+from inferscale.generation.request import MemoryBlock
+from inferscale.store.records import Scope
 
 #: Most memories one chat request may ask for.
 MAX_K = 200

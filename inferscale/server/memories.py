@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from inferscale.server.chat import ChatRequestError, scope_id
+from inferscale.server.deps import MemoryDep
 
 
 class Message(BaseModel):
@@ -83,53 +84,53 @@ def _scope(user_id: str | None, agent_id: str | None, run_id: str | None) -> dic
 
 
 def router() -> APIRouter:
-    """The Mem0-style routes; the :class:`inferscale.Memory` is ``request.app.state.memory``."""
+    """The Mem0-style routes, over the app's :class:`inferscale.Memory` (:data:`~inferscale.server.deps.MemoryDep`)."""
     r = APIRouter(tags=["memories"])
 
     @r.post("/memories", summary="Add memories")
-    def add(body: MemoryCreate, request: Request) -> dict:
+    def add(body: MemoryCreate, memory: MemoryDep) -> dict:
         messages = body.messages if isinstance(body.messages, str) else [m.model_dump() for m in body.messages]
-        return request.app.state.memory.add(messages, metadata=body.metadata, infer=body.infer, **body.scope())
+        return memory.add(messages, metadata=body.metadata, infer=body.infer, **body.scope())
 
     @r.get("/memories", summary="Get all memories of a scope")
-    def get_all(request: Request, user_id: str | None = None, agent_id: str | None = None,
+    def get_all(memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,
                 run_id: str | None = None, limit: int = Query(default=100, ge=0, le=100_000)) -> dict:
-        return request.app.state.memory.get_all(limit=limit, **_scope(user_id, agent_id, run_id))
+        return memory.get_all(limit=limit, **_scope(user_id, agent_id, run_id))
 
     @r.get("/memories/{memory_id}", summary="Get a memory")
-    def get(memory_id: str, request: Request, user_id: str | None = None, agent_id: str | None = None,
+    def get(memory_id: str, memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,
             run_id: str | None = None) -> dict:
-        return request.app.state.memory.get(memory_id, **_scope(user_id, agent_id, run_id))
+        return memory.get(memory_id, **_scope(user_id, agent_id, run_id))
 
     @r.post("/search", summary="Search memories")
-    def search(body: SearchRequest, request: Request) -> dict:
-        return request.app.state.memory.search(body.query, limit=body.limit, top_k=body.top_k, threshold=body.threshold,
+    def search(body: SearchRequest, memory: MemoryDep) -> dict:
+        return memory.search(body.query, limit=body.limit, top_k=body.top_k, threshold=body.threshold,
                                                filters=body.filters, mode=body.mode, **body.scope())
 
     @r.put("/memories/{memory_id}", summary="Update a memory")
-    def update(memory_id: str, body: MemoryUpdate, request: Request, user_id: str | None = None,
+    def update(memory_id: str, body: MemoryUpdate, memory: MemoryDep, user_id: str | None = None,
                agent_id: str | None = None, run_id: str | None = None) -> dict:
-        return request.app.state.memory.update(memory_id, body.text, metadata=body.metadata,
+        return memory.update(memory_id, body.text, metadata=body.metadata,
                                                **_scope(user_id, agent_id, run_id))
 
     @r.get("/memories/{memory_id}/history", summary="Get a memory's history")
-    def history(memory_id: str, request: Request, user_id: str | None = None, agent_id: str | None = None,
+    def history(memory_id: str, memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,
                 run_id: str | None = None) -> list[dict]:
-        return request.app.state.memory.history(memory_id, **_scope(user_id, agent_id, run_id))
+        return memory.history(memory_id, **_scope(user_id, agent_id, run_id))
 
     @r.delete("/memories/{memory_id}", summary="Delete a memory")
-    def delete(memory_id: str, request: Request, user_id: str | None = None, agent_id: str | None = None,
+    def delete(memory_id: str, memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,
                run_id: str | None = None) -> dict:
-        return request.app.state.memory.delete(memory_id, **_scope(user_id, agent_id, run_id))
+        return memory.delete(memory_id, **_scope(user_id, agent_id, run_id))
 
     @r.delete("/memories", summary="Delete all memories of a scope")
-    def delete_all(request: Request, user_id: str | None = None, agent_id: str | None = None,
+    def delete_all(memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,
                    run_id: str | None = None) -> dict:
-        return request.app.state.memory.delete_all(**_scope(user_id, agent_id, run_id))
+        return memory.delete_all(**_scope(user_id, agent_id, run_id))
 
     @r.post("/reset", summary="Delete every memory, turn and KV of the store")
-    def reset(request: Request) -> dict:
-        request.app.state.memory.reset()
+    def reset(memory: MemoryDep) -> dict:
+        memory.reset()
         return {"message": "All memories reset"}
 
     return r

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,6 @@ from typing import Callable, Sequence
 import httpx
 
 from inferscale.server.ports import free_port
-from inferscale.serving.vllm_compat import engine_environment, openai_server_command
 
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
@@ -92,6 +90,8 @@ class VLLMProcess:
         self.port = port or free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
         self.api_key = api_key
+        from inferscale.serving.vllm_compat import openai_server_command  # imports vLLM: only where one starts
+
         self.command = openai_server_command(
             sys.executable, model_path, served_model_name=served_model_name, host=self.host, port=self.port,
             dtype=dtype, kv_dir=kv_dir, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -107,6 +107,8 @@ class VLLMProcess:
 
     def start(self) -> None:
         """Start the child (returns at once; :meth:`wait_ready` waits for it)."""
+        from inferscale.serving.vllm_compat import engine_environment
+
         env = {**os.environ, **engine_environment(verbose=True), **self.environment}  # its log keeps vLLM's output
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key

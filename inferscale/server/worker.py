@@ -7,7 +7,7 @@ settings from the ``INFERSCALE_*`` variables the parent set
 (:meth:`inferscale.config.MemoryConfig.environment`) and the vLLM servers to use from
 ``INFERSCALE_SERVE_WORKER`` (:class:`WorkerSpec`). The workers share the store through
 Chroma's server and the SQL database, and see each other's writes on their next read
-(the per-scope version, :mod:`inferscale.index`); the KV job queue in the data dir is
+(the per-scope version, :mod:`inferscale.store.index`); the KV job queue in the data dir is
 drained by all of them, each job by one (:mod:`inferscale.kv.jobs`).
 """
 

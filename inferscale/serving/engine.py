@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from inferscale.config import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
+from inferscale.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
 from inferscale.lifecycle import close_at_exit
 from inferscale.logs import quiet_vllm_logger
 from inferscale.kv.injection import injected_tokens

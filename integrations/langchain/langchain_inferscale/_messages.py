@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 
-from inferscale.sessions import SessionMessage
+from inferscale.integration import SessionMessage
 
 _ROLE_OF = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 _CLASS_OF = {"user": HumanMessage, "assistant": AIMessage, "system": SystemMessage}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field
 
 from inferscale import Memory
-from inferscale.options import PlainErrors, ScopeFields
+from inferscale.integration import PlainErrors, ScopeFields
 
 
 class MemoryScope(PlainErrors, ScopeFields):

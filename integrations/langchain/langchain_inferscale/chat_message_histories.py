@@ -8,7 +8,7 @@ from langchain_core.chat_history import BaseChatMessageHistory
 from langchain_core.messages import BaseMessage
 
 from inferscale import Memory
-from inferscale.sessions import ChatSessions
+from inferscale.integration import ChatSessions
 from langchain_inferscale._messages import from_session_message, to_session_message
 
 

@@ -22,7 +22,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from inferscale import Generation, GenerationOptions
-from inferscale.options import check_call_options
+from inferscale.integration import check_call_options
 from langchain_inferscale._messages import split_prompt
 from langchain_inferscale._scope import MemoryScope
 

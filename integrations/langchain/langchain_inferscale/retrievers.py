@@ -10,8 +10,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, field_validator
 
-from inferscale.checks import check_int
-from inferscale.filters import compile_filter
+from inferscale.integration import check_int, compile_filter
 from langchain_inferscale._scope import MemoryScope
 
 

@@ -81,7 +81,7 @@ def test_simple_chat_engine_over_the_chat_store_remembers_across_sessions(memory
     # was encoded (the question itself is stored in the same turn, so it may come as text)
     assert fact["id"] in counters["kv_memory_ids"]
     kv_lines = {r["id"]: r["memory"] for r in memory.get_all(user_id=user)["results"]}
-    assert counters["num_injected_tokens"] == len(memory.prompts.preamble_ids) + sum(
+    assert counters["num_injected_tokens"] == len(memory.components.prompts.preamble_ids) + sum(
         memory.fact_tokens(kv_lines[i]) for i in counters["kv_memory_ids"])
     assert counters["num_prefilled_tokens"] <= counters["num_prompt_tokens"] - counters["num_injected_tokens"]
     assert [m.content for m in store.get_messages("tuesday")] == [QUESTION, answer.response]

@@ -25,7 +25,7 @@ from llama_index.llms.inferscale.messages import split_prompt
 from pydantic import BaseModel, Field
 
 from inferscale import Generation, GenerationChunk, GenerationOptions, Memory
-from inferscale.options import ScopeFields, check_call_options
+from inferscale.integration import ScopeFields, check_call_options
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 
-from inferscale.sessions import SessionMessage
+from inferscale.integration import SessionMessage
 
 _ROLE_OF = {
     MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant",

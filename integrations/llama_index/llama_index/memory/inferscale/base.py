@@ -12,8 +12,7 @@ from llama_index.llms.inferscale.messages import to_session_message
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from inferscale import Memory
-from inferscale.options import PlainErrors
-from inferscale.sessions import ChatSessions
+from inferscale.integration import ChatSessions, PlainErrors
 
 #: Session id of messages flushed without one.
 DEFAULT_SESSION = "llama_index"

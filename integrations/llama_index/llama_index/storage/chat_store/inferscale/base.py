@@ -12,8 +12,7 @@ from llama_index.llms.inferscale.messages import from_session_message, to_sessio
 from pydantic import PrivateAttr
 
 from inferscale import Memory
-from inferscale.checks import check_int
-from inferscale.sessions import ChatSessions
+from inferscale.integration import ChatSessions, check_int
 
 
 class InferScaleChatStore(BaseChatStore):

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy import Column, Index, Integer, MetaData, String, Table, Text, delete, func, select, text
 
-from inferscale.sql import Database
+from inferscale.store.sql import Database
 
 _META = MetaData()
 HISTORY = Table(
@@ -53,7 +53,7 @@ class HistoryLog:
     """Append-only event log, shared by every process using the same database; thread-safe.
 
     Args:
-        db: the database (:class:`inferscale.sql.Database`); its ``history`` table is
+        db: the database (:class:`inferscale.store.sql.Database`); its ``history`` table is
             created when missing.
     """
 
@@ -85,7 +85,7 @@ class HistoryLog:
 
     def scope_lock(self, scope: str):
         """A lock on ``scope``'s memories shared by every process over this database
-        (:meth:`inferscale.sql.Database.scope_lock`): a write that checks for duplicates and
+        (:meth:`inferscale.store.sql.Database.scope_lock`): a write that checks for duplicates and
         then writes Chroma, the index and the history holds it from check to history."""
         return self.db.scope_lock(f"facts:{scope}")
 

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Callable, Sequence
 
+#: The owner of the prompt preamble's segment and KV key, beside the facts' ids.
+PREAMBLE_OWNER = "_preamble"
+
 _SENTINEL = "\u27e6INFERSCALE_MEMORY\u27e7"
 #: the date the encoding context's preamble is rendered at (any fixed day would do)
 CONTEXT_DATE = datetime(2024, 1, 1)
@@ -170,7 +173,7 @@ class PromptBuilder:
     def memory_segments(self, facts: Sequence[tuple[str, str]]) -> list[Segment]:
         """The memory block's segments: the preamble at 0, then one line per ``(fact_id, text)``
         in the order given, contiguous."""
-        segments, pos = [Segment("_preamble", 0, self.preamble_ids)], len(self.preamble_ids)
+        segments, pos = [Segment(PREAMBLE_OWNER, 0, self.preamble_ids)], len(self.preamble_ids)
         for fact_id, text in facts:
             line = self.fact_line_ids(text)
             segments.append(Segment(fact_id, pos, line))

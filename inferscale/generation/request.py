@@ -1,6 +1,6 @@
-"""The serve path: retrieval, prompt layout, KV readiness, and running the request.
+"""The request builder: retrieval, prompt layout, KV readiness, the injection plan, and running the request.
 
-:meth:`ServePath.prepare` turns a query into a :class:`PreparedRequest` (token ids, the
+:meth:`RequestBuilder.prepare` turns a query into a :class:`PreparedRequest` (token ids, the
 :class:`~inferscale.kv.injection.InjectionPlan` in inject mode, the retrieved facts);
 :func:`run` sends it to an engine and yields the answer as it grows. Both are typed:
 Mem0's result dicts are made by the facade (:class:`inferscale.Memory`) only.
@@ -17,12 +17,12 @@ from inferscale.checks import check_bool
 from inferscale.facts import FactService
 from inferscale.kv.injection import InjectionPlan
 from inferscale.kv.manager import KVManager
-from inferscale.options import GenerationOptions
-from inferscale.prompt import PromptBuilder, Segment
-from inferscale.store import FactRecord, Scope
-from inferscale.tools import call_schema, render_tool_calls, tool_instructions
-from inferscale.turns import TurnLog
-from inferscale.types import UnknownScopeError, require_text
+from inferscale.generation.options import GenerationOptions
+from inferscale.generation.prompt import PREAMBLE_OWNER, PromptBuilder, Segment
+from inferscale.store.records import FactRecord, Scope
+from inferscale.generation.tools import call_schema, parse_tool_calls, render_tool_calls, tool_instructions
+from inferscale.store.turns import TurnLog
+from inferscale.types import Generation, GenerationChunk, UnknownScopeError, require_text
 
 
 class EngineLike(Protocol):
@@ -75,7 +75,7 @@ def check_history(history: Sequence[dict] | None, what: str = "history") -> tupl
     """Validate conversation messages: ``{"role": "user" | "assistant" | "tool", "content": str}``
     dicts; an assistant message may instead (or also) carry ``"tool_calls"`` (``{"name",
     "arguments"}`` dicts, OpenAI's ``{"function": {...}}`` form too), rendered into its text
-    as :func:`inferscale.tools.render_tool_calls` writes them.
+    as :func:`inferscale.generation.tools.render_tool_calls` writes them.
 
     Returns:
         The messages as ``{"role", "content"}`` dicts, ready for the chat template.
@@ -135,7 +135,7 @@ def _tool_calls(calls: object, what: str) -> list[dict]:
     return out
 
 
-class ServePath:
+class RequestBuilder:
     """Builds requests for one memory store.
 
     Args:
@@ -204,7 +204,7 @@ class ServePath:
         unknown scope gets an empty block (a new user's first request).
 
         The plan assumes the rendered prompt starts with the preamble and fact lines as
-        :class:`~inferscale.prompt.PromptBuilder` tokenizes them; the connector verifies each
+        :class:`~inferscale.generation.prompt.PromptBuilder` tokenizes them; the connector verifies each
         segment's tokens against the prompt and prefills whatever does not match.
 
         Args:
@@ -240,7 +240,7 @@ class ServePath:
                 raise ValueError(f"the memory block of {len(ranked)} memories is {block} tokens, which leaves no room "
                                  f"in the context of {self.max_model_len} tokens: lower memory.k")
         if options.mode != "inject":
-            return _Selection(ranked, (), tuple(hits), retrieval, (), tuple(r.id for r in ranked))
+            return _Selection(ranked, {}, tuple(hits), retrieval, (), tuple(r.id for r in ranked))
         w = options.context_window
         preamble = self.kv.preamble_span()
         keys = self.kv.fact_keys(scope.key, ranked, w)
@@ -255,30 +255,64 @@ class ServePath:
         n_kv = sum(ready)
         if n_kv < len(ranked):
             self.kv.schedule(scope.key, ranked[n_kv:], w)
-        return _Selection(ranked, (preamble.key, *keys[:n_kv]), tuple(hits), retrieval,
+        kv_keys = {PREAMBLE_OWNER: preamble.key, **{r.id: key for r, key in zip(ranked[:n_kv], keys[:n_kv])}}
+        return _Selection(ranked, kv_keys, tuple(hits), retrieval,
                           tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]))
 
 
 @dataclass(frozen=True)
 class _Selection:
     """Retrieved facts in prompt order (stored KV first, then text; best-ranked last within
-    each) and, in inject mode, the keys of the preamble and the stored facts."""
+    each) and, in inject mode, the KV key of each injected segment by its owner (the
+    preamble's :data:`~inferscale.generation.prompt.PREAMBLE_OWNER`, then the stored facts' ids)."""
 
     ranked: list[FactRecord]
-    keys: tuple[str, ...]
+    kv_keys: dict[str, str]
     hits: tuple[tuple[FactRecord, float], ...]
     retrieval_s: float
     kv_ids: tuple[str, ...]
     text_ids: tuple[str, ...]
 
     def plan(self, segments: Sequence[Segment]) -> InjectionPlan:
-        """The injection of the preamble and the stored facts' lines, laid out as ``segments``."""
-        return InjectionPlan.of((key, seg.start, len(seg.token_ids)) for key, seg in zip(self.keys, segments))
+        """The injection of the preamble and the stored facts' lines, laid out as ``segments``
+        (:func:`plan_segments`)."""
+        return plan_segments(self.kv_keys, segments)
+
+
+def plan_segments(kv_keys: dict[str, str], segments: Sequence[Segment]) -> InjectionPlan:
+    """Pair each leading segment of a memory block with the KV of its own owner.
+
+    Each segment's key is looked up by the segment's owner (a fact id, or the preamble's
+    owner), never by position, and must name that owner (``"<owner>/<hash>"``); the injected
+    segments are the leading run of segments that have KV.
+
+    Args:
+        kv_keys: the KV key of every segment to inject, by owner.
+        segments: the memory block's segments in prompt order (``PromptBuilder.memory_segments``).
+
+    Raises:
+        ValueError: a key that names another owner, a segment with KV after one without
+            (injected KV must be a prefix of the prompt), or a key with no segment.
+    """
+    planned = []
+    for seg in segments:
+        key = kv_keys.get(seg.owner)
+        if key is None:
+            break
+        if key.split("/", 1)[0] != seg.owner:
+            raise ValueError(f"the KV key {key} does not belong to segment {seg.owner}: the plan would inject "
+                             "another memory's KV")
+        planned.append((key, seg.start, len(seg.token_ids)))
+    late = [seg.owner for seg in segments[len(planned):] if seg.owner in kv_keys]
+    if late or len(planned) != len(kv_keys):
+        raise ValueError(f"the memory block does not lead with its KV segments (owners {late or sorted(kv_keys)}): "
+                         "segments with KV must come first, preamble at 0")
+    return InjectionPlan.of(planned)
 
 
 @dataclass(frozen=True)
 class MemoryBlock:
-    """A chat request's memory: see :meth:`ServePath.prepare_memory_block`.
+    """A chat request's memory: see :meth:`RequestBuilder.prepare_memory_block`.
 
     Attributes:
         system_text: the system turn's text (system prompt, memories, the client's instructions).
@@ -323,3 +357,22 @@ def run(engine: EngineLike, request: PreparedRequest) -> Iterator[ServedChunk]:
         emitted += delta
         if chunk.output is not None or delta:
             yield ServedChunk(delta, visible, chunk.output)
+
+
+def generation_chunks(engine: EngineLike, request: PreparedRequest) -> Iterator[GenerationChunk]:
+    """:func:`run`, as the facade's chunks: each delta, and on the last chunk the whole
+    :class:`~inferscale.types.Generation` (timings, token counts, memories as Mem0 items,
+    which came as KV, parsed tool calls)."""
+    memories = [r.to_item(s) for r, s in request.hits]
+    for piece in run(engine, request):
+        out = piece.output
+        yield GenerationChunk(piece.delta, None if out is None else Generation(
+            text=piece.text, mode=request.options.mode, ttft_s=out.ttft_s, latency_s=out.latency_s,
+            retrieval_s=request.retrieval_s, num_prompt_tokens=out.num_prompt_tokens,
+            num_injected_tokens=out.num_injected_tokens,
+            num_prefilled_tokens=out.num_prompt_tokens - out.num_cached_tokens, memories=memories,
+            first_logprobs=out.first_logprobs, num_generated_tokens=out.num_output_tokens,
+            kv_memory_ids=list(request.kv_memory_ids), text_memory_ids=list(request.text_memory_ids),
+            tool_calls=[c.to_dict() for c in parse_tool_calls(piece.text, request.options.offered_tools())],
+            finish_reason=out.finish_reason,
+        ))

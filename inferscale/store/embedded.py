@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 
 from inferscale.checks import first_line
-from inferscale.store import _COLLECTION, ChromaServer, FactStore, StoreError
+from inferscale.store.chroma import _COLLECTION, ChromaServer, FactStore
+from inferscale.store.records import StoreError
 
 #: The data dir's manifest (schema version, embedder; where its memories moved).
 MANIFEST = "inferscale.json"

@@ -1,5 +1,5 @@
 """The conversation log: every raw turn of every scope, in order (SQL: a SQLite file in the
-data dir by default, or the ``database_url`` database, :mod:`inferscale.sql`).
+data dir by default, or the ``database_url`` database, :mod:`inferscale.store.sql`).
 
 Context-Window Encoding reads it: a fact's context is the w turns that precede its
 source turn in its scope. Turn ids are unique within a scope; given ones (LoCoMo's
@@ -17,7 +17,7 @@ from sqlalchemy import (Column, Integer, MetaData, PrimaryKeyConstraint, String,
                         delete, func, select)
 from sqlalchemy.exc import IntegrityError
 
-from inferscale.sql import Database, upsert_increment
+from inferscale.store.sql import Database, upsert_increment
 
 _META = MetaData()
 TURNS = Table(
@@ -64,7 +64,7 @@ class TurnLog:
     """Append-only per-scope turn log, shared by every process using the same database.
 
     Args:
-        db: the database (:class:`inferscale.sql.Database`); its ``turns`` and
+        db: the database (:class:`inferscale.store.sql.Database`); its ``turns`` and
             ``scope_versions`` tables are created when missing.
 
     Thread-safe.

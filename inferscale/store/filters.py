@@ -199,7 +199,7 @@ def compile_filter(filters: dict | None, _depth: int = 0) -> Filter:
 
     Returns:
         a :class:`Filter` over memories' filter fields (their metadata plus ``created_at`` /
-        ``updated_at``, :meth:`inferscale.store.FactRecord.filter_fields`), evaluated on a
+        ``updated_at``, :meth:`inferscale.store.records.FactRecord.filter_fields`), evaluated on a
         whole index partition by ``filter.mask(...)``.
 
     Raises:

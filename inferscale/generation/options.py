@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from inferscale.checks import MAX_CONTEXT_WINDOW
-from inferscale.tools import check_tools, chosen_tool
+from inferscale.generation.tools import check_tools, chosen_tool
 
 #: Most top logprobs a request may ask for (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
@@ -74,7 +74,7 @@ class GenerationOptions(PlainErrors, BaseModel):
         json_schema: constrain the answer to JSON valid for this JSON Schema (vLLM's
             structured outputs; ``{"type": "object"}`` for any JSON object).
         tools: tools the model may call, in OpenAI's function format
-            (:mod:`inferscale.tools`); described in the system turn after the memory block.
+            (:mod:`inferscale.generation.tools`); described in the system turn after the memory block.
         tool_choice: ``"auto"`` (default: the model decides), ``"none"``, ``"required"`` /
             ``"any"`` (a call is forced by constrained decoding), a tool's name, or OpenAI's
             ``{"type": "function", "function": {"name": ...}}``.

@@ -4,7 +4,7 @@ Each scope owns a partition: a ``[capacity, dim]`` float32 tensor of L2-normalis
 embeddings on the best device (CUDA when present, else CPU), grown by doubling, beside
 the scope's records and their filter fields. A query is one matrix-vector product over
 its scope's rows only, so one scope can never see another scope's facts; a metadata
-filter is a mask over the partition's rows (:func:`inferscale.filters.compile_filter`),
+filter is a mask over the partition's rows (:func:`inferscale.store.filters.compile_filter`),
 never a listing of the store.
 
 Partitions are loaded from Chroma, the system of record, on a scope's first use (the
@@ -14,7 +14,7 @@ after, so a load racing a write can neither lose nor duplicate it (rows are keye
 
 Processes sharing a store (API workers over a Chroma server) see each other's writes at
 once: every read first compares its partition's version with the scope's (the newest
-history event, :meth:`inferscale.history.HistoryLog.scope_version`). When it moved, the
+history event, :meth:`inferscale.store.history.HistoryLog.scope_version`). When it moved, the
 partition catches up on the memories written since (``changes``: their ids from the
 history; ``fetch``: those rows from Chroma), so a search after another worker's add costs
 one more small query, not a reload of the whole scope; a reset, or more changes than half
@@ -30,9 +30,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from inferscale.filters import MISSING, Filter
-from inferscale.keyword import KeywordIndex, fuse
-from inferscale.store import FactRecord
+from inferscale.store.filters import MISSING, Filter
+from inferscale.store.keyword import KeywordIndex, fuse
+from inferscale.store.records import FactRecord
 
 Loader = Callable[[str], "tuple[list[FactRecord], object]"]
 Changes = Callable[[str, int, int], "tuple[int, list[str]] | None"]
@@ -78,13 +78,13 @@ class VectorIndex:
     Args:
         device: where the embeddings live.
         loader: ``loader(scope_key) -> (records, embeddings [n, dim])``, the scope's stored
-            facts (:meth:`inferscale.store.FactStore.load_scope`); ``None``: scopes start empty.
+            facts (:meth:`inferscale.store.chroma.FactStore.load_scope`); ``None``: scopes start empty.
         versioner: ``versioner(scope_key) -> version`` of the scope's memories in the
             store shared with other processes; ``None``: only this process writes.
         changes: ``changes(scope_key, version, limit) -> (version now, ids written since)``
-            or ``None`` to reload (:meth:`inferscale.history.HistoryLog.changes_since`).
+            or ``None`` to reload (:meth:`inferscale.store.history.HistoryLog.changes_since`).
         fetch: ``fetch(scope_key, ids) -> (records, embeddings [n, dim])`` of those ids
-            still in the scope (:meth:`inferscale.store.FactStore.fetch`). Without
+            still in the scope (:meth:`inferscale.store.chroma.FactStore.fetch`). Without
             ``changes`` and ``fetch`` a moved version reloads the partition.
 
     Thread-safe: one lock per partition, so a slow first load of one scope does not
@@ -298,7 +298,7 @@ class VectorIndex:
             where: when given, only records whose filter fields satisfy it can be returned;
                 it is evaluated as a mask over the partition's columns.
             keyword_query: the query's text: rank by the fusion of cosine and BM25 over it
-                (:func:`inferscale.keyword.fuse`) instead of by cosine alone; the pairs
+                (:func:`inferscale.store.keyword.fuse`) instead of by cosine alone; the pairs
                 still carry the cosine.
         """
         part = self._partition(scope)

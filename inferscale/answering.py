@@ -1,0 +1,266 @@
+"""Memory's answering half: requests with memory on the vLLM engine, and the KV behind them.
+
+:class:`Answering` is a base of :class:`inferscale.memory.Memory` (the Mem0-style writes
+and reads live there): the engine, generation options, :meth:`~Answering.prepare` /
+:meth:`~Answering.inject` / :meth:`~Answering.memory_block` (requests built, not run),
+:meth:`~Answering.generate` / :meth:`~Answering.stream` (run on the engine), and the KV
+queue and pool as the benchmarks and the reference path read them. It uses the facade's
+``components``, ``config``, ``model_path``, ``kv_dir`` and ``_check_open``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator, Sequence
+
+from inferscale.arguments import check_timeout
+from inferscale.components import Components
+from inferscale.config import MemoryConfig
+from inferscale.kv.pool import FactKV
+from inferscale.kv.reference import ReferenceModel
+from inferscale.generation.options import GenerationOptions
+from inferscale.generation.request import MemoryBlock, PreparedRequest, generation_chunks
+from inferscale.store.records import Scope
+from inferscale.types import Generation, GenerationChunk, Injection, require_text
+
+CLOSED = "this Memory was closed: open a new Memory(...) over the same data_dir"
+
+
+class Answering:
+    """The answering half of :class:`~inferscale.memory.Memory` (not used on its own)."""
+
+    components: Components
+    config: MemoryConfig
+    _engine: Any
+    _engine_lock: threading.Lock
+    _closed: bool
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(CLOSED)
+
+    # ------------------------------------------------------------------ KV
+
+    def wait_for_kv(self, timeout: float | None = None) -> bool:
+        """Block until the background encoder has encoded every queued KV (writes return
+        before their KV exists: see :meth:`add`).
+
+        Args:
+            timeout: most seconds to wait (``None``: no limit).
+
+        Returns:
+            ``True`` when nothing is pending, ``False`` if ``timeout`` passed first (or at
+            once when this memory was closed: the queued encodes wait for the next start).
+
+        Raises:
+            TypeError / ValueError: ``timeout`` is not ``None`` or a finite number >= 0.
+        """
+        return self.components.kv.wait(check_timeout(timeout))
+
+    def pending_kv(self) -> int:
+        """How many ``(memory, context window)`` KV encodings are queued."""
+        return self.components.kv.pending()
+
+    def fact_tokens(self, text: str) -> int:
+        """Tokens a memory with this text occupies in a prompt (its ``"- <text>\\n"`` line)."""
+        self._check_open()
+        return self.components.kv.fact_tokens(require_text(text, "text"))
+
+    def check_fact_length(self, text: str, what: str = "fact") -> None:
+        """Refuse a fact longer than ``config.max_fact_tokens`` (raises ``ValueError`` with the fix)."""
+        self._check_open()
+        self.components.facts.check_length(require_text(text, what), what)
+
+    def kv_footprint(self) -> dict[str, int]:
+        """Bytes of fact KV held by this process's pool: ``{"device": ..., "disk": ...}``."""
+        self._check_open()
+        return self.components.pool.footprint()
+
+    def encode_preamble(self) -> None:
+        """Encode the prompt preamble's KV now (it is otherwise encoded with the first fact)."""
+        self._check_open()
+        self.components.kv.ensure([self.components.kv.preamble_span()])
+
+    def injected_kv(self, injection: Injection) -> list[tuple[int, FactKV]]:
+        """The KV an injection supplies, as ``(start position, FactKV)`` per segment, for the
+        transformers reference path (:class:`~inferscale.kv.reference.ReferenceModel`).
+
+        Raises:
+            TypeError: ``injection`` is not what :meth:`inject` returned.
+            ValueError: a text-mode injection (no plan), or a segment no longer in the pool.
+        """
+        self._check_open()
+        if not isinstance(injection, Injection):
+            raise TypeError(f"injection must be what Memory.inject returns, got {type(injection).__name__}")
+        if injection.plan is None:
+            raise ValueError("a text-mode request injects no KV")
+        out = []
+        for seg in injection.plan.segments:
+            kv = self.components.pool.get(seg.key)
+            if kv is None:
+                raise ValueError(f"KV {seg.key} is no longer in the pool (its memory changed): prepare the request again")
+            out.append((seg.start, kv))
+        return out
+
+    def reference_model(self) -> ReferenceModel:
+        """The transformers reference path over this memory's KV encoder (loaded on first use)."""
+        self._check_open()
+        return ReferenceModel(self.components.kv.encoder)
+
+    # ------------------------------------------------------------------ serving
+
+    @property
+    def engine(self):
+        """The vLLM engine with InferScale's connector (:class:`~inferscale.serving.engine.Engine`,
+        started on first use; stopped by :meth:`close`).
+
+        Raises:
+            RuntimeError: this memory was closed.
+        """
+        with self._engine_lock:
+            if self._closed:
+                raise RuntimeError(CLOSED)
+            if self._engine is None:
+                from inferscale.serving.engine import Engine
+
+                self._engine = Engine(
+                    self.model_path, dtype=self.config.resolved_dtype, kv_dir=self.kv_dir,
+                    max_model_len=self.config.max_model_len, kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
+                    device_budget_bytes=self.config.device_kv_budget_bytes, verbose=self.config.verbose,
+                )
+            return self._engine
+
+    def options(self, options: GenerationOptions | None = None, **overrides: Any) -> GenerationOptions:
+        """Generation options with ``overrides`` applied and ``k`` / ``context_window`` resolved
+        to this memory's defaults (``config.top_k`` / ``config.context_window``).
+
+        Raises:
+            TypeError: an override is not an option. ValueError: a bad value.
+        """
+        if options is not None and not isinstance(options, GenerationOptions):
+            raise TypeError(f"options must be a GenerationOptions, got {type(options).__name__}: pass fields as "
+                            "keyword arguments (k=5) or options=GenerationOptions(k=5)")
+        o = (options or GenerationOptions()).merged(**overrides)
+        return o.merged(k=self.config.top_k if o.k is None else o.k,
+                        context_window=self.config.context_window if o.context_window is None else o.context_window)
+
+    def _prepare(self, query: str, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
+                 options: GenerationOptions | None, followup, overrides: dict) -> PreparedRequest:
+        self._check_open()
+        o = self.options(options, **overrides)
+        return self.components.requests.prepare(Scope.of(user_id, agent_id, run_id), query, o, history=history,
+                                             instructions=instructions, allow_unknown_scope=allow_unknown_scope,
+                                             followup=followup)
+
+    def prepare(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
+                run_id: str | None = None, history: Sequence[dict] | None = None, instructions: str | None = None,
+                allow_unknown_scope: bool = False, options: GenerationOptions | None = None,
+                followup: Sequence[dict] | None = None, **overrides: Any) -> Injection:
+        """Retrieve and lay out one request without running it, in either mode (arguments as
+        :meth:`generate`).
+
+        In ``mode="inject"`` any missing KV is encoded first, so the request never falls
+        back; in ``mode="text"`` the result has no ``plan`` and no ``kv_transfer_params``.
+        """
+        req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope, options,
+                            followup, overrides)
+        return Injection(prompt_token_ids=req.prompt_token_ids, plan=req.plan,
+                         memories=[r.to_item(s) for r, s in req.hits], memory_tokens=req.memory_tokens,
+                         retrieval_s=req.retrieval_s, kv_memory_ids=list(req.kv_memory_ids),
+                         text_memory_ids=list(req.text_memory_ids))
+
+    def inject(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
+               run_id: str | None = None, k: int | None = None, context_window: int | None = None,
+               wait_for_kv: bool = False) -> Injection:
+        """Retrieve the scope's top-``k`` facts and prepare one vLLM request that injects their KV.
+
+        Facts whose KV is not encoded yet are placed as text after the injected ones (see
+        ``kv_memory_ids`` / ``text_memory_ids``) and queued for the background encoder.
+
+        Args:
+            k: facts to retrieve (default ``config.top_k``).
+            context_window: w, in turns (default ``config.context_window``).
+            wait_for_kv: encode missing KV first, so every fact is injected.
+
+        Raises:
+            UnknownScopeError: the scope has no memories and no turns.
+            ValueError: empty query, negative k or w.
+        """
+        return self.prepare(query, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k,
+                            context_window=context_window, mode="inject", max_tokens=1, wait_for_kv=wait_for_kv)
+
+    def memory_block(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
+                     run_id: str | None = None, instructions: str | None = None, **overrides: Any) -> MemoryBlock:
+        """The memory block of a chat whose template someone else applies (vLLM's chat
+        endpoint, ``inferscale serve``): the system turn's text and, in inject mode, the plan
+        (:meth:`~inferscale.generation.request.RequestBuilder.prepare_memory_block`). An unknown scope gets
+        an empty block. ``overrides``: ``mode``, ``k``, ``context_window``, ``wait_for_kv``.
+
+        Raises:
+            TypeError / ValueError: a bad option, an empty query or instructions.
+        """
+        scope = self._scope(user_id, agent_id, run_id)
+        return self.components.requests.prepare_memory_block(scope, query, self.options(**overrides),
+                                                          instructions=instructions)
+
+    def generate(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
+                 run_id: str | None = None, history: Sequence[dict] | None = None, instructions: str | None = None,
+                 allow_unknown_scope: bool = False, options: GenerationOptions | None = None,
+                 followup: Sequence[dict] | None = None, **overrides: Any) -> Generation:
+        """Answer ``query`` with the scope's memory.
+
+        Thread-safe: calls from several threads run concurrently and vLLM batches them.
+
+        Args:
+            history: earlier turns of the current conversation, ``{"role": "user" |
+                "assistant" | "tool", "content"}`` dicts, oldest first (an assistant turn may
+                carry ``"tool_calls"``); they are prefilled after the memory block, before ``query``.
+            followup: turns after ``query``, as ``history``: the assistant's tool calls and
+                the tools' results, when the model answers a question after calling tools.
+            instructions: extra system text, placed after the memory block.
+            allow_unknown_scope: answer a scope with no memories and no turns (a new user)
+                without memories instead of raising ``UnknownScopeError``.
+            options: a :class:`~inferscale.generation.options.GenerationOptions`.
+            **overrides: its fields one by one: ``k``, ``context_window``, ``mode``
+                (``"inject"``: the memory block as precomputed KV; ``"text"``: the same
+                tokens prefilled, Mem0-style), ``max_tokens`` (default 64), ``temperature``
+                (0 is greedy), ``stop``, ``logprobs``, ``json_schema`` (constrained decoding),
+                ``tools`` and ``tool_choice`` (:mod:`inferscale.generation.tools`; the calls come back
+                in ``Generation.tool_calls``).
+
+        Raises:
+            UnknownScopeError: the scope has no memories and no turns.
+            TypeError: an unknown option. ValueError: a bad option value, an empty query, a
+                bad history, or a prompt over ``max_model_len``.
+        """
+        for chunk in self.stream(query, user_id=user_id, agent_id=agent_id, run_id=run_id, history=history,
+                                 instructions=instructions, allow_unknown_scope=allow_unknown_scope, options=options,
+                                 followup=followup, **overrides):
+            if chunk.generation is not None:
+                return chunk.generation
+        raise RuntimeError("the stream ended without a generation")
+
+    def stream(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
+               run_id: str | None = None, history: Sequence[dict] | None = None, instructions: str | None = None,
+               allow_unknown_scope: bool = False, options: GenerationOptions | None = None,
+               followup: Sequence[dict] | None = None, **overrides: Any) -> Iterator[GenerationChunk]:
+        """:meth:`generate`, streamed: the same request, its text yielded as the engine produces it.
+
+        Retrieval, input checks and KV encoding happen in this call (errors are raised
+        here); the iterator runs the request. Closing it early aborts the request.
+
+        Returns:
+            An iterator of :class:`GenerationChunk`; their texts joined are the answer, and
+            the last one carries the :class:`Generation` with its timings and counters.
+
+        Example:
+            >>> for chunk in m.stream("Suggest a snack for me.", user_id="alice"):
+            ...     print(chunk.text, end="")
+        """
+        req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope, options,
+                            followup, overrides)
+        if req.json_schema is not None:  # refused here, not when the iterator first runs
+            from inferscale.serving.vllm_compat import check_json_schema  # no engine needed: refused before one starts
+
+            check_json_schema(req.json_schema)
+        return generation_chunks(self.engine, req)

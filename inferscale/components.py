@@ -1,0 +1,184 @@
+"""Opening a data dir: every component of one memory store, wired in one place.
+
+:func:`open_components` resolves the models, checks the data dir, opens the stores (Chroma,
+the turn log, the history, the KV job queue, the KV pool) and builds the services over
+them (embedder, index, KV manager, fact service, request builder), in dependency order,
+and returns them as one typed :class:`Components`. :class:`~inferscale.memory.Memory` is
+the Mem0-style facade over that bundle; tests and tools that need a component read it
+from ``memory.components``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inferscale.checks import first_line
+from inferscale.config import MemoryConfig
+from inferscale.store.embedded import MANIFEST, embedded_count, hidden_memories_message, moved_message
+from inferscale.embedding import Embedder
+from inferscale.facts import FactService
+from inferscale.store.history import HistoryLog
+from inferscale.store.index import VectorIndex
+from inferscale.devices import best_device
+from inferscale.kv.jobs import KVJobQueue
+from inferscale.kv.manager import KVManager
+from inferscale.kv.pool import KVPool
+from inferscale.models import model_fingerprint, resolve_embedder, resolve_llm
+from inferscale.generation.prompt import PromptBuilder
+from inferscale.generation.request import RequestBuilder
+from inferscale.store.sql import Database
+from inferscale.store.chroma import FactStore
+from inferscale.store.records import SCHEMA_VERSION, StoreError
+from inferscale.store.turns import TurnLog
+
+@dataclass(frozen=True)
+class Components:
+    """Everything one memory store is made of, opened over one data dir.
+
+    Attributes:
+        config: the settings it was opened with.
+        model_path: the served LLM's local folder. tokenizer: its tokenizer.
+        prompts: the prompt layout around the memory block.
+        device: where the index and the KV pool's device tier live.
+        kv_dir: the KV pool's disk folder (``<data_dir>/kv``; vLLM's connector reads it).
+        store: Chroma, the system of record. turns: the conversation log.
+        history_log: ADD / UPDATE / DELETE events. kv_jobs: the durable KV encode queue.
+        pool: fact KV (device LRU tier over safetensors files).
+        embedder: query and fact embeddings. index: exact top-k per scope.
+        kv: Context-Window Encoding, KV naming and the background encoder.
+        facts: ordered, locked writes and reads of facts.
+        requests: retrieval, prompt layout and the injection plan of one request.
+    """
+
+    config: MemoryConfig
+    model_path: Path
+    tokenizer: Any
+    prompts: PromptBuilder
+    device: torch.device
+    kv_dir: Path
+    store: FactStore
+    turns: TurnLog
+    history_log: HistoryLog
+    kv_jobs: KVJobQueue
+    pool: KVPool
+    embedder: Embedder
+    index: VectorIndex
+    kv: KVManager
+    facts: FactService
+    requests: RequestBuilder
+
+
+def resolve_models(config: MemoryConfig) -> tuple[Path, Path | str, Any]:
+    """The LLM's folder, the embedder's source and the LLM's tokenizer; touches no data dir.
+
+    Raises:
+        inferscale.models.ModelNotFoundError: the LLM or embedder cannot be found.
+    """
+    from transformers import AutoTokenizer
+
+    model_path = resolve_llm(config.llm)
+    embedder_source = resolve_embedder(config.embedder)
+    return model_path, embedder_source, AutoTokenizer.from_pretrained(str(model_path))
+
+
+def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] | None = None) -> Components:
+    """Open the store in ``config.data_dir`` (created when missing) and wire its components.
+
+    Args:
+        config: the settings.
+        models: what :func:`resolve_models` returned, when the caller resolved them first.
+
+    Raises:
+        inferscale.models.ModelNotFoundError: the LLM or embedder cannot be found.
+        inferscale.store.records.StoreError: the data dir cannot be used (unwritable, written by a
+            newer version or with another embedder, damaged), the database or the Chroma
+            server cannot be reached, or ``chroma_url`` would hide the embedded store's memories.
+    """
+    model_path, embedder_source, tokenizer = models or resolve_models(config)
+    prompts = PromptBuilder(tokenizer, config.system_prompt)  # before the data dir: a failure writes nothing
+    data = config.data_dir
+    manifest = check_data_dir(data, config.embedder, config.chroma_url)
+    if config.chroma_url is not None and not config.hide_embedded_memories:
+        hidden = embedded_count(data)  # memories the server would hide: refused, never silently
+        if hidden:
+            raise StoreError(hidden_memories_message(data, hidden, config.chroma_url))
+    device = best_device()
+    kv_dir = data / "kv"
+    try:
+        store = FactStore(data / "chroma", config.chroma_server())
+        turns, history_log = _logs(config)
+        kv_jobs = KVJobQueue(data / "kv_jobs.sqlite")
+        pool = KVPool.shared(kv_dir, device, config.device_kv_budget_bytes)
+    except (StoreError, ImportError):
+        raise
+    except Exception as exc:  # sqlite, chromadb and OS errors on a damaged store
+        raise StoreError(f"cannot open the store at {data} ({type(exc).__name__}: {exc}): move the damaged "
+                         "file aside or choose another data_dir") from exc
+    if manifest is not None:
+        (data / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    embedder = Embedder(config.embedder, device, source=embedder_source, backend=config.embedder_backend)
+    # partitions load on first use, and catch up on (or reload after) other processes' writes
+    index = VectorIndex(device, loader=store.load_scope, versioner=history_log.scope_version,
+                        changes=history_log.changes_since, fetch=store.fetch)
+    kv = KVManager(model_path, model_fingerprint(model_path), config.resolved_dtype, prompts, pool, turns,
+                   config.encode_batch_tokens, config.max_model_len, jobs=kv_jobs, store=store, verbose=config.verbose)
+    facts = FactService(store, index, embedder, kv, history_log, config.context_window, config.precompute_kv,
+                        config.max_fact_tokens, config.search_mode)
+    requests = RequestBuilder(facts, prompts, kv, turns, config.max_model_len)
+    return Components(config=config, model_path=model_path, tokenizer=tokenizer, prompts=prompts, device=device,
+                      kv_dir=kv_dir, store=store, turns=turns, history_log=history_log, kv_jobs=kv_jobs, pool=pool,
+                      embedder=embedder, index=index, kv=kv, facts=facts, requests=requests)
+
+
+def _logs(config: MemoryConfig) -> tuple[TurnLog, HistoryLog]:
+    """The turn log and the history: two SQLite files in the data dir, or one shared database."""
+    if config.database_url is None:
+        return (TurnLog(Database.sqlite_file(config.data_dir / "turns.sqlite")),
+                HistoryLog(Database.sqlite_file(config.data_dir / "history.sqlite")))
+    shared = Database(config.database_url)
+    try:
+        return TurnLog(shared), HistoryLog(shared)
+    except Exception as exc:  # noqa: BLE001 - sqlalchemy.exc.OperationalError and kin
+        raise StoreError(f"cannot use the database at {shared.describe()} ({first_line(exc)}): check "
+                         "database_url and that the server is running") from None
+
+
+def check_data_dir(data: Path, embedder: str, chroma_url: str | None = None) -> dict | None:
+    """Create the data dir, check it is writable and check its manifest (schema version,
+    embedder; a data dir whose memories moved to a Chroma server is opened with it only).
+    Returns the manifest to write once the store opened, or ``None`` if one exists.
+
+    Raises:
+        inferscale.store.records.StoreError: unwritable, not JSON, a newer schema, another
+            embedder, or memories moved to a server and no ``chroma_url``.
+    """
+    try:
+        data.mkdir(parents=True, exist_ok=True)
+        probe = data / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise StoreError(f"cannot use data_dir {data}: {exc}. Choose a writable folder.") from exc
+    path = data / MANIFEST
+    manifest = {"schema_version": SCHEMA_VERSION, "embedder": embedder}
+    if not path.exists():
+        return manifest
+    try:
+        found = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise StoreError(f"{path} is not valid JSON ({exc}); it is InferScale's store manifest") from exc
+    if found.get("schema_version", 0) > SCHEMA_VERSION:
+        raise StoreError(f"the store at {data} has schema version {found['schema_version']}, newer than this "
+                         f"InferScale's {SCHEMA_VERSION}: upgrade inferscale to open it")
+    moved = moved_message(data, found) if chroma_url is None else None
+    if moved:  # its memories are on a server: the empty embedded store would hide them
+        raise StoreError(moved)
+    if found.get("embedder") != embedder:
+        raise StoreError(f"the store at {data} was built with embedder {found.get('embedder')!r}, not "
+                         f"{embedder!r}: open it with embedder={found.get('embedder')!r} or use another data_dir")
+    return None

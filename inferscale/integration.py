@@ -1,0 +1,27 @@
+"""What the framework adapters build on, beside the public names of :mod:`inferscale`.
+
+``langchain-inferscale`` and ``llama-index-inferscale`` (``integrations/``) import only
+``inferscale`` and this module, and depend on ``inferscale>=0.1,<0.2``: these names keep
+their meaning within 0.1.x (:data:`INTEGRATION_API` counts breaking changes).
+
+- :class:`ChatSessions`, :class:`SessionMessage`: chat sessions as tagged turns of a scope.
+- :class:`ScopeFields`, :class:`PlainErrors`, :func:`check_call_options`: the adapters'
+  pydantic fields (``user_id`` / ``agent_id`` / ``run_id``, generation knobs) with
+  InferScale's one-line errors.
+- :func:`check_int`: the integer check every entry point uses (``TypeError`` /
+  ``ValueError``, one line).
+- :func:`compile_filter`: Mem0-style metadata filters as a predicate over a memory's metadata.
+"""
+
+from __future__ import annotations
+
+from inferscale.checks import check_int
+from inferscale.generation.options import PlainErrors, ScopeFields, check_call_options
+from inferscale.sessions import ChatSessions, SessionMessage
+from inferscale.store.filters import compile_filter
+
+#: Incremented when a name here changes meaning; the adapters pin the 0.1 series.
+INTEGRATION_API = 1
+
+__all__ = ["INTEGRATION_API", "ChatSessions", "PlainErrors", "ScopeFields", "SessionMessage", "check_call_options",
+           "check_int", "compile_filter"]

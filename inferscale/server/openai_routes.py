@@ -1,0 +1,178 @@
+"""The OpenAI routes of the front: chat with memory, and vLLM's own routes passed through.
+
+``POST /v1/chat/completions`` retrieves the scope's memory (:mod:`inferscale.server.chat`),
+puts the memory system turn in front of the client's messages and forwards the request to
+the scope's vLLM replica with the injection plan; ``POST /v1/completions`` and
+``GET /v1/models`` are vLLM's, passed through. Every chat or completion response carries
+``X-InferScale-Replica`` (the replica that answered).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from inferscale.kv.injection import injected_tokens
+from inferscale.memory import Memory
+from inferscale.server.chat import (
+    ChatPlan,
+    ChatRequestError,
+    MemoryOptions,
+    check_messages,
+    forward_body,
+    request_scope,
+    split_messages,
+)
+from inferscale.server.deps import MemoryDep, MetricsDep, UpstreamDep
+from inferscale.server.metrics import FrontMetrics
+from inferscale.server.upstream import Replicas
+
+
+def router() -> APIRouter:
+    """The OpenAI routes (their memory, replicas and counters come from the app's state)."""
+    r = APIRouter(tags=["openai"])
+
+    @r.get("/v1/models", summary="vLLM's models")
+    async def models(upstream: UpstreamDep) -> Response:
+        _, resp = await upstream.send("", "GET", "/v1/models")
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+
+    @r.post("/v1/completions", summary="vLLM's completions, without memory")
+    async def completions(request: Request, upstream: UpstreamDep, metrics: MetricsDep) -> Response:
+        body = await _json_body(request)
+        body = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "cache_salt")}
+        key = _route_key(body, request.headers)
+        return await _until_disconnected(request, _forward(upstream, key, "/v1/completions", body, None, metrics))
+
+    @r.post("/v1/chat/completions", summary="Chat with memory")
+    async def chat(request: Request, memory: MemoryDep, upstream: UpstreamDep, metrics: MetricsDep) -> Response:
+        body = await _json_body(request)
+        options = _memory_options(body.get("memory"))
+        messages = check_messages(body)
+        default_max_tokens = memory.config.default_max_tokens  # for chats that send no max_tokens
+        t0 = time.perf_counter()
+        if options.mode == "none":
+            plan = ChatPlan(forward_body(body, None, None, default_max_tokens), None, "none")
+            key = _route_key(body, request.headers)
+        else:
+            scope = request_scope(body, request.headers)
+            key = scope.key
+            instructions, rest, query = split_messages(messages)
+            block = await run_in_threadpool(_memory_block, memory, scope, query, options, instructions)
+            plan = ChatPlan(forward_body(body, block, rest, default_max_tokens), block, options.mode)
+        metrics.observe(plan, time.perf_counter() - t0)
+        if "model" not in plan.body:
+            plan.body["model"] = await upstream.model_name()
+        return await _until_disconnected(
+            request, _forward(upstream, key, "/v1/chat/completions", plan.body, plan, metrics))
+
+    return r
+
+
+def _route_key(body: dict, headers: Any) -> str:
+    """The replica routing key of a request without memory: its scope's key when it names
+    one (so a user's requests share a replica whatever their mode), else a fresh random key
+    (requests of nobody in particular spread over the replicas)."""
+    try:
+        return request_scope(body, headers).key
+    except ChatRequestError:
+        return os.urandom(8).hex()
+
+
+def _memory_options(value: Any) -> MemoryOptions:
+    try:
+        return MemoryOptions.model_validate({} if value is None else value)
+    except ValidationError as exc:
+        parts = ["memory.{}: {}".format(".".join(str(p) for p in e["loc"]), e["msg"]) if e["loc"] else e["msg"]
+                 for e in exc.errors()]
+        raise ChatRequestError("invalid 'memory' field: " + "; ".join(parts)) from None
+
+
+def _memory_block(memory: Memory, scope, query: str, options: MemoryOptions, instructions: str | None):
+    return memory.memory_block(query, **scope.as_dict(), instructions=instructions,
+                               mode="inject" if options.mode == "inject" else "text", k=options.k,
+                               context_window=options.context_window, wait_for_kv=options.wait_for_kv)
+
+
+def _no_constant(name: str):
+    raise ChatRequestError(f"the request body holds {name}, which is not JSON: send a number or null")
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ChatRequestError(f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ChatRequestError("the request body is nested too deeply to read: flatten it") from None
+    if not isinstance(body, dict):
+        raise ChatRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    if not isinstance(body.get("stream", False), bool):
+        raise ChatRequestError(f"'stream' must be true or false, got {body['stream']!r:.40}")
+    return body
+
+
+async def _until_disconnected(request: Request, work):
+    """Await ``work``; cancel it (closing the request to vLLM, which then aborts it) when the
+    client goes away first."""
+    import asyncio
+
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+
+async def _forward(upstream: Replicas, key: str, path: str, body: dict, plan: ChatPlan | None,
+                   metrics: FrontMetrics) -> Response:
+    """Send ``body`` to routing key ``key``'s vLLM replica; a streamed answer is relayed as it
+    comes, with the memory report in its first chunk; a whole one gets it as a ``memory``
+    field. Both carry it in ``X-InferScale-*`` headers too (clients that drop unknown body
+    fields, such as LangChain's ``ChatOpenAI``, can read those: ``include_response_headers=True``)."""
+    stream = bool(body.get("stream"))
+    replica, r = await upstream.send(key, "POST", path, json=body, stream=stream)
+    headers = {"x-inferscale-replica": str(replica.index)}
+    if plan is not None:
+        headers.update(plan.headers())
+    if not stream:
+        if r.status_code != 200 or plan is None:
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
+                            headers=headers)
+        out = r.json()
+        injected = injected_tokens(out.pop("kv_transfer_params", None))
+        metrics.injected.inc(injected)
+        out["memory"] = {**plan.report(injected), "replica": replica.index}
+        return JSONResponse(out, headers={**headers, "x-inferscale-injected-tokens": str(injected)})
+    resp = r
+    if resp.status_code != 200:
+        content = await resp.aread()
+        await resp.aclose()
+        return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"),
+                        headers=headers)
+
+    async def relay():
+        first = plan is not None
+        try:
+            async for line in resp.aiter_lines():
+                if first and line.startswith("data: {"):
+                    chunk = json.loads(line[len("data: "):])
+                    chunk["memory"] = {**plan.report(None), "replica": replica.index}
+                    line, first = "data: " + json.dumps(chunk), False
+                yield line + "\n"
+        finally:
+            await resp.aclose()
+
+    return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+

@@ -1,0 +1,125 @@
+"""What the store holds and says: scopes, fact records, the store's error and schema version.
+
+Plain data, no storage: every layer names a memory's owner (:class:`Scope`) and passes
+memories (:class:`FactRecord`) without importing Chroma.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+
+#: The layout of stored records; a store written by a newer version is refused.
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Who a memory belongs to; at least one field is set."""
+
+    user_id: str | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
+
+    @property
+    def key(self) -> str:
+        """A stable string for the scope, used as partition key everywhere."""
+        return json.dumps([self.user_id, self.agent_id, self.run_id])
+
+    @classmethod
+    def of(cls, user_id: str | None, agent_id: str | None, run_id: str | None) -> "Scope":
+        """Validate and build a scope.
+
+        Raises:
+            TypeError: a field is not a string.
+            ValueError: no field is given, or one is empty.
+        """
+        for name, value in (("user_id", user_id), ("agent_id", agent_id), ("run_id", run_id)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a string, got {type(value).__name__} {value!r}")
+            if value is not None and not value.strip():
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if not (user_id or agent_id or run_id):
+            raise ValueError("one of user_id, agent_id or run_id is required, e.g. memory.add(..., user_id='alice')")
+        return cls(user_id, agent_id, run_id)
+
+    @classmethod
+    def from_key(cls, key: str) -> "Scope":
+        """The scope whose :attr:`key` is ``key``."""
+        user_id, agent_id, run_id = json.loads(key)
+        return cls(user_id, agent_id, run_id)
+
+    def as_dict(self) -> dict[str, str]:
+        return {k: v for k, v in (("user_id", self.user_id), ("agent_id", self.agent_id), ("run_id", self.run_id)) if v}
+
+
+@dataclass(frozen=True)
+class FactRecord:
+    """One stored fact (a "memory" in Mem0's terms).
+
+    Attributes:
+        id: memory id (uuid4 hex).
+        text: the fact.
+        hash: sha256 of the text (hex).
+        scope: owner scope.
+        source_turn_ids: ids of the turns the fact came from.
+        metadata: user metadata.
+        created_at: ISO 8601 UTC timestamp of the ADD.
+        updated_at: ISO 8601 UTC timestamp of the last change.
+    """
+
+    id: str
+    text: str
+    hash: str
+    scope: Scope
+    source_turn_ids: tuple[str, ...] = ()
+    metadata: dict = field(default_factory=dict)
+    created_at: str = ""
+    updated_at: str = ""
+
+    def filter_fields(self) -> dict:
+        """What metadata filters see: the user metadata plus ``created_at`` / ``updated_at``."""
+        return {**self.metadata, "created_at": self.created_at, "updated_at": self.updated_at}
+
+    def to_item(self, score: float | None = None) -> dict:
+        """Mem0's memory item: ``{"id", "memory", "hash", "metadata", "source_turn_ids",
+        "created_at", "updated_at"}`` plus the scope's ids (and ``score`` when given); the
+        metadata is a copy."""
+        item = {
+            "id": self.id, "memory": self.text, "hash": self.hash, "metadata": copy.deepcopy(self.metadata),
+            "source_turn_ids": list(self.source_turn_ids), "created_at": self.created_at,
+            "updated_at": self.updated_at, **self.scope.as_dict(),
+        }
+        if score is not None:
+            item["score"] = score
+        return item
+
+    def to_chroma_metadata(self) -> dict:
+        meta = {
+            "scope": self.scope.key,
+            "hash": self.hash,
+            "source_turn_ids": json.dumps(list(self.source_turn_ids)),
+            "metadata": json.dumps(self.metadata),
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
+        meta.update(self.scope.as_dict())
+        return meta
+
+    @classmethod
+    def from_chroma(cls, fact_id: str, text: str, meta: dict) -> "FactRecord":
+        return cls(
+            id=fact_id,
+            text=text,
+            hash=meta["hash"],
+            scope=Scope(meta.get("user_id"), meta.get("agent_id"), meta.get("run_id")),
+            source_turn_ids=tuple(json.loads(meta.get("source_turn_ids", "[]"))),
+            metadata=json.loads(meta.get("metadata", "{}")),
+            created_at=meta.get("created_at", ""),
+            updated_at=meta.get("updated_at", meta.get("created_at", "")),
+        )
+
+
+class StoreError(RuntimeError):
+    """The store on disk cannot be used as is; the message says why and what to do."""
