@@ -18,6 +18,7 @@ app.add_typer(models_app, name="models")
 bench_app = typer.Typer(help="Benchmarks; each writes JSON and Markdown to a results folder.")
 app.add_typer(bench_app, name="bench")
 console = Console(soft_wrap=True)
+errors = Console(soft_wrap=True, stderr=True)  # a command's errors go to stderr
 
 
 @app.callback()
@@ -137,7 +138,8 @@ def copy_to_chroma(
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    """Print ``error: <message>`` on stderr and exit with status 2."""
+    errors.print(f"[bold red]error:[/] {message}")
     raise typer.Exit(code=2)
 
 

@@ -161,7 +161,7 @@ def test_latency_refuses_other_settings_in_the_same_folder(latency_run):
     before = (out / "latency.jsonl").read_text()
     proc = _bench(*[a if a != "0,5" else "0,5,10" for a in args], check=False)
     assert proc.returncode == 2
-    assert "other settings" in proc.stdout and "--fresh" in proc.stdout
+    assert "other settings" in proc.stderr and "--fresh" in proc.stderr
     assert (out / "latency.jsonl").read_text() == before
 
 

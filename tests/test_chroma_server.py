@@ -83,7 +83,7 @@ def test_a_chroma_url_never_hides_a_data_dirs_memories_and_the_copy_moves_them(t
 
     again = subprocess.run([str(exe), "copy-to-chroma", "--data-dir", str(data), "--chroma-url", url],
                            capture_output=True, text=True, timeout=300, env=env)
-    assert again.returncode == 2 and "nothing to copy" in again.stdout, again.stdout
+    assert again.returncode == 2 and "nothing to copy" in again.stderr, again.stderr
 
     other = tmp_path / "other"  # asked for explicitly, the server opens over embedded memories
     with Memory(data_dir=other, **settings) as m:

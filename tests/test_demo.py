@@ -62,5 +62,5 @@ def test_demo_rejects_a_file_that_is_not_locomo(tmp_path):
     bad.write_text(json.dumps({"hello": "world"}))
     proc = subprocess.run([*CLI, "--data", str(bad), "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert "not a JSON list of conversation samples" in proc.stdout
+    assert "not a JSON list of conversation samples" in proc.stderr
     assert not (tmp_path / "d").exists()  # nothing written

@@ -276,7 +276,7 @@ def test_one_server_per_data_dir_and_front_metrics(server):
     exe = Path(sys.executable).with_name("inferscale")
     second = subprocess.run([str(exe), "serve", "--port", str(free_port()), "--data-dir", str(server.data_dir)],
                             capture_output=True, text=True, timeout=120, env={**os.environ, "INFERSCALE_API_KEY": KEY})
-    assert second.returncode == 2 and f"pid {server.proc.pid}" in second.stdout, second.stdout + second.stderr
+    assert second.returncode == 2 and f"pid {server.proc.pid}" in second.stderr, second.stdout + second.stderr
     metrics = server.http("GET", "/metrics").text
     injected = [line for line in metrics.splitlines() if line.startswith("inferscale_chat_injected_tokens_total")]
     assert injected and float(injected[0].split()[-1]) > 0
@@ -297,7 +297,7 @@ def test_a_second_server_on_a_busy_port_fails_in_seconds_with_one_line(server, t
 
     busy, took = second(port, "busy")
     assert busy.returncode == 2 and took < 10, (took, busy.stdout, busy.stderr)
-    assert busy.stdout.strip().count("\n") == 0 and f"127.0.0.1:{port}" in busy.stdout and "--port" in busy.stdout
+    assert busy.stderr.strip().count("\n") == 0 and f"127.0.0.1:{port}" in busy.stderr and "--port" in busy.stderr
     assert not (tmp_path / "busy").exists()  # refused before it touched its data dir
 
     starting_port = free_port()
@@ -312,7 +312,7 @@ def test_a_second_server_on_a_busy_port_fails_in_seconds_with_one_line(server, t
             time.sleep(0.2)
         raced, took = second(starting_port, "b")
         assert raced.returncode == 2 and took < 10, (took, raced.stdout, raced.stderr)
-        assert f"127.0.0.1:{starting_port}" in raced.stdout and raced.stdout.strip().count("\n") == 0
+        assert f"127.0.0.1:{starting_port}" in raced.stderr and raced.stderr.strip().count("\n") == 0
     finally:
         first.send_signal(signal.SIGTERM)
         assert first.wait(120) == 0, log.read_text()

@@ -147,12 +147,16 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
 
     # the port first, held from here on: a second server on it fails now, in about a second,
     # not after a minute of starting vLLM (even one started a moment later, before uvicorn
-    # runs); then the options (the tool-call parser's check imports vLLM: seconds); then the
-    # data dir's lock, so a refused option leaves no data dir behind
+    # runs); then the data dir's lock when the dir exists (another server may hold it), else
+    # after the options (the tool-call parser's check imports vLLM: seconds), so a refused
+    # option leaves no data dir behind
     sock = listen_on(options.host, options.port)
     try:
+        existed = config.data_dir.is_dir()
+        lock = lock_data_dir(config.data_dir) if existed else None  # noqa: F841  (held until exit)
         options.check(config)
-        lock = lock_data_dir(config.data_dir)  # noqa: F841  (held until this process exits)
+        if not existed:
+            lock = lock_data_dir(config.data_dir)  # noqa: F841
     except BaseException:
         sock.close()
         raise

