@@ -133,8 +133,8 @@ def copy_to_chroma(
     console.print(f"copied {copied} memories to {config.chroma_url} (collection {config.chroma_collection}"
                   + (f"; {held} were there already" if held else "") + f"); the embedded store is kept as {backup}. "
                   f"Open the data dir with chroma_url={config.chroma_url}"
-                  + (f" and chroma_collection={config.chroma_collection}" if "INFERSCALE_CHROMA_COLLECTION" in os.environ
-                     else "") + ".")
+                  + (f" and chroma_collection={config.chroma_collection}"
+                     if config.chroma_collection != MemoryConfig.model_fields["chroma_collection"].default else "") + ".")
 
 
 def _fail(message: str) -> None:

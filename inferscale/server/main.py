@@ -96,7 +96,7 @@ class _Stop(Exception):
 
 
 def lock_data_dir(data_dir: Path):
-    """Hold ``<data_dir>/serve.lock`` for this process's life (released at exit, even on SIGKILL).
+    """Hold ``<data_dir>/serve.lock`` for this process's life (:func:`inferscale.store.serve_lock.hold`).
 
     Returns:
         The open lock file (keep a reference).
@@ -104,23 +104,13 @@ def lock_data_dir(data_dir: Path):
     Raises:
         RuntimeError: another ``inferscale serve`` holds it (naming its pid).
     """
-    import fcntl
-    import os
+    from inferscale.store import serve_lock
 
-    data_dir.mkdir(parents=True, exist_ok=True)
-    f = open(data_dir / "serve.lock", "a+")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "?"
-        f.close()
-        raise RuntimeError(f"another inferscale serve (pid {holder}) is serving {data_dir}: one server per data "
+        return serve_lock.hold(data_dir)
+    except serve_lock.DataDirServed as exc:
+        raise RuntimeError(f"another inferscale serve (pid {exc.pid}) is serving {data_dir}: one server per data "
                            "dir (it is the store's writer); stop it or choose another --data-dir") from None
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    return f
 
 
 def _fresh_log(path: Path) -> Path:

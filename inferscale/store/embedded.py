@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from inferscale.checks import first_line
+from inferscale.store import serve_lock
 from inferscale.store.chroma import _COLLECTION, ChromaServer, FactStore
 from inferscale.store.records import StoreError
 
@@ -112,20 +113,11 @@ def copy_to_server(data_dir: Path, server: ChromaServer) -> tuple[int, int, Path
 
 
 def _check_not_served(data_dir: Path) -> None:
-    """Refuse while an ``inferscale serve`` holds the data dir (its ``serve.lock``)."""
-    import fcntl
-
-    lock = Path(data_dir) / "serve.lock"
-    if not lock.is_file():
-        return
-    with open(lock, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.seek(0)
-            raise StoreError(f"an inferscale serve (pid {f.read().strip() or '?'}) is serving {data_dir}: stop it "
-                             "before copying its memories") from None
-        fcntl.flock(f, fcntl.LOCK_UN)
+    """Refuse while an ``inferscale serve`` holds the data dir (:mod:`inferscale.store.serve_lock`)."""
+    try:
+        serve_lock.check_free(data_dir)
+    except serve_lock.DataDirServed as exc:
+        raise StoreError(f"{exc}: stop it before copying its memories") from None
 
 
 #: The manifest field that says where a data dir's memories went (``inferscale copy-to-chroma``).

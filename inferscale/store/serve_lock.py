@@ -1,0 +1,63 @@
+"""``<data_dir>/serve.lock``: the one ``inferscale serve`` that writes a data dir holds it
+(``flock``, released when its process ends, even on SIGKILL); others check it."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import IO
+
+LOCK_FILE = "serve.lock"
+
+
+class DataDirServed(RuntimeError):
+    """Another process holds the data dir's serve lock.
+
+    Attributes:
+        pid: the holder's process id as it wrote it (``"?"`` when unreadable).
+    """
+
+    def __init__(self, data_dir: Path, pid: str) -> None:
+        super().__init__(f"an inferscale serve (pid {pid}) is serving {data_dir}")
+        self.pid = pid
+
+
+def _take(f: IO, data_dir: Path) -> None:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        raise DataDirServed(data_dir, f.read().strip() or "?") from None
+
+
+def hold(data_dir: Path) -> IO:
+    """Take the lock for this process's life (creating the data dir) and write our pid in it.
+
+    Returns:
+        The open lock file (keep a reference).
+
+    Raises:
+        DataDirServed: another process holds it.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    f = open(data_dir / LOCK_FILE, "a+")
+    try:
+        _take(f, data_dir)
+    except DataDirServed:
+        f.close()
+        raise
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def check_free(data_dir: Path) -> None:
+    """Raise :class:`DataDirServed` while another process holds the lock (nothing else changes)."""
+    path = Path(data_dir) / LOCK_FILE
+    if not path.is_file():
+        return
+    with open(path, "a+") as f:
+        _take(f, data_dir)
+        fcntl.flock(f, fcntl.LOCK_UN)
