@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 from inferscale.arguments import check_timeout
 from inferscale.components import Components
 from inferscale.config import MemoryConfig
-from inferscale.kv.pool import FactKV
+from inferscale.kv.pool import StoredKV
 from inferscale.kv.reference import ReferenceModel
 from inferscale.generation.options import GenerationOptions
 from inferscale.generation.request import MemoryBlock, PreparedRequest, generation_chunks
@@ -81,8 +81,9 @@ class Answering:
         self._check_open()
         self.components.kv.ensure([self.components.kv.preamble_span()])
 
-    def injected_kv(self, injection: Injection) -> list[tuple[int, FactKV]]:
-        """The KV an injection supplies, as ``(start position, FactKV)`` per segment, for the
+    def injected_kv(self, injection: Injection) -> list[tuple[int, StoredKV]]:
+        """The KV an injection supplies, as ``(start position, stored KV)`` per segment (dense,
+        or 8-/4-bit codes that dequantize on access), for the
         transformers reference path (:class:`~inferscale.kv.reference.ReferenceModel`).
 
         Raises:

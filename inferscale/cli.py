@@ -281,6 +281,31 @@ def bench_quality(
                                            modes=mode_list, max_tokens=max_tokens, dtype=dtype, fresh=fresh))
 
 
+@bench_app.command("kv-storage")
+def bench_kv_storage(
+    data: Optional[Path] = _DATA,
+    out: Path = typer.Option(Path("results/kv_storage"), help="Results folder (resumes what it holds)."),
+    store: Optional[Path] = _STORE,
+    tuning: str = typer.Option("0,1,2", help="Tuning-set conversation indices, comma-separated."),
+    held_out: str = typer.Option("3,4,5,6,7,8,9", help="Held-out conversation indices, comma-separated."),
+    tuning_questions: int = typer.Option(5, min=1, help="Questions per tuning conversation."),
+    questions: int = typer.Option(29, min=1, help="Questions per held-out conversation (7 x 29 = 203 answers a cell)."),
+    k: str = typer.Option("10,50", help="Facts per request, comma-separated."),
+    context_window: str = typer.Option("5,20", help="Context windows w (turns), comma-separated."),
+    max_tokens: int = typer.Option(24, min=1, help="Answer budget (tokens)."),
+    dtype: str = _DTYPE,
+    fresh: bool = _FRESH,
+) -> None:
+    """Fact KV in int8 and int4 vs the model's dtype: paired gold-answer NLL and token F1 on LoCoMo, with bootstrap CIs."""
+    from inferscale.bench.kv_storage import run
+
+    data, store = _bench_paths(data, store)
+    _run_bench("kv_storage", out, lambda: run(
+        data, out, store, tuning=_ints(tuning, "tuning"), held_out=_ints(held_out, "held-out"),
+        tuning_questions=tuning_questions, questions=questions, ks=_ints(k, "k"),
+        windows=_ints(context_window, "context-window"), max_tokens=max_tokens, dtype=dtype, fresh=fresh))
+
+
 @bench_app.command("throughput")
 def bench_throughput(
     data: Optional[Path] = _DATA,
@@ -352,6 +377,7 @@ def serve(
     api_key: Optional[str] = typer.Option(None, envvar="INFERSCALE_API_KEY", help="Require 'Authorization: Bearer <key>' on every route but /health (or set INFERSCALE_API_KEY)."),
     served_model_name: Optional[str] = typer.Option(None, help="The 'model' name clients send (default: the model's)."),
     dtype: str = _DTYPE,
+    kv_storage_dtype: Optional[str] = typer.Option(None, help="How fact KV is stored: auto (the model's dtype), int8 or int4 (default auto, or $INFERSCALE_KV_STORAGE_DTYPE; docs/configuration.md)."),
     max_num_seqs: int = typer.Option(64, min=1, help="Most requests vLLM batches at once."),
     tool_call_parser: str = typer.Option("hermes", help="vLLM's tool-call parser for the model's tool-call format ('none': tools refused)."),
     default_max_tokens: Optional[int] = typer.Option(None, min=1, help="Answer budget (tokens) of a chat that sends no max_tokens (default 256, or $INFERSCALE_DEFAULT_MAX_TOKENS)."),
@@ -370,6 +396,10 @@ def serve(
         overrides["data_dir"] = data_dir
     if default_max_tokens is not None:
         overrides["default_max_tokens"] = default_max_tokens
+    if kv_storage_dtype is not None:
+        if kv_storage_dtype not in ("auto", "int8", "int4"):
+            _fail(f"--kv-storage-dtype must be auto, int8 or int4, got {kv_storage_dtype!r}")
+        overrides["kv_storage_dtype"] = kv_storage_dtype
     try:
         config = MemoryConfig(**overrides)
         run_server(config, ServeOptions(host=host, port=port, vllm_urls=tuple(vllm_url or ()), replicas=replicas,

@@ -109,6 +109,13 @@ class MemoryConfig(BaseSettings):
             ``auto`` (default): ``bfloat16`` on CUDA and on CPUs with Intel AMX, ``float32``
             on other CPUs, where bf16 ran vLLM prefill about 5x slower (:func:`auto_dtype`,
             docs/decisions.md).
+        kv_storage_dtype: how fact KV is stored in the pool (disk and device tiers): ``auto``
+            (default: the model's ``dtype``, as vLLM's ``kv_cache_dtype="auto"``), ``int8``
+            (about half the bytes of bf16 KV) or ``int4`` (about 0.3x): keys quantized per
+            channel before RoPE, values per token in groups of 32, dequantized in the KV
+            connector before the cache write (:mod:`inferscale.kv.quant`; quality and speed
+            measured in docs/results/kv_storage.md). Changing it re-keys fact KV: existing
+            model-dtype KV is quantized on its next use, without encoding again.
         context_window: default w of Context-Window Encoding, in conversation turns
             preceding each fact's source turn.
         top_k: default number of facts retrieved for a query.
@@ -172,6 +179,7 @@ class MemoryConfig(BaseSettings):
     embedder: str = DEFAULT_EMBEDDER
     embedder_backend: Literal["auto", "onnx", "torch"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    kv_storage_dtype: Literal["auto", "int8", "int4"] = "auto"
     context_window: int = Field(default=5, ge=0, le=100_000)  # inferscale.checks.MAX_CONTEXT_WINDOW
     top_k: int = Field(default=20, ge=0)  # docs/decisions.md, "Hybrid search and the default k"
     search_mode: Literal["hybrid", "dense"] = "hybrid"

@@ -144,7 +144,8 @@ def test_no_module_outside_serving_imports_vllm_when_imported():
 
 def test_the_connector_loads_a_small_part_of_the_package():
     """vLLM's engine process loads the connector: it needs the KV pool, rotation and
-    injection, not the settings, the model registry, prompts or tools."""
+    injection (and the dequantizer of 8- and 4-bit KV), not the settings, the model registry,
+    prompts or tools."""
     import subprocess
     import sys
 
@@ -154,7 +155,8 @@ def test_the_connector_loads_a_small_part_of_the_package():
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = set(eval(done.stdout.strip().splitlines()[-1]))  # noqa: S307 - our own printed list
     assert loaded <= {"inferscale", "inferscale.devices", "inferscale.sizes", "inferscale.logs", "inferscale.kv",
-                      "inferscale.kv.injection", "inferscale.kv.pool", "inferscale.kv.rope", "inferscale.serving",
+                      "inferscale.kv.injection", "inferscale.kv.pool", "inferscale.kv.quant", "inferscale.kv.rope",
+                      "inferscale.serving",
                       "inferscale.serving.connector"}, sorted(loaded)
 
 

@@ -13,7 +13,7 @@ import torch
 from inferscale.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.datasets.locomo import load_locomo
 from inferscale.kv.encoder import EncodeItem
-from inferscale.kv.pool import FactKV, KVPool, kv_key
+from inferscale.kv.pool import FactKV, KVPool, kv_key, to_storage
 from inferscale.generation.prompt import PromptBuilder
 from inferscale.kv.reference import ReferenceModel
 
@@ -37,11 +37,13 @@ def pool(serving_dir):
     return KVPool.shared(serving_dir / "kv", "cpu", DEFAULT_DEVICE_KV_BUDGET_BYTES)
 
 
-def inject_params(layout, encoder, pool, *, exact_context: bool, tag: str, poison: bool = False):
+def inject_params(layout, encoder, pool, *, exact_context: bool, tag: str, poison: bool = False,
+                  storage: str = "auto"):
     """Encode every segment and store it; returns kv_transfer_params for the layout.
 
     exact_context: encode each segment after all prompt tokens before it (the exact case),
     else after the preamble only (w=0: facts never see each other).
+    storage: kv_storage_dtype of the facts' KV (the preamble stays dense, as in the product).
     """
     items = []
     for seg in layout.segments:
@@ -56,7 +58,9 @@ def inject_params(layout, encoder, pool, *, exact_context: bool, tag: str, poiso
             gen = torch.Generator().manual_seed(1)
             kv = FactKV(torch.randn(kv.keys.shape, generator=gen), torch.randn(kv.values.shape, generator=gen),
                         kv.token_ids)
-        key = kv_key(seg.owner, tag=tag, ctx=exact_context, poison=poison, n=len(layout.segments))
+        if seg.owner != "_preamble":
+            kv = to_storage(kv, storage)
+        key = kv_key(seg.owner, tag=tag, ctx=exact_context, poison=poison, n=len(layout.segments), storage=storage)
         pool.put(key, kv)
         segments.append([key, seg.start, len(seg.token_ids)])
     return {"inferscale": {"memory_end": layout.memory_end, "segments": segments}}
@@ -103,6 +107,37 @@ def test_without_context_window_injection_differs_measurably(engine, encoder, po
     )
     assert injected.num_injected_tokens == layout.memory_end
     assert max_logprob_diff(full.first_logprobs, injected.first_logprobs) > 1e-2
+
+
+# Fact KV stored in 8 / 4 bits (issue 30), injected by the connector, vs a full prefill: the
+# largest first-token logprob difference (top-20 tokens, nats) measured at k = 1 / 5 / 20
+# (2026-12-04, AMD EPYC, fp32): int8 0.028 / 0.043 / 0.021, int4 0.19 / 0.44 / 0.37; the same
+# prompt at w=0 (facts encoded without each other): 3.4 with either. The bounds leave ~2x
+# margin, and w=0 must stay outside them: quantizing costs far less than leaving out the context.
+QUANT_BOUNDS = {"int8": 0.1, "int4": 1.0}
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_quantized_kv_stays_within_its_bound_of_a_full_prefill_and_w0_does_not(engine, encoder, pool, builder,
+                                                                               facts, storage):
+    question = "Where did Caroline go recently, and how did it feel?"
+    diffs = {}
+    for k in (1, 5, 20):
+        layout = builder.build(question, facts[:k])
+        params = inject_params(layout, encoder, pool, exact_context=True, tag=f"q{k}", storage=storage)
+        full = engine.generate(layout.token_ids, max_tokens=1, logprobs=20)
+        injected = engine.generate(layout.token_ids, kv_transfer_params=params, cache_salt=f"q-{next(_salts)}",
+                                   max_tokens=1, logprobs=20)
+        assert injected.num_injected_tokens == layout.memory_end
+        diffs[k] = max_logprob_diff(full.first_logprobs, injected.first_logprobs)
+    assert max(diffs.values()) < QUANT_BOUNDS[storage], diffs
+    layout = builder.build(question, facts[:20])
+    w0 = inject_params(layout, encoder, pool, exact_context=False, tag="qw0", storage=storage)
+    full = engine.generate(layout.token_ids, max_tokens=1, logprobs=20)
+    out = engine.generate(layout.token_ids, kv_transfer_params=w0, cache_salt=f"q-{next(_salts)}", max_tokens=1,
+                          logprobs=20)
+    assert out.num_injected_tokens == layout.memory_end
+    assert max_logprob_diff(full.first_logprobs, out.first_logprobs) > QUANT_BOUNDS[storage]
 
 
 def test_poisoned_kv_changes_the_output(engine, encoder, pool, builder, facts):

@@ -7,7 +7,10 @@ k in every mode back to back, so drift on a shared machine hits every cell alike
 - ``text``: the facts are prompt text, prefilled by vLLM (prefix caching on, as in a
   Mem0 deployment; only the system preamble is shared between requests);
 - ``inject-w0`` / ``inject-w20``: the facts' KV, encoded with w = 0 / 20 preceding
-  turns, is injected by the connector; only the question is prefilled.
+  turns, is injected by the connector; only the question is prefilled;
+- ``inject-w20-int8`` / ``inject-w20-int4``: the same KV stored in 8 / 4 bits
+  (``kv_storage_dtype``), dequantized by the connector before its cache write: served by
+  a second :class:`~inferscale.Memory` over the same store and the same engine.
 
 Every fact's KV is encoded and loaded into the pool's device tier before timing starts
 (the steady state of a memory server), so timings exclude encoding. Per request:
@@ -34,6 +37,7 @@ from inferscale.bench.common import (
 )
 from inferscale.bench.plots import plot_latency
 from inferscale.datasets.locomo import load_locomo
+from inferscale.kv.quant import QUANTIZED_DTYPES
 from inferscale.memory import Memory
 
 NAME = "latency"
@@ -50,6 +54,22 @@ def parse_mode(mode: str) -> tuple[str, int]:
     if mode.startswith("inject-w") and mode[len("inject-w"):].isdigit():
         return "inject", int(mode[len("inject-w"):])
     raise ValueError(f"unknown mode {mode!r}: use 'text' or 'inject-w<N>' (N = context window in turns)")
+
+
+def split_storage(mode: str) -> tuple[str, str]:
+    """``"inject-w20-int4"`` -> ``("inject-w20", "int4")``; a mode without a storage suffix
+    -> ``(mode, "auto")``.
+
+    Raises:
+        ValueError: a storage suffix on ``text`` (text has no KV).
+    """
+    for storage in QUANTIZED_DTYPES:
+        if mode.endswith(f"-{storage}"):
+            base = mode[: -len(storage) - 1]
+            if base == "text":
+                raise ValueError(f"mode {mode!r}: text mode stores no KV; use inject-w<N>-{storage}")
+            return base, storage
+    return mode, "auto"
 
 
 def warm_kv(memory: Memory, user_id: str, questions: Sequence[str], k: int, windows: Sequence[int]) -> None:
@@ -85,7 +105,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, sample: int = 0, question
     Raises:
         ValueError: bad settings, or results in ``out_dir`` made with other settings.
     """
-    parsed = [parse_mode(m) for m in modes]
+    parsed = [parse_mode(split_storage(m)[0]) for m in modes]
     samples = load_locomo(data)
     if not 0 <= sample < len(samples):
         raise ValueError(f"--sample must be in 0..{len(samples) - 1}, got {sample}")
@@ -97,20 +117,27 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, sample: int = 0, question
                 "dtype": dtype, "data": str(data)}
     log = ResultLog(out_dir, NAME, settings, fresh=fresh)
     memory = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False)
+    memories = {"auto": memory}
+    for storage in dict.fromkeys(split_storage(m)[1] for m in modes):
+        if storage != "auto":  # same store, same engine: only the stored KV's dtype differs
+            memories[storage] = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False,
+                                       kv_storage_dtype=storage, engine=memory.engine)
     user_id = scope_of(conv)
     ensure_conversation(memory, conv)
     windows = sorted({w for m, w in parsed if m == "inject"})
-    warm_kv(memory, user_id, [q.question for q in picked], max(ks), windows)
-    for mode, w in parsed:  # engine start-up and first-request costs, on a question not measured
-        memory.generate("What do you remember about me?", user_id=user_id, k=1, context_window=w, mode=mode,
-                        max_tokens=1, wait_for_kv=True)
+    for storage, mem in memories.items():
+        warm_kv(mem, user_id, [q.question for q in picked], max(ks), windows)
+    for name, (mode, w) in zip(modes, parsed):  # engine start-up and first-request costs, on a question not measured
+        memories[split_storage(name)[1]].generate("What do you remember about me?", user_id=user_id, k=1,
+                                                  context_window=w, mode=mode, max_tokens=1, wait_for_kv=True)
     # question-major: each question is asked at every k in every mode back to back, so
     # drift on a shared machine hits every (mode, k) cell alike
     todo = [(k, qi, m) for qi in range(len(picked)) for k in ks for m in modes if not log.done(_key(m, k, qi))]
     for k, qi, name in tqdm(todo, desc="TTFT", unit="request"):
-        mode, w = parse_mode(name)
+        base, storage = split_storage(name)
+        mode, w = parse_mode(base)
         t0 = time.perf_counter()
-        g = memory.generate(picked[qi].question, user_id=user_id, k=k, context_window=w, mode=mode, max_tokens=1,
+        g = memories[storage].generate(picked[qi].question, user_id=user_id, k=k, context_window=w, mode=mode, max_tokens=1,
                             wait_for_kv=True)
         e2e = time.perf_counter() - t0
         log.add(_key(name, k, qi), {
@@ -119,6 +146,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, sample: int = 0, question
             "injected_tokens": g.num_injected_tokens,
         })
     log.commit()
+    for mem in list(memories.values())[1:]:
+        mem.close()
     summary = summarize(log.all(), ks, modes)
     summary["settings"] = log.settings  # as keyed: data by content, dtype resolved
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
@@ -158,6 +187,10 @@ def summarize(rows: list[dict], ks: Sequence[int], modes: Sequence[str]) -> dict
             if (mode, k_hi) in cell and (mode, 0) in cell:
                 ratios[f"{mode} k={k_hi} / {mode} k=0"] = cell[(mode, k_hi)]["ttft_median_ms"] / cell[(mode, 0)][
                     "ttft_median_ms"]
+            base, storage = split_storage(mode)
+            if storage != "auto" and (mode, k_hi) in cell and (base, k_hi) in cell:
+                ratios[f"{mode} k={k_hi} / {base} k={k_hi}"] = cell[(mode, k_hi)]["ttft_median_ms"] / cell[
+                    (base, k_hi)]["ttft_median_ms"]
             if ("text", k_hi) in cell and (mode, k_hi) in cell:
                 ratios[f"text k={k_hi} / {mode} k={k_hi}"] = cell[("text", k_hi)]["ttft_median_ms"] / cell[
                     (mode, k_hi)]["ttft_median_ms"]

@@ -246,6 +246,10 @@ class RequestBuilder:
         keys = self.kv.fact_keys(scope.key, ranked, w)
         ready = [self.kv.stored(k) for k in keys]
         missing = [r for r, ok in zip(ranked, ready) if not ok]
+        if missing and self.kv.storage != "auto":  # KV kept in the model's dtype is quantized now, not re-encoded
+            self.kv.quantize_stored(self.kv.fact_spans(scope.key, missing, w))
+            ready = [self.kv.stored(k) for k in keys]
+            missing = [r for r, ok in zip(ranked, ready) if not ok]
         if options.wait_for_kv and missing:
             self.kv.ensure(self.kv.fact_spans(scope.key, missing, w))
             ready = [True] * len(ranked)

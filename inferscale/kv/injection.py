@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from inferscale.kv.pool import FactKV, validate_key
+from inferscale.kv.pool import StoredKV, validate_key
 from inferscale.kv.rope import RopeRotator
 
 PARAMS_KEY = "inferscale"
@@ -192,8 +192,12 @@ class StagedKV:
         return torch.cat(self.value_parts, dim=1)
 
 
-def stage(plan: InjectionPlan, start: int, fetch: Callable[[str], FactKV | None]) -> StagedKV | None:
+def stage(plan: InjectionPlan, start: int, fetch: Callable[[str], StoredKV | None]) -> StagedKV | None:
     """Gather the planned KV from prompt position ``start`` (tokens before it are computed).
+
+    Segments may mix storage dtypes: model-dtype KV is taken as it is, 8- and 4-bit KV is
+    dequantized here, one vectorized pass per segment (:mod:`inferscale.kv.quant`), before
+    :func:`write_layers` rotates and writes it.
 
     Args:
         plan: the request's plan.
@@ -201,8 +205,8 @@ def stage(plan: InjectionPlan, start: int, fetch: Callable[[str], FactKV | None]
         fetch: the pool's ``get``.
 
     Returns:
-        A :class:`StagedKV` of ``memory_end - start`` tokens (views of the pool's tensors,
-        nothing copied), or ``None`` when nothing is left.
+        A :class:`StagedKV` of ``memory_end - start`` tokens (views of the pool's tensors for
+        model-dtype KV, dequantized copies for quantized KV), or ``None`` when nothing is left.
 
     Raises:
         MissingKVError: a segment is absent or has another length than planned.
@@ -216,8 +220,9 @@ def stage(plan: InjectionPlan, start: int, fetch: Callable[[str], FactKV | None]
             raise MissingKVError(f"KV {seg.key} is not in the pool" if kv is None else
                                  f"KV {seg.key} has {kv.num_tokens} tokens, planned {seg.num_tokens}")
         lo = max(start, seg.start) - seg.start
-        parts_k.append(kv.keys[:, lo:] if lo else kv.keys)
-        parts_v.append(kv.values[:, lo:] if lo else kv.values)
+        keys, values = kv.keys, kv.values  # dequantized here when stored in 8 or 4 bits
+        parts_k.append(keys[:, lo:] if lo else keys)
+        parts_v.append(values[:, lo:] if lo else values)
         positions.append(torch.arange(seg.start + lo, seg.end))
     if not positions:
         return None

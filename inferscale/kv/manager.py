@@ -1,7 +1,7 @@
 """Keeps every fact's KV in the pool for the settings it is served with.
 
 Owns the naming of KV (:func:`inferscale.kv.pool.kv_key` over the model fingerprint,
-dtype, w, and the exact context and fact tokens), the building of Context-Window
+dtype, storage dtype, w, and the exact context and fact tokens), the building of Context-Window
 Encoding contexts from the turn log, the lazy encoder, and the scheduling of encodes:
 :meth:`KVManager.schedule` queues ``(fact, w)`` jobs durably and returns; the
 :class:`~inferscale.kv.background.BackgroundEncoder` encodes them (:meth:`run_jobs`).
@@ -23,7 +23,8 @@ from typing import Sequence
 from inferscale.kv.background import BackgroundEncoder
 from inferscale.kv.encoder import EncodeItem, KVEncoder
 from inferscale.kv.jobs import KVJob, KVJobQueue
-from inferscale.kv.pool import KVPool, kv_key
+from inferscale.kv.pool import KVPool, kv_key, to_storage
+from inferscale.kv.quant import STORAGE_DTYPES
 from inferscale.logs import quiet_progress_bars
 from inferscale.generation.prompt import PREAMBLE_OWNER, PromptBuilder
 from inferscale.store.chroma import FactStore
@@ -45,10 +46,18 @@ def _digest(ids: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class FactSpan:
-    """A fact's KV request: where its KV lives and what to encode if it is missing."""
+    """A fact's KV request: where its KV lives and what to encode if it is missing.
+
+    Attributes:
+        key: the pool key of the KV as stored (in the storage dtype).
+        item: what the encoder runs when it is missing.
+        model_key: for a quantized ``key``, the key of the same KV in the model's dtype: when
+            that is in the pool, the KV is quantized from it instead of encoded again.
+    """
 
     key: str
     item: EncodeItem
+    model_key: str | None = None
 
 
 class KVManager:
@@ -67,6 +76,11 @@ class KVManager:
         jobs: the durable queue of pending encodes (default: none; :meth:`schedule` then
             encodes at once).
         store: where a job's fact is read when the job runs (required with ``jobs``).
+        storage: ``kv_storage_dtype``: ``"auto"`` (the model's dtype) or ``"int8"`` / ``"int4"``
+            (:mod:`inferscale.kv.quant`); fact KV only, the preamble stays in the model's dtype.
+
+    Raises:
+        ValueError: an unknown ``storage``.
     """
 
     def __init__(
@@ -82,7 +96,11 @@ class KVManager:
         jobs: KVJobQueue | None = None,
         store: FactStore | None = None,
         verbose: bool = False,
+        storage: str = "auto",
     ) -> None:
+        if storage not in STORAGE_DTYPES:
+            raise ValueError(f"kv_storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage!r}")
+        self.storage = storage
         self.model_path = model_path
         self.verbose = verbose
         self.fingerprint = fingerprint
@@ -177,11 +195,14 @@ class KVManager:
             context = list(self.prompts.context_preamble_ids)  # date-free: keys stay valid across days
             for line in lines:
                 context.extend(line)
-            key = kv_key(
-                fact.id, fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, w=w, ctx=_digest(context),
-                span=_digest(span)
-            )
-            spans.append(FactSpan(key, EncodeItem(tuple(context), span)))
+            parts = dict(fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, w=w, ctx=_digest(context),
+                         span=_digest(span))
+            model_key = kv_key(fact.id, **parts)
+            if self.storage == "auto":  # no storage part: keys made before the setting existed stay valid
+                spans.append(FactSpan(model_key, EncodeItem(tuple(context), span)))
+            else:
+                spans.append(FactSpan(kv_key(fact.id, store=self.storage, **parts), EncodeItem(tuple(context), span),
+                                      model_key))
         with self._keys_lock:
             for fact, s in zip(facts, spans):
                 self._keys[(scope_key, version, fact.id, fact.hash, fact.source_turn_ids, w)] = s.key
@@ -194,17 +215,38 @@ class KVManager:
         return self.pool.contains(key)
 
     def ensure(self, spans: Sequence[FactSpan]) -> int:
-        """Encode and store every span whose KV is not in the pool, now; returns how many were encoded."""
+        """Store every span's KV that is not in the pool, now: quantized from the model-dtype
+        KV where the pool holds it (a storage-dtype switch costs no encode), else encoded.
+
+        Returns:
+            How many spans were stored (encoded or quantized).
+        """
         if all(self.pool.contains(s.key) for s in spans):
             return 0  # the common case on the serve path: never wait for an encode in flight
         with self._encode_lock:
             missing = {s.key: s for s in spans if not self.pool.contains(s.key)}
             if not missing:
                 return 0
-            todo = list(missing.values())
-            for span, kv in zip(todo, self.encoder.encode([s.item for s in todo])):
-                self.pool.put(span.key, kv)
-            return len(todo)
+            quantized = self.quantize_stored(list(missing.values()))
+            todo = [s for s in missing.values() if s.key not in quantized]
+            for span, kv in zip(todo, self.encoder.encode([s.item for s in todo])) if todo else ():
+                self.pool.put(span.key, kv if span.model_key is None else to_storage(kv, self.storage))
+            return len(missing)
+
+    def quantize_stored(self, spans: Sequence[FactSpan]) -> set[str]:
+        """Store each quantized span whose model-dtype KV is in the pool, quantized from it
+        (milliseconds a fact: done on the request path, so a storage switch never serves
+        text for KV it has); returns the keys stored. Takes no lock: an entry is content-
+        addressed, so two writers of a key write the same codes."""
+        done = set()
+        for span in spans:
+            if span.model_key is None or self.pool.contains(span.key):
+                continue
+            dense = self.pool.get(span.model_key)
+            if dense is not None and dense.token_ids == span.item.span_ids:
+                self.pool.put(span.key, to_storage(dense, self.storage))
+                done.add(span.key)
+        return done
 
     # ------------------------------------------------------------------ background encoding
 

@@ -5,14 +5,18 @@ Layout of one entry (a :class:`FactKV`):
     values:    ``[num_layers, num_tokens, num_kv_heads, head_dim]``
     token_ids: ``[num_tokens]`` int64, the tokens the KV was encoded from
 in the served model's dtype (token ids aside). Per layer this is exactly the ``[num_tokens, num_kv_heads,
-head_size]`` that vLLM's ``do_kv_cache_update`` takes.
+head_size]`` that vLLM's ``do_kv_cache_update`` takes. An entry may instead be stored in 8 or
+4 bits (a :class:`~inferscale.kv.quant.QuantizedKV`, made by :func:`to_storage`): its codes
+and scales are what the disk and device tiers hold, and its ``keys`` / ``values`` are
+dequantized on access, so readers see the same ``[num_layers, num_tokens, ...]`` tensors.
 
 Keys (:func:`kv_key`) are ``"<owner>/<variant>"``: ``owner`` is the fact id (or
 ``_preamble``), ``variant`` a hash of everything the KV depends on (model fingerprint,
 dtype, context window w, template, the fact's text and its context tokens). The disk
 tier stores ``<root>/<owner>/<variant>.safetensors`` (format ``inferscale-kv-2``: the
 token ids are stored with the KV, so the connector injects a segment only where the
-prompt holds those very tokens), so invalidating a fact removes one
+prompt holds those very tokens; metadata ``storage`` names ``model`` or the quantized
+dtype, whose codes and scales replace ``keys`` and ``values``), so invalidating a fact removes one
 folder. Writes go to a temporary file renamed into place: a crash leaves no partial
 entry. One pool object exists per root folder and process (:meth:`KVPool.shared`), so
 every user of a folder in a process shares its device tier; another process (vLLM's
@@ -33,7 +37,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from inferscale.kv import quant
+from inferscale.kv.quant import QuantizedKV
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}/[0-9a-f]{32}$")
 
@@ -66,6 +73,25 @@ class FactKV:
         return FactKV(self.keys.to(device), self.values.to(device), self.token_ids)
 
 
+#: What a pool entry is: dense KV in the model's dtype, or its 8- or 4-bit codes.
+StoredKV = FactKV | QuantizedKV
+
+
+def to_storage(kv: FactKV, storage: str) -> StoredKV:
+    """``kv`` as the pool should hold it under the ``kv_storage_dtype`` setting ``storage``.
+
+    Args:
+        kv: dense KV (``[num_layers, num_tokens, num_kv_heads, head_dim]`` keys and values).
+        storage: ``"auto"`` (kept as it is) or one of :data:`inferscale.kv.quant.QUANTIZED_DTYPES`.
+
+    Raises:
+        ValueError: another ``storage`` (see :func:`inferscale.kv.quant.quantize`).
+    """
+    if storage == "auto":
+        return kv
+    return quant.quantize(kv.keys, kv.values, storage, token_ids=kv.token_ids)
+
+
 def kv_key(owner: str, **parts: object) -> str:
     """Build a pool key ``"<owner>/<variant>"`` from the owner id and what the KV depends on.
 
@@ -92,7 +118,8 @@ def validate_key(key: str) -> str:
 
 
 class KVPool:
-    """Two-tier store of :class:`FactKV`: device LRU over a disk tier.
+    """Two-tier store of :class:`FactKV` and :class:`~inferscale.kv.quant.QuantizedKV` entries
+    (:data:`StoredKV`): device LRU over a disk tier.
 
     Args:
         root: disk-tier folder (created when missing).
@@ -111,7 +138,7 @@ class KVPool:
         self.root.mkdir(parents=True, exist_ok=True)
         self.device = torch.device(device)
         self.device_budget_bytes = int(device_budget_bytes)
-        self._hot: OrderedDict[str, FactKV] = OrderedDict()
+        self._hot: OrderedDict[str, StoredKV] = OrderedDict()
         self._hot_bytes = 0
         self._lock = threading.RLock()
         self.stats = {"device_hits": 0, "disk_hits": 0, "misses": 0, "writes": 0}
@@ -146,7 +173,7 @@ class KVPool:
         owner, variant = validate_key(key).split("/")
         return self.root / owner / f"{variant}.safetensors"
 
-    def _remember(self, key: str, kv: FactKV) -> None:
+    def _remember(self, key: str, kv: StoredKV) -> None:
         old = self._hot.pop(key, None)
         if old is not None:
             self._hot_bytes -= old.nbytes
@@ -158,20 +185,29 @@ class KVPool:
             _, old = self._hot.popitem(last=False)
             self._hot_bytes -= old.nbytes
 
-    def put(self, key: str, kv: FactKV) -> None:
-        """Store ``kv`` under ``key`` on disk (atomically) and in the device tier."""
+    def put(self, key: str, kv: StoredKV) -> None:
+        """Store ``kv`` under ``key`` on disk (atomically) and in the device tier, as it is
+        (dense, or the codes of a :class:`~inferscale.kv.quant.QuantizedKV`).
+
+        Raises:
+            ValueError: ``key`` is malformed, or ``kv.token_ids`` has another length than the KV.
+        """
         path = self._path(key)
+        if kv.token_ids is not None and len(kv.token_ids) != kv.num_tokens:
+            raise ValueError(f"{len(kv.token_ids)} token ids for KV of {kv.num_tokens} tokens")
+        if isinstance(kv, QuantizedKV):
+            tensors, meta = quant.to_tensors(kv)
+        else:
+            tensors = {"keys": kv.keys.detach().contiguous().cpu(), "values": kv.values.detach().contiguous().cpu()}
+            meta = {"storage": "model"}
+        if kv.token_ids is not None:
+            tensors["token_ids"] = torch.tensor(kv.token_ids, dtype=torch.int64)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
         os.close(fd)
         try:
-            tensors = {"keys": kv.keys.detach().contiguous().cpu(), "values": kv.values.detach().contiguous().cpu()}
-            if kv.token_ids is not None:
-                if len(kv.token_ids) != kv.num_tokens:
-                    raise ValueError(f"{len(kv.token_ids)} token ids for KV of {kv.num_tokens} tokens")
-                tensors["token_ids"] = torch.tensor(kv.token_ids, dtype=torch.int64)
-            save_file(tensors, tmp, metadata={"format": "inferscale-kv-2",
-                                              "layout": "layers,tokens,kv_heads,head_dim"})
+            save_file(tensors, tmp, metadata={"format": "inferscale-kv-2", "layout": "layers,tokens,kv_heads,head_dim",
+                                              **meta})
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -180,8 +216,11 @@ class KVPool:
             self._remember(key, kv.to(self.device))
             self.stats["writes"] += 1
 
-    def get(self, key: str) -> FactKV | None:
-        """The entry for ``key`` on the pool's device, or ``None`` when absent or unreadable."""
+    def get(self, key: str) -> StoredKV | None:
+        """The entry for ``key`` on the pool's device, or ``None`` when absent or unreadable.
+
+        A quantized entry comes back quantized (:class:`~inferscale.kv.quant.QuantizedKV`:
+        its ``keys`` and ``values`` dequantize on access)."""
         with self._lock:
             kv = self._hot.get(key)
             if kv is not None:
@@ -190,11 +229,8 @@ class KVPool:
                 return kv
         path = self._path(key)
         try:
-            tensors = load_file(path, device="cpu")
-            ids = tensors.get("token_ids")
-            kv = FactKV(tensors["keys"], tensors["values"], None if ids is None else tuple(ids.tolist()))
-            kv = kv.to(self.device)
-        except (FileNotFoundError, SafetensorError, KeyError, OSError):
+            kv = _read(path).to(self.device)
+        except (FileNotFoundError, SafetensorError, KeyError, OSError, ValueError):
             with self._lock:
                 self.stats["misses"] += 1
             return None
@@ -256,3 +292,20 @@ class KVPool:
             device = self._hot_bytes
         disk = sum(p.stat().st_size for p in self.root.rglob("*.safetensors"))
         return {"device": device, "disk": disk}
+
+
+def _read(path: Path) -> StoredKV:
+    """One entry from its safetensors file, on the CPU.
+
+    Raises:
+        FileNotFoundError, OSError, SafetensorError: unreadable. KeyError, ValueError: a
+            tensor or metadata field missing or unknown.
+    """
+    with safe_open(path, framework="pt", device="cpu") as f:
+        meta = f.metadata() or {}
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    ids = tensors.pop("token_ids", None)
+    token_ids = None if ids is None else tuple(ids.tolist())
+    if meta.get("storage", "model") == "model":
+        return FactKV(tensors["keys"], tensors["values"], token_ids)
+    return quant.from_tensors(tensors, meta, token_ids)

@@ -13,7 +13,14 @@ int8 ``(1 + 2/T) / 2 + (1 + 2/G) / 2`` and int4 ``(0.5 + 2/T) / 2 + (0.5 + 2/G) 
 2 for bf16 and 4 for fp32 (:func:`nbytes`).
 
 Dequantization is two vectorized multiplies (and, for int4, an unpack), run where the KV is
-injected, before rotation and the write into vLLM's cache.
+injected (:func:`inferscale.kv.injection.stage`, in the connector's load path), before
+rotation and the write into vLLM's cache. A :class:`QuantizedKV` answers ``keys``,
+``values``, ``token_ids``, ``num_tokens``, ``nbytes`` and ``to`` as a
+:class:`~inferscale.kv.pool.FactKV` does, so the pool's device tier holds the codes (2-4x
+more facts in the same budget) and every reader gets dense KV on access.
+
+On disk (:func:`to_tensors` / :func:`from_tensors`) the codes and scales sit beside the
+token ids in one safetensors file whose metadata names the layout.
 """
 
 from __future__ import annotations
@@ -24,7 +31,13 @@ import torch
 
 #: Storage dtypes of fact KV besides the model's own.
 QUANTIZED_DTYPES = ("int8", "int4")
+#: Every ``kv_storage_dtype`` setting: ``"auto"`` stores the model's dtype (vLLM's meaning of
+#: ``kv_cache_dtype="auto"``), the others quantize.
+STORAGE_DTYPES = ("auto", *QUANTIZED_DTYPES)
+#: Channels per value scale (KIVI's group size; not tuned: docs/decisions.md).
+VALUE_GROUP = 32
 _QMAX = {"int8": 127, "int4": 7}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,7 @@ class QuantizedKV:
         v_codes: as ``k_codes``.
         v_scales: float16 ``[L, T, H, D // value_group]``: one per token and group.
         out_dtype: the dtype :func:`dequantize` returns (the model's).
+        token_ids: the span's ``T`` token ids (``None``: unknown), as in ``FactKV``.
     """
 
     dtype: str
@@ -46,6 +60,26 @@ class QuantizedKV:
     v_codes: torch.Tensor
     v_scales: torch.Tensor
     out_dtype: torch.dtype
+    token_ids: tuple[int, ...] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.k_codes.shape[1])
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """Dequantized pre-RoPE keys ``[L, T, H, D]`` in ``out_dtype`` (computed on each access)."""
+        return dequantize_keys(self)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Dequantized values ``[L, T, H, D]`` in ``out_dtype`` (computed on each access)."""
+        return dequantize_values(self)
+
+    def to(self, device: torch.device | str) -> "QuantizedKV":
+        """The same codes and scales on ``device``."""
+        return QuantizedKV(self.dtype, self.k_codes.to(device), self.k_scales.to(device), self.v_codes.to(device),
+                           self.v_scales.to(device), self.out_dtype, self.token_ids)
 
     @property
     def value_group(self) -> int:
@@ -62,13 +96,15 @@ class QuantizedKV:
         return sum(t.numel() * t.element_size() for t in (self.k_codes, self.k_scales, self.v_codes, self.v_scales))
 
 
-def quantize(keys: torch.Tensor, values: torch.Tensor, dtype: str, value_group: int = 32) -> QuantizedKV:
+def quantize(keys: torch.Tensor, values: torch.Tensor, dtype: str, value_group: int = VALUE_GROUP,
+             token_ids: tuple[int, ...] | None = None) -> QuantizedKV:
     """Quantize one fact's pre-RoPE keys and values.
 
     Args:
         keys, values: ``[num_layers, num_tokens, num_kv_heads, head_dim]`` (any float dtype).
         dtype: ``"int8"`` or ``"int4"``.
         value_group: channels per value scale (divides ``head_dim``).
+        token_ids: the span's tokens, kept with the codes.
 
     Raises:
         ValueError: another dtype, shapes that differ or are not 4-D, an empty span, a
@@ -94,22 +130,64 @@ def quantize(keys: torch.Tensor, values: torch.Tensor, dtype: str, value_group: 
     v_codes = v_codes.reshape(layers, tokens, heads, dim)
     if dtype == "int4":
         k_codes, v_codes = _pack4(k_codes), _pack4(v_codes)
-    return QuantizedKV(dtype, k_codes, k_scales, v_codes, v_scales.squeeze(-1), keys.dtype)
+    return QuantizedKV(dtype, k_codes, k_scales, v_codes, v_scales.squeeze(-1), keys.dtype, token_ids)
 
 
 def dequantize(q: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values back in ``q.out_dtype``, each ``[L, T, H, D]`` (vectorized)."""
-    k_codes, v_codes = (_unpack4(q.k_codes), _unpack4(q.v_codes)) if q.dtype == "int4" else (q.k_codes, q.v_codes)
-    keys = k_codes.float() * q.k_scales.float()
-    layers, tokens, heads, dim = v_codes.shape
+    return dequantize_keys(q), dequantize_values(q)
+
+
+def dequantize_keys(q: QuantizedKV) -> torch.Tensor:
+    """Keys ``[L, T, H, D]`` in ``q.out_dtype``: codes times their channel's scale."""
+    codes = _unpack4(q.k_codes) if q.dtype == "int4" else q.k_codes
+    return (codes.float() * q.k_scales.float()).to(q.out_dtype)
+
+
+def dequantize_values(q: QuantizedKV) -> torch.Tensor:
+    """Values ``[L, T, H, D]`` in ``q.out_dtype``: codes times their token group's scale."""
+    codes = _unpack4(q.v_codes) if q.dtype == "int4" else q.v_codes
+    layers, tokens, heads, dim = codes.shape
     group = q.value_group
-    values = (v_codes.float().reshape(layers, tokens, heads, dim // group, group)
-              * q.v_scales.float().unsqueeze(-1)).reshape(layers, tokens, heads, dim)
-    return keys.to(q.out_dtype), values.to(q.out_dtype)
+    return (codes.float().reshape(layers, tokens, heads, dim // group, group)
+            * q.v_scales.float().unsqueeze(-1)).reshape(layers, tokens, heads, dim).to(q.out_dtype)
+
+
+#: safetensors metadata ``layout`` of a quantized entry (:func:`to_tensors`).
+LAYOUT = ("k_codes,v_codes: layers,tokens,kv_heads,head_dim (int4: head_dim/2, two codes a byte, low nibble "
+          "first, code+8); k_scales: layers,1,kv_heads,head_dim (per channel over tokens); v_scales: "
+          "layers,tokens,kv_heads,head_dim/group (per token and group); symmetric, x = code * scale")
+
+
+def to_tensors(q: QuantizedKV) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and safetensors metadata that store ``q`` (token ids excluded: the pool adds them)."""
+    tensors = {"k_codes": q.k_codes, "k_scales": q.k_scales, "v_codes": q.v_codes, "v_scales": q.v_scales}
+    meta = {"storage": q.dtype, "out_dtype": str(q.out_dtype).removeprefix("torch."),
+            "value_group": str(q.value_group), "quant_layout": LAYOUT}
+    return {k: t.detach().contiguous().cpu() for k, t in tensors.items()}, meta
+
+
+def from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str],
+                 token_ids: tuple[int, ...] | None) -> QuantizedKV:
+    """Inverse of :func:`to_tensors`.
+
+    Raises:
+        KeyError: a tensor or metadata field is missing. ValueError: an unknown storage or
+            output dtype, or shapes that do not fit together.
+    """
+    dtype, out = meta["storage"], meta["out_dtype"]
+    if dtype not in _QMAX or out not in _DTYPES:
+        raise ValueError(f"unknown quantized KV: storage {dtype!r}, out_dtype {out!r}")
+    q = QuantizedKV(dtype, tensors["k_codes"], tensors["k_scales"], tensors["v_codes"], tensors["v_scales"],
+                    _DTYPES[out], token_ids)
+    if q.k_codes.shape != q.v_codes.shape or q.head_dim % max(int(q.v_scales.shape[-1]), 1):
+        raise ValueError(f"quantized KV of inconsistent shapes: codes {tuple(q.k_codes.shape)} / "
+                         f"{tuple(q.v_codes.shape)}, scales {tuple(q.k_scales.shape)} / {tuple(q.v_scales.shape)}")
+    return q
 
 
 def nbytes(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int, dtype: str,
-           value_group: int = 32, model_bytes: int = 2) -> int:
+           value_group: int = VALUE_GROUP, model_bytes: int = 2) -> int:
     """Bytes one fact's keys and values take in ``dtype`` (``"model"``: ``model_bytes`` an
     element, 2 for bf16, 4 for fp32), scales included; as :attr:`QuantizedKV.nbytes`."""
     elements = num_layers * num_tokens * num_kv_heads * head_dim

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from inferscale.kv.encoder import KVEncoder
-from inferscale.kv.pool import FactKV
+from inferscale.kv.pool import StoredKV
 
 
 class ReferenceModel:
@@ -28,7 +28,7 @@ class ReferenceModel:
         self.rotator = encoder.rotator
         self.device = encoder.device
 
-    def _prefix_cache(self, segments: Sequence[tuple[int, FactKV]]):
+    def _prefix_cache(self, segments: Sequence[tuple[int, StoredKV]]):
         from transformers import DynamicCache
 
         pos = 0
@@ -49,12 +49,12 @@ class ReferenceModel:
         return cache, pos
 
     @torch.no_grad()
-    def logits(self, token_ids: Sequence[int], segments: Sequence[tuple[int, FactKV]] = ()) -> torch.Tensor:
+    def logits(self, token_ids: Sequence[int], segments: Sequence[tuple[int, StoredKV]] = ()) -> torch.Tensor:
         """Logits for every position after the injected prefix.
 
         Args:
             token_ids: the whole prompt (tokens).
-            segments: ``(start, FactKV)`` pairs covering a prefix ``[0, n)`` of the prompt;
+            segments: ``(start, FactKV or QuantizedKV)`` pairs covering a prefix ``[0, n)`` of the prompt;
                 empty for a plain full prefill.
 
         Returns:
@@ -71,12 +71,12 @@ class ReferenceModel:
         out = self.model(input_ids=rest, past_key_values=cache, position_ids=positions, cache_position=positions[0])
         return out.logits[0].float()
 
-    def next_token_logprobs(self, token_ids: Sequence[int], segments: Sequence[tuple[int, FactKV]] = ()) -> torch.Tensor:
+    def next_token_logprobs(self, token_ids: Sequence[int], segments: Sequence[tuple[int, StoredKV]] = ()) -> torch.Tensor:
         """Log-probabilities ``[vocab]`` of the token after the prompt."""
         return torch.log_softmax(self.logits(token_ids, segments)[-1], dim=-1)
 
     def answer_nll(
-        self, prompt_ids: Sequence[int], answer_ids: Sequence[int], segments: Sequence[tuple[int, FactKV]] = ()
+        self, prompt_ids: Sequence[int], answer_ids: Sequence[int], segments: Sequence[tuple[int, StoredKV]] = ()
     ) -> float:
         """Teacher-forced mean negative log-likelihood of ``answer_ids`` after the prompt (nats per token).
 
