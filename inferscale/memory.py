@@ -2,7 +2,7 @@
 
 The data dir's components are opened and wired by :func:`inferscale.components.open_components`;
 arguments are checked by :mod:`inferscale.arguments` before anything is written. Writes go
-through :class:`~inferscale.facts.FactService` (Chroma, then the index, the history and the
+through :class:`~inferscale.facts.writes.FactService` (Chroma, then the index, the history and the
 KV queue); requests are built by :class:`~inferscale.generation.request.RequestBuilder` and run on the
 vLLM engine with InferScale's connector (:mod:`inferscale.serving.engine`).
 
@@ -21,9 +21,9 @@ from inferscale.checks import check_bool, check_id, result_limit
 from inferscale.answering import Answering
 from inferscale.components import Components, open_components, resolve_models
 from inferscale.config import MemoryConfig
-from inferscale.extraction import (FactExtractor, LLMFactExtractor, Reconciler, SimilarityReconciler,
-                                   extract_and_reconcile)
-from inferscale.lifecycle import close_at_exit
+from inferscale.facts.extraction import (FactExtractor, LLMFactExtractor, Reconciler, SimilarityReconciler,
+                                         extract_and_reconcile)
+from inferscale.runtime.lifecycle import close_at_exit
 from inferscale.store.records import Scope
 from inferscale.store.turns import Turn
 from inferscale.types import FactInput, MemoryNotFoundError, write_results
@@ -48,7 +48,7 @@ class Memory(Answering):
         kv_dir: the KV pool's folder (give it to your own vLLM's connector). device: torch's.
 
     Raises:
-        inferscale.models.ModelNotFoundError: the LLM or embedder cannot be found.
+        inferscale.models.resolve.ModelNotFoundError: the LLM or embedder cannot be found.
         inferscale.store.records.StoreError: the data dir cannot be used (unwritable, written by a
             newer version or with another embedder; memories a ``chroma_url`` would hide).
         TypeError / ValueError: an unknown or invalid setting or argument.
@@ -76,10 +76,11 @@ class Memory(Answering):
         if engine is not None and not hasattr(engine, "kv_dir"):
             raise TypeError(f"engine must be an inferscale.serving.engine.Engine, got {type(engine).__name__}")
         if extractor is not None and not callable(extractor):
-            raise TypeError(f"extractor must be callable as extractor(turns, chat) (inferscale.extraction.FactExtractor), "
+            raise TypeError("extractor must be callable as extractor(turns, chat) "
+                            "(inferscale.facts.extraction.FactExtractor), "
                             f"got {type(extractor).__name__}")
         if reconciler is not None and not callable(getattr(reconciler, "decide", None)):
-            raise TypeError(f"reconciler must have a decide() method (inferscale.extraction.Reconciler), "
+            raise TypeError(f"reconciler must have a decide() method (inferscale.facts.extraction.Reconciler), "
                             f"got {type(reconciler).__name__}")
         if engine is not None and Path(engine.kv_dir).resolve() != self.kv_dir.resolve():
             raise ValueError(f"the given engine serves KV from {engine.kv_dir}, not this memory's {self.kv_dir}")
@@ -126,7 +127,7 @@ class Memory(Answering):
             metadata: attached to every stored fact (JSON-serialisable).
             infer: ``False`` stores each message as given; ``True`` has the served LLM
                 extract facts from the messages and reconciles each with the scope's
-                stored facts (:mod:`inferscale.extraction`).
+                stored facts (:mod:`inferscale.facts.extraction`).
 
         Returns:
             ``{"results": [{"id", "memory", "event"}]}``, ``event`` one of ``"ADD"``,

@@ -30,7 +30,7 @@ from transformers import AutoConfig
 from inferscale.kv.injection import InjectionPlan, LayerWriter, PlannedSegment, StagedKV, stage, write_layers
 from inferscale.kv.pool import FactKV, kv_key
 from inferscale.kv.rope import RopeRotator
-from inferscale.models import resolve_llm
+from inferscale.models.resolve import resolve_llm
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ def child(dtype: str) -> None:
     import tempfile
 
     from inferscale.kv.encoder import EncodeItem, KVEncoder
-    from inferscale.models import resolve_llm
+    from inferscale.models.resolve import resolve_llm
     from inferscale.serving.engine import Engine
 
     path = resolve_llm()

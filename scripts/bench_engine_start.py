@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import inferscale.memory  # noqa: F401  (what a user's script imports; the old way's child re-imports it)
-from inferscale.models import resolve_llm
+from inferscale.models.resolve import resolve_llm
 
 
 def start_once(skip_main: bool, kv_dir: Path) -> float:

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from inferscale.datasets.locomo import default_locomo_path, load_locomo  # noqa: E402
 from inferscale.kv.encoder import EncodeItem, KVEncoder  # noqa: E402
 from inferscale.kv.pool import KVPool, kv_key  # noqa: E402
-from inferscale.models import resolve_llm  # noqa: E402
+from inferscale.models.resolve import resolve_llm  # noqa: E402
 from inferscale.serving.engine import Engine  # noqa: E402
 from inferscale.generation.prompt import PromptBuilder  # noqa: E402
 from inferscale.kv.reference import ReferenceModel  # noqa: E402

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Conf
 
 from inferscale.kv.encoder import EncodeItem, KVEncoder
 from inferscale.kv.pool import KVPool, kv_key
-from inferscale.models import resolve_llm
+from inferscale.models.resolve import resolve_llm
 from inferscale.serving.engine import Engine
 from inferscale.generation.prompt import PromptBuilder
 

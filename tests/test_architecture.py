@@ -154,7 +154,8 @@ def test_the_connector_loads_a_small_part_of_the_package():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = set(eval(done.stdout.strip().splitlines()[-1]))  # noqa: S307 - our own printed list
-    assert loaded <= {"inferscale", "inferscale.devices", "inferscale.sizes", "inferscale.logs", "inferscale.kv",
+    assert loaded <= {"inferscale", "inferscale.runtime", "inferscale.runtime.devices", "inferscale.runtime.sizes",
+                      "inferscale.runtime.logs", "inferscale.kv",
                       "inferscale.kv.injection", "inferscale.kv.pool", "inferscale.kv.quant", "inferscale.kv.rope",
                       "inferscale.serving",
                       "inferscale.serving.connector"}, sorted(loaded)

@@ -7,7 +7,7 @@ import pytest
 from inferscale import FactInput, Memory
 from inferscale.datasets.locomo import LocomoFormatError, load_locomo
 from inferscale.kv.pool import kv_key, validate_key
-from inferscale.models import ModelNotFoundError
+from inferscale.models.resolve import ModelNotFoundError
 from inferscale.kv.injection import InjectionPlan
 from inferscale.store.records import Scope, StoreError
 

@@ -219,7 +219,7 @@ def test_footprint_formula_matches_the_stored_kv(tmp_path, store, locomo_path, l
     s = json.loads((tmp_path / "footprint.json").read_text())
     from transformers import AutoConfig
 
-    from inferscale.models import resolve_llm
+    from inferscale.models.resolve import resolve_llm
 
     cfg = AutoConfig.from_pretrained(str(resolve_llm()))
     head_dim = cfg.hidden_size // cfg.num_attention_heads

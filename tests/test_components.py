@@ -11,7 +11,7 @@ from inferscale.datasets.locomo import LocomoFormatError, load_locomo, token_f1
 from inferscale.store.filters import compile_filter
 from inferscale.store.index import VectorIndex
 from inferscale.kv.pool import FactKV, KVPool, kv_key, validate_key
-from inferscale.models import ModelNotFoundError, model_fingerprint, resolve_llm
+from inferscale.models.resolve import ModelNotFoundError, model_fingerprint, resolve_llm
 from inferscale.kv.injection import InjectionPlan
 from inferscale.generation.prompt import PromptBuilder
 from inferscale.store.records import FactRecord, Scope

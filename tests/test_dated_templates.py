@@ -9,7 +9,7 @@ from datetime import datetime
 import pytest
 from transformers import AutoTokenizer
 
-from inferscale.models import resolve_llm
+from inferscale.models.resolve import resolve_llm
 from inferscale.generation.prompt import PromptBuilder
 
 #: the system-turn part of Llama 3.1's template, on SmolLM2's tokens

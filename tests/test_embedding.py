@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from inferscale.config import DEFAULT_EMBEDDER
-from inferscale.embedding import Embedder
-from inferscale.embedding_onnx import onnx_plan
-from inferscale.models import resolve_embedder
+from inferscale.models.embedding import Embedder
+from inferscale.models.embedding_onnx import onnx_plan
+from inferscale.models.resolve import resolve_embedder
 
 TEXTS = ["What did Caroline research?", "I have a dog called Rex and two cats.", "Where do I live?",
          "A much longer sentence " * 30]  # padded against the short ones in one batch

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from inferscale.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
+from inferscale.runtime.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.datasets.locomo import load_locomo
 from inferscale.kv.encoder import EncodeItem
 from inferscale.kv.pool import FactKV, KVPool, kv_key, to_storage

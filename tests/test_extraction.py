@@ -3,7 +3,8 @@
 import pytest
 
 from inferscale import Memory
-from inferscale.extraction import EXTRACTION_EXAMPLE, LLMFactExtractor, SimilarityReconciler, grounding, parse_facts
+from inferscale.facts.extraction import (EXTRACTION_EXAMPLE, LLMFactExtractor, SimilarityReconciler, grounding,
+                                         parse_facts)
 from inferscale.store.turns import Turn
 
 

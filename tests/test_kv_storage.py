@@ -14,7 +14,7 @@ from inferscale import Memory
 from inferscale.config import MemoryConfig
 from inferscale.kv.pool import FactKV, KVPool
 from inferscale.kv.quant import QuantizedKV
-from inferscale.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
+from inferscale.runtime.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
 
 USER = "kv-storage-user"
 FACTS = ["My dog is called Biscuit.", "I work as a nurse in Lisbon.", "My sister Ana plays the cello.",

@@ -8,7 +8,7 @@ import pytest
 from inferscale import AsyncMemory, Memory, MemoryNotFoundError
 from inferscale.config import DEFAULT_EMBEDDER
 from inferscale.kv.manager import KVManager
-from inferscale.models import resolve_embedder
+from inferscale.models.resolve import resolve_embedder
 from inferscale.store.records import Scope, StoreError
 
 def new_memory(path, **kw) -> Memory:

@@ -463,7 +463,7 @@ def test_fronting_a_vllm_server_that_is_already_running(tmp_path):
     (here by the same helper, whose command is that one), injects into it, and leaves it
     running when it stops."""
     from inferscale.config import MemoryConfig
-    from inferscale.models import resolve_llm
+    from inferscale.models.resolve import resolve_llm
     from inferscale.server.vllm_process import VLLMProcess
 
     data = tmp_path / "data"

@@ -235,7 +235,7 @@ def test_a_fact_a_dead_process_wrote_but_did_not_record_is_not_stored_twice(post
     worker's index holds; the client's retry of that add finds it, records it and returns it."""
     import numpy as np
 
-    from inferscale.facts import text_hash
+    from inferscale.facts.writes import text_hash
     from inferscale.store.records import FactRecord
 
     settings = dict(dtype="float32", context_window=0, precompute_kv=False, database_url=postgres_url,

@@ -30,9 +30,9 @@ from tqdm import tqdm
 
 from inferscale.bench.common import ensure_conversation, markdown_table, scope_of, write_outputs
 from inferscale.bench.plots import plot_footprint
-from inferscale.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
+from inferscale.runtime.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.datasets.locomo import load_locomo
-from inferscale.devices import torch_dtype
+from inferscale.runtime.devices import torch_dtype
 from inferscale.kv.pool import KVPool
 from inferscale.memory import Memory
 

@@ -33,9 +33,9 @@ import numpy as np
 from inferscale.bench import store_scale
 from inferscale.config import DEFAULT_EMBEDDER
 from inferscale.datasets.locomo import LocomoSample, load_locomo
-from inferscale.embedding import Embedder
+from inferscale.models.embedding import Embedder
 from inferscale.memory import Memory
-from inferscale.models import resolve_embedder
+from inferscale.models.resolve import resolve_embedder
 from inferscale.types import FactInput
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
 from inferscale.checks import check_bool
-from inferscale.facts import FactService
+from inferscale.facts.writes import FactService
 from inferscale.kv.injection import InjectionPlan
 from inferscale.kv.manager import KVManager
 from inferscale.generation.options import GenerationOptions

@@ -17,7 +17,7 @@ import time
 from typing import Callable, Sequence
 
 from inferscale.kv.jobs import KVJob, KVJobQueue
-from inferscale.lifecycle import close_at_exit
+from inferscale.runtime.lifecycle import close_at_exit
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Sequence
 
 import torch
 
-from inferscale.devices import best_device, torch_dtype
+from inferscale.runtime.devices import best_device, torch_dtype
 from inferscale.kv.pool import FactKV
-from inferscale.models import MODEL_LOADS
+from inferscale.models.resolve import MODEL_LOADS
 from inferscale.kv.rope import RopeRotator
 
 @dataclass(frozen=True)

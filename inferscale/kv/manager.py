@@ -25,7 +25,7 @@ from inferscale.kv.encoder import EncodeItem, KVEncoder
 from inferscale.kv.jobs import KVJob, KVJobQueue
 from inferscale.kv.pool import KVPool, kv_key, to_storage
 from inferscale.kv.quant import STORAGE_DTYPES
-from inferscale.logs import quiet_progress_bars
+from inferscale.runtime.logs import quiet_progress_bars
 from inferscale.generation.prompt import PREAMBLE_OWNER, PromptBuilder
 from inferscale.store.chroma import FactStore
 from inferscale.store.records import FactRecord, Scope
@@ -65,7 +65,7 @@ class KVManager:
 
     Args:
         model_path: the served model's folder.
-        fingerprint: :func:`inferscale.models.model_fingerprint` of it.
+        fingerprint: :func:`inferscale.models.resolve.model_fingerprint` of it.
         dtype: KV dtype name.
         prompts: the prompt builder (its preamble starts every context).
         pool: the KV pool.

@@ -127,7 +127,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
     Raises:
         OSError: the front's port is in use.
         ValueError: options that do not fit together (:meth:`ServeOptions.check`).
-        inferscale.models.ModelNotFoundError: the model cannot be found.
+        inferscale.models.resolve.ModelNotFoundError: the model cannot be found.
         inferscale.server.vllm_process.VLLMStartError: vLLM's server could not start.
         RuntimeError: a ``vllm_urls`` server does not answer; another server holds the data dir.
     """
@@ -154,7 +154,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
     import uvicorn
 
     from inferscale.memory import Memory
-    from inferscale.models import resolve_llm
+    from inferscale.models.resolve import resolve_llm
     from inferscale.server.upstream import HttpEngine
     from inferscale.server.vllm_process import ReplicaSupervisor, VLLMProcess
     from inferscale.server.worker import WORKER_ENV, WorkerSpec, open_front

@@ -46,8 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from inferscale.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
-from inferscale.devices import best_device
+from inferscale.runtime.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
+from inferscale.runtime.devices import best_device
 from inferscale.kv.injection import (
     InjectionPlan,
     LayerWriter,

@@ -28,9 +28,9 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from inferscale.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
-from inferscale.lifecycle import close_at_exit
-from inferscale.logs import quiet_vllm_logger
+from inferscale.runtime.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
+from inferscale.runtime.lifecycle import close_at_exit
+from inferscale.runtime.logs import quiet_vllm_logger
 from inferscale.kv.injection import injected_tokens
 from inferscale.serving.spawn import children_skip_main
 from inferscale.serving.vllm_compat import (ENGINE_SHUTDOWN_TIMEOUT_S, check_json_schema, check_vllm_version,
@@ -126,7 +126,7 @@ class Engine:
         kv_cache_memory_bytes: size of vLLM's paged KV cache (bytes).
         device_budget_bytes: device tier of the connector's KV pool (bytes).
         max_num_seqs: most requests vLLM batches at once.
-        verbose: let vLLM log as it does on its own (default: errors only; :mod:`inferscale.logs`).
+        verbose: let vLLM log as it does on its own (default: errors only; :mod:`inferscale.runtime.logs`).
 
     Concurrent requests (from threads, or tasks of any event loop) are batched by vLLM.
     Call :meth:`close` (or use ``with Engine(...) as e:``) to stop the engine-core

