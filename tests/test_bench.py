@@ -185,6 +185,37 @@ def test_quality_scores_every_mode(tmp_path, store, locomo_path, latency_run):
     assert (tmp_path / "quality.png").stat().st_size > 10_000
 
 
+def test_latency_serves_a_storage_dtype_beside_the_model_dtype(tmp_path, store, locomo_path, latency_run):
+    _bench("latency", "--data", str(locomo_path), "--out", str(tmp_path), "--store", str(store), "--questions", "1",
+           "--k", "5", "--modes", "inject-w0,inject-w0-int4")
+    summary = json.loads((tmp_path / "latency.json").read_text())
+    cells = {(c["mode"], c["k"]): c for c in summary["cells"]}
+    assert set(cells) == {("inject-w0", 5), ("inject-w0-int4", 5)}
+    assert cells[("inject-w0-int4", 5)]["prefilled_tokens_mean"] == cells[("inject-w0", 5)]["prefilled_tokens_mean"]
+    assert "inject-w0-int4 k=5 / inject-w0 k=5" in summary["ttft_median_ratios"]
+
+
+def test_kv_storage_bench_pairs_the_three_storage_dtypes(tmp_path, store, locomo_path, latency_run):
+    _bench("kv-storage", "--data", str(locomo_path), "--out", str(tmp_path), "--store", str(store), "--tuning", "0",
+           "--held-out", "1", "--tuning-questions", "1", "--questions", "2", "--k", "5", "--context-window", "0",
+           "--max-tokens", "4")
+    rows = _rows(tmp_path / "kv_storage.jsonl")
+    assert sorted(r["split"] for r in rows) == ["held_out", "held_out", "tuning"]
+    for r in rows:
+        injected = {r[s]["injected_tokens"] for s in ("auto", "int8", "int4")}
+        assert len(injected) == 1 and injected.pop() > 0  # the same facts, all injected, in every storage dtype
+        assert all(r[s]["nll"] > 0 and 0 <= r[s]["f1"] <= 1 for s in ("auto", "int8", "int4"))
+    summary = json.loads((tmp_path / "kv_storage.json").read_text())
+    held = next(c for c in summary["cells"] if c["split"] == "held_out")
+    assert held["n"] == 2
+    for s in ("int8", "int4"):
+        lo, hi = held[s]["nll_change_ci"]
+        assert lo <= held[s]["nll_change"] <= hi
+    b = summary["bytes"]
+    assert b["int4"]["vs_bf16"] < b["int8"]["vs_bf16"] < 0.6 and b["int4"]["vs_bf16"] < 0.35
+    assert "## Held out" in (tmp_path / "kv_storage.md").read_text()
+
+
 def test_throughput_on_the_async_engine(tmp_path, store, locomo_path):
     _bench("throughput", "--data", str(locomo_path), "--out", str(tmp_path), "--store", str(store), "--users", "1,2",
            "--facts-per-user", "8", "--requests-per-user", "1", "--k", "5", "--max-tokens", "4")
@@ -231,6 +262,10 @@ def test_footprint_formula_matches_the_stored_kv(tmp_path, store, locomo_path, l
     assert s["stored_files"] > 0 and s["stored_files_matching_formula"] == s["stored_files"]
     (conv,) = s["conversations"]
     assert conv["sample"] == "conv-26" and conv["kv_bytes"] == conv["fact_tokens"] * s["bytes_per_token"]
+    # issue 30's budget per LoCoMo fact, scales included: int8 <= 0.55x and int4 <= 0.30x of bf16 KV
+    per_fact = s["storage_bytes_per_fact_mean"]
+    assert per_fact["int8"] <= 0.55 * per_fact["bfloat16"] and per_fact["int4"] <= 0.30 * per_fact["bfloat16"]
+    assert conv["storage_mib"]["bfloat16"] * width / 2 == pytest.approx(conv["kv_mib"])
     big, tiny = s["split"]
     assert big["device_mib"] == pytest.approx(big["disk_mib"], rel=0.01)  # everything fits the device tier
     assert 0 < tiny["device_mib"] <= 4.0 < tiny["disk_mib"]  # LRU keeps to the budget; every fact stays on disk
