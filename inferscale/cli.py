@@ -295,6 +295,7 @@ def bench_kv_storage(
     max_tokens: int = typer.Option(24, min=1, help="Answer budget (tokens)."),
     dtype: str = _DTYPE,
     fresh: bool = _FRESH,
+    report_only: bool = typer.Option(False, "--report-only", help="Summarize the answers in --out without answering more."),
 ) -> None:
     """Fact KV in int8 and int4 vs the model's dtype: paired gold-answer NLL and token F1 on LoCoMo, with bootstrap CIs."""
     from inferscale.bench.kv_storage import run
@@ -303,7 +304,8 @@ def bench_kv_storage(
     _run_bench("kv_storage", out, lambda: run(
         data, out, store, tuning=_ints(tuning, "tuning"), held_out=_ints(held_out, "held-out"),
         tuning_questions=tuning_questions, questions=questions, ks=_ints(k, "k"),
-        windows=_ints(context_window, "context-window"), max_tokens=max_tokens, dtype=dtype, fresh=fresh))
+        windows=_ints(context_window, "context-window"), max_tokens=max_tokens, dtype=dtype, fresh=fresh,
+        report_only=report_only))
 
 
 @bench_app.command("throughput")

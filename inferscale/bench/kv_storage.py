@@ -48,7 +48,7 @@ _RESAMPLES = 2000
 def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (0, 1, 2),
         held_out: Sequence[int] = (3, 4, 5, 6, 7, 8, 9), tuning_questions: int = 5, questions: int = 29,
         ks: Sequence[int] = (10, 50), windows: Sequence[int] = (5, 20), max_tokens: int = 24, dtype: str = "auto",
-        concurrency: int = 6, fresh: bool = False) -> dict:
+        concurrency: int = 6, fresh: bool = False, report_only: bool = False) -> dict:
     """Run (or resume) the benchmark; writes ``kv_storage.{jsonl,json,md}`` to ``out_dir``.
 
     Args:
@@ -58,6 +58,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (
         ks: facts per request. windows: context windows w (turns). max_tokens: answer budget.
         concurrency: questions in flight (vLLM batches their generations; answers are greedy,
             so the batch does not change them beyond float rounding).
+        report_only: summarize the answers in ``out_dir`` without answering more (a partial
+            run's page).
 
     Returns:
         The summary written to ``kv_storage.json``.
@@ -74,55 +76,62 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (
                 "tuning_questions": tuning_questions, "questions": questions, "ks": list(ks), "windows": list(windows),
                 "max_tokens": max_tokens, "dtype": dtype, "data": str(data)}
     log = ResultLog(out_dir, NAME, settings, fresh=fresh)
-    base = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False)
-    memories = {"auto": base}
-    ref = None
+    # the work, question-major across each split's conversations: an interrupted run has
+    # spread its answers over every conversation, and resumes where it stopped
+    picked: dict[int, list] = {}
+    todo: list[tuple[str, int, int, int, int]] = []
+    for split, indices, n in (("tuning", tuning, tuning_questions), ("held_out", held_out, questions)):
+        for s in indices:
+            qs = [q for q in convs[s].qa if q.category in (1, 2, 3, 4)]
+            picked[s] = pick_questions(convs[s], min(n, len(qs)))
+        for qi in range(n):
+            todo += [(split, s, qi, k, w) for s in indices if qi < len(picked[s]) for k in ks for w in windows
+                     if not log.done(_key(convs[s].sample_id, qi, k, w))]
+    planned = sum(len(picked[s]) for s in (*tuning, *held_out)) * len(ks) * len(windows)
+    memories: dict[str, Memory] = {}
     nll_lock = threading.Lock()
+    interrupted = False
     try:
-        for split, indices, n in (("tuning", tuning, tuning_questions), ("held_out", held_out, questions)):
-            for s in indices:
-                conv = convs[s]
-                qs = [q for q in conv.qa if q.category in (1, 2, 3, 4)]
-                picked = pick_questions(conv, min(n, len(qs)))
-                todo = [(qi, k, w) for qi in range(len(picked)) for k in ks for w in windows
-                        if not log.done(_key(conv.sample_id, qi, k, w))]
-                if not todo:
-                    continue
-                ensure_conversation(base, conv)
-                if len(memories) == 1:  # one engine for all three
-                    for storage in STORAGE_DTYPES[1:]:
-                        memories[storage] = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False,
-                                                   kv_storage_dtype=storage, engine=base.engine)
-                    ref = base.reference_model()
-                user_id = scope_of(conv)
+        if todo and not report_only:
+            base = memories["auto"] = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False)
+            for s in sorted({job[1] for job in todo}):
+                ensure_conversation(base, convs[s])
+            for storage in STORAGE_DTYPES[1:]:  # one engine for all three
+                memories[storage] = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False,
+                                           kv_storage_dtype=storage, engine=base.engine)
+            ref = base.reference_model()
 
-                def answer(job: tuple[int, int, int], conv=conv, picked=picked, user_id=user_id) -> tuple[str, dict]:
-                    qi, k, w = job
-                    qa, gold = picked[qi], str(picked[qi].answer)
-                    t0 = time.perf_counter()
-                    row = {"split": split, "sample": conv.sample_id, "question": qi, "category": qa.category, "k": k,
-                           "w": w, "gold": gold}
-                    for storage, mem in memories.items():
-                        g = mem.generate(qa.question, user_id=user_id, k=k, context_window=w, mode="inject",
-                                         max_tokens=max_tokens, wait_for_kv=True)
-                        with nll_lock:  # one transformers forward at a time; vLLM batches the generations
-                            nll = answer_nll(mem, ref, user_id, qa.question, gold, k, "inject", w)
-                        row[storage] = {"answer": g.text, "f1": token_f1(g.text, gold), "nll": nll,
-                                        "injected_tokens": g.num_injected_tokens}
-                    row["seconds"] = time.perf_counter() - t0
-                    return _key(conv.sample_id, qi, k, w), row
+            def answer(job: tuple[str, int, int, int, int]) -> tuple[str, dict]:
+                split, s, qi, k, w = job
+                conv, qa = convs[s], picked[s][qi]
+                user_id, gold = scope_of(conv), str(qa.answer)
+                t0 = time.perf_counter()
+                row = {"split": split, "sample": conv.sample_id, "question": qi, "category": qa.category, "k": k,
+                       "w": w, "gold": gold}
+                for storage, mem in memories.items():
+                    g = mem.generate(qa.question, user_id=user_id, k=k, context_window=w, mode="inject",
+                                     max_tokens=max_tokens, wait_for_kv=True)
+                    with nll_lock:  # one transformers forward at a time; vLLM batches the generations
+                        nll = answer_nll(mem, ref, user_id, qa.question, gold, k, "inject", w)
+                    row[storage] = {"answer": g.text, "f1": token_f1(g.text, gold), "nll": nll,
+                                    "injected_tokens": g.num_injected_tokens}
+                row["seconds"] = time.perf_counter() - t0
+                return _key(conv.sample_id, qi, k, w), row
 
-                with ThreadPoolExecutor(concurrency) as pool:
-                    for key, row in tqdm(pool.map(answer, todo), total=len(todo), desc=f"kv storage {conv.sample_id}",
-                                         unit="question"):
-                        log.add(key, row)
+            with ThreadPoolExecutor(concurrency) as pool:
+                for key, row in tqdm(pool.map(answer, todo), total=len(todo), desc="kv storage", unit="question"):
+                    log.add(key, row)
         log.commit()
+    except KeyboardInterrupt:  # stopped by hand: summarize what is done (the run resumes later)
+        interrupted = True
     finally:
         for mem in reversed(list(memories.values())):
             mem.close()
     summary = summarize(log.all(), ks, windows)
     summary["bytes"] = stored_bytes(store_dir / "kv")
     summary["settings"] = log.settings
+    summary["answers_done"], summary["answers_planned"] = len(log.all()), planned
+    summary["interrupted"] = interrupted
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
     return summary
 
@@ -207,6 +216,9 @@ def to_markdown(summary: dict) -> str:
              f"({s['tuning_questions']} questions each); held out {', '.join(s['held_out'])} ({s['questions']} "
              f"questions each). Changes are quantized minus model-dtype KV with 95% bootstrap intervals (answers "
              f"resampled in pairs, {_RESAMPLES} resamples)."]
+    if summary.get("answers_done", 0) < summary.get("answers_planned", 0):
+        parts.append(f"**Partial run**: {summary['answers_done']} of {summary['answers_planned']} (question, k, w) "
+                     f"cells answered so far; `inferscale bench kv-storage --out <this folder>` resumes it.")
     for split, title in (("held_out", "Held out"), ("tuning", "Tuning set")):
         cells = [c for c in summary["cells"] if c["split"] == split]
         if not cells:
