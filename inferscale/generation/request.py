@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
 from inferscale.checks import check_bool
@@ -33,6 +33,14 @@ class EngineLike(Protocol):
     def check_json_schema(self, schema: dict) -> None: ...
 
 
+#: What ``kv_sources`` says of a memory in inject mode: its KV was found in this process's
+#: ``"device"`` or ``"host"`` tier or on ``"disk"`` (the tier vLLM's connector reads; it may
+#: hold the KV in its own device tier), was ``"quantized now"`` from model-dtype KV, was
+#: ``"encoded now"`` (``wait_for_kv``), or the memory came as text: ``"text: not encoded yet"``
+#: or ``"text: evicted"`` (its KV was evicted past a tier budget; queued to be encoded again).
+KV_SOURCES = ("device", "host", "disk", "quantized now", "encoded now", "text: not encoded yet", "text: evicted")
+
+
 @dataclass(frozen=True)
 class PreparedRequest:
     """One request, ready for the engine.
@@ -50,6 +58,8 @@ class PreparedRequest:
             in inject mode those whose KV is not encoded yet).
         json_schema: the JSON Schema the answer is decoded under (``options.json_schema``,
             or a forced tool call's), ``None`` for free text.
+        kv_sources: in inject mode, per fact id, where its KV was when the request was
+            planned (:data:`KV_SOURCES`).
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -61,6 +71,7 @@ class PreparedRequest:
     kv_memory_ids: tuple[str, ...] = ()
     text_memory_ids: tuple[str, ...] = ()
     json_schema: dict | None = None
+    kv_sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def kv_transfer_params(self) -> dict | None:
@@ -194,7 +205,7 @@ class RequestBuilder:
         plan = sel.plan(layout.segments) if options.mode == "inject" else None
         memory_tokens = plan.memory_end if plan is not None else layout.memory_end
         return PreparedRequest(layout.token_ids, plan, sel.hits, sel.retrieval_s, memory_tokens, options,
-                               sel.kv_ids, sel.text_ids, json_schema)
+                               sel.kv_ids, sel.text_ids, json_schema, sel.kv_sources)
 
     def prepare_memory_block(self, scope: Scope, query: str, options: GenerationOptions, *,
                              instructions: str | None = None) -> "MemoryBlock":
@@ -221,7 +232,8 @@ class RequestBuilder:
         segments = self.prompts.memory_segments([(r.id, r.text) for r in sel.ranked])
         plan = sel.plan(segments) if options.mode == "inject" else None
         memory_tokens = plan.memory_end if plan is not None else segments[-1].end
-        return MemoryBlock(system, plan, sel.hits, sel.retrieval_s, memory_tokens, sel.kv_ids, sel.text_ids)
+        return MemoryBlock(system, plan, sel.hits, sel.retrieval_s, memory_tokens, sel.kv_ids, sel.text_ids,
+                           sel.kv_sources)
 
     def _select(self, scope: Scope, query: str, options: GenerationOptions, allow_unknown_scope: bool,
                 max_block_tokens: int | None = None) -> "_Selection":
@@ -244,15 +256,21 @@ class RequestBuilder:
         w = options.context_window
         preamble = self.kv.preamble_span()
         keys = self.kv.fact_keys(scope.key, ranked, w)
-        ready = [self.kv.stored(k) for k in keys]
+        pool = self.kv.pool
+        found = {r.id: pool.tier(k) for r, k in zip(ranked, keys)}
+        ready = [found[r.id] is not None for r in ranked]
         missing = [r for r, ok in zip(ranked, ready) if not ok]
         if missing and self.kv.storage != "auto":  # KV kept in the model's dtype is quantized now, not re-encoded
             self.kv.quantize_stored(self.kv.fact_spans(scope.key, missing, w))
             ready = [self.kv.stored(k) for k in keys]
             missing = [r for r, ok in zip(ranked, ready) if not ok]
+        sources = {r.id: found[r.id] or ("quantized now" if ok else ("text: evicted" if pool.was_evicted(k) else
+                                                                       "text: not encoded yet"))
+                   for r, k, ok in zip(ranked, keys, ready)}
         if options.wait_for_kv and missing:
             self.kv.ensure(self.kv.fact_spans(scope.key, missing, w))
             ready = [True] * len(ranked)
+            sources.update({r.id: "encoded now" for r in missing})
         self.kv.ensure([preamble])
         order = [i for i, ok in enumerate(ready) if ok] + [i for i, ok in enumerate(ready) if not ok]
         ranked, keys = [ranked[i] for i in order], [keys[i] for i in order]
@@ -260,8 +278,9 @@ class RequestBuilder:
         if n_kv < len(ranked):
             self.kv.schedule(scope.key, ranked[n_kv:], w)
         kv_keys = {PREAMBLE_OWNER: preamble.key, **{r.id: key for r, key in zip(ranked[:n_kv], keys[:n_kv])}}
+        pool.use(kv_keys.values())  # recency on disk: what requests use is evicted last
         return _Selection(ranked, kv_keys, tuple(hits), retrieval,
-                          tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]))
+                          tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]), sources)
 
 
 @dataclass(frozen=True)
@@ -276,6 +295,7 @@ class _Selection:
     retrieval_s: float
     kv_ids: tuple[str, ...]
     text_ids: tuple[str, ...]
+    kv_sources: dict[str, str] = field(default_factory=dict)
 
     def plan(self, segments: Sequence[Segment]) -> InjectionPlan:
         """The injection of the preamble and the stored facts' lines, laid out as ``segments``
@@ -324,7 +344,7 @@ class MemoryBlock:
         hits: the retrieved facts and their scores, best first.
         retrieval_s: query embedding plus search (seconds).
         memory_tokens: tokens the plan covers (inject mode), or of preamble and fact lines (text).
-        kv_memory_ids / text_memory_ids: as in :class:`PreparedRequest`.
+        kv_memory_ids / text_memory_ids / kv_sources: as in :class:`PreparedRequest`.
     """
 
     system_text: str
@@ -334,6 +354,7 @@ class MemoryBlock:
     memory_tokens: int
     kv_memory_ids: tuple[str, ...] = ()
     text_memory_ids: tuple[str, ...] = ()
+    kv_sources: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -377,6 +398,7 @@ def generation_chunks(engine: EngineLike, request: PreparedRequest) -> Iterator[
             num_prefilled_tokens=out.num_prompt_tokens - out.num_cached_tokens, memories=memories,
             first_logprobs=out.first_logprobs, num_generated_tokens=out.num_output_tokens,
             kv_memory_ids=list(request.kv_memory_ids), text_memory_ids=list(request.text_memory_ids),
+            kv_sources=dict(request.kv_sources),
             tool_calls=[c.to_dict() for c in parse_tool_calls(piece.text, request.options.offered_tools())],
             finish_reason=out.finish_reason,
         ))

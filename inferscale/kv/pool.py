@@ -1,95 +1,55 @@
-"""The KV pool: precomputed fact KV on the device (LRU, byte budget) and on disk.
+"""The KV pool: precomputed fact KV in three tiers, each under a byte budget.
 
-Layout of one entry (a :class:`FactKV`):
-    keys:      ``[num_layers, num_tokens, num_kv_heads, head_dim]`` pre-RoPE keys
-    values:    ``[num_layers, num_tokens, num_kv_heads, head_dim]``
-    token_ids: ``[num_tokens]`` int64, the tokens the KV was encoded from
-in the served model's dtype (token ids aside). Per layer this is exactly the ``[num_tokens, num_kv_heads,
-head_size]`` that vLLM's ``do_kv_cache_update`` takes. An entry may instead be stored in 8 or
-4 bits (a :class:`~inferscale.kv.quant.QuantizedKV`, made by :func:`to_storage`): its codes
-and scales are what the disk and device tiers hold, and its ``keys`` / ``values`` are
-dequantized on access, so readers see the same ``[num_layers, num_tokens, ...]`` tensors.
+- **device** (:class:`~inferscale.kv.tiers.MemoryTier`): on the GPU when there is one, else
+  host memory; least recently used entries leave it first;
+- **host** (CUDA only, ``host_budget_bytes``): pinned host memory between the device and
+  disk; what the device tier lets go lands here, and a host hit moves back up;
+- **disk** (:class:`~inferscale.kv.disk.DiskTier`, ``disk_budget_bytes``): the files every
+  process over the data dir shares; least recently used files are evicted past the budget.
+
+KV is a cache of the memory's text, which stays the system of record: an entry evicted from
+every tier is a miss, and the request path serves that memory as text and queues its KV to
+be encoded again (:meth:`KVPool.was_evicted` tells why it was missing). Entries a request in
+flight uses are pinned (:meth:`KVPool.pinned`) and never evicted, nor is the preamble's KV
+(every request uses it).
+
+An entry is a :class:`~inferscale.kv.entry.FactKV` (``[num_layers, num_tokens,
+num_kv_heads, head_dim]`` pre-RoPE keys and values in the model's dtype, with their token
+ids) or its 8- / 4-bit codes (:class:`~inferscale.kv.quant.QuantizedKV`), held as such in
+every tier.
 
 Keys (:func:`kv_key`) are ``"<owner>/<variant>"``: ``owner`` is the fact id (or
 ``_preamble``), ``variant`` a hash of everything the KV depends on (model fingerprint,
-dtype, context window w, template, the fact's text and its context tokens). The disk
-tier stores ``<root>/<owner>/<variant>.safetensors`` (format ``inferscale-kv-2``: the
-token ids are stored with the KV, so the connector injects a segment only where the
-prompt holds those very tokens; metadata ``storage`` names ``model`` or the quantized
-dtype, whose codes and scales replace ``keys`` and ``values``), so invalidating a fact removes one
-folder. Writes go to a temporary file renamed into place: a crash leaves no partial
-entry. One pool object exists per root folder and process (:meth:`KVPool.shared`), so
-every user of a folder in a process shares its device tier; another process (vLLM's
-engine core, where the connector runs) reads the disk tier and keeps a device tier of its own.
+dtype, storage dtype, context window w, template, the fact's text and its context tokens),
+so invalidating a fact removes one folder. One pool object exists per root folder and
+process (:meth:`KVPool.shared`), so every user of a folder in a process shares its memory
+tiers; another process (vLLM's engine core, where the connector runs) reads the disk tier
+and keeps memory tiers of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import shutil
-import tempfile
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from inferscale.kv import quant
+from inferscale.kv.disk import READ_ERRORS, DiskTier
+from inferscale.kv.entry import FactKV, StoredKV, to_storage
 from inferscale.kv.quant import QuantizedKV
+from inferscale.kv.tiers import MemoryTier
+
+__all__ = ["FactKV", "KVPool", "StoredKV", "kv_key", "to_storage", "validate_key"]
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}/[0-9a-f]{32}$")
 
-
-@dataclass(frozen=True)
-class FactKV:
-    """Pre-RoPE keys and values of one token span, all layers.
-
-    Attributes:
-        keys: ``[num_layers, num_tokens, num_kv_heads, head_dim]``.
-        values: same shape as ``keys``.
-        token_ids: the span's ``num_tokens`` token ids (``None``: unknown, so the connector
-            never injects the entry).
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    token_ids: tuple[int, ...] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.keys.shape[1])
-
-    @property
-    def nbytes(self) -> int:
-        """Size in bytes of keys plus values."""
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-    def to(self, device: torch.device | str) -> "FactKV":
-        return FactKV(self.keys.to(device), self.values.to(device), self.token_ids)
-
-
-#: What a pool entry is: dense KV in the model's dtype, or its 8- or 4-bit codes.
-StoredKV = FactKV | QuantizedKV
-
-
-def to_storage(kv: FactKV, storage: str) -> StoredKV:
-    """``kv`` as the pool should hold it under the ``kv_storage_dtype`` setting ``storage``.
-
-    Args:
-        kv: dense KV (``[num_layers, num_tokens, num_kv_heads, head_dim]`` keys and values).
-        storage: ``"auto"`` (kept as it is) or one of :data:`inferscale.kv.quant.QUANTIZED_DTYPES`.
-
-    Raises:
-        ValueError: another ``storage`` (see :func:`inferscale.kv.quant.quantize`).
-    """
-    if storage == "auto":
-        return kv
-    return quant.quantize(kv.keys, kv.values, storage, token_ids=kv.token_ids)
+#: Keys remembered as evicted, for provenance (~150 bytes each).
+_EVICTED_KEPT = 100_000
 
 
 def kv_key(owner: str, **parts: object) -> str:
@@ -118,14 +78,15 @@ def validate_key(key: str) -> str:
 
 
 class KVPool:
-    """Two-tier store of :class:`FactKV` and :class:`~inferscale.kv.quant.QuantizedKV` entries
-    (:data:`StoredKV`): device LRU over a disk tier.
+    """Stored fact KV in a device, a host (CUDA) and a disk tier; see the module docstring.
 
     Args:
         root: disk-tier folder (created when missing).
         device: where the device tier lives (``cuda`` when present, else ``cpu``).
-        device_budget_bytes: bytes kept in the device tier; least recently used entries
-            are dropped from it (they stay on disk).
+        device_budget_bytes: bytes kept in the device tier.
+        host_budget_bytes: bytes kept in pinned host memory below a CUDA device tier (0: no
+            host tier; ignored when the device is the CPU, whose tier is host memory).
+        disk_budget_bytes: bytes of files kept on disk (``None``: no limit).
 
     Thread-safe.
     """
@@ -133,22 +94,30 @@ class KVPool:
     _registry: dict[Path, "KVPool"] = {}
     _registry_lock = threading.Lock()
 
-    def __init__(self, root: Path, device: torch.device | str, device_budget_bytes: int) -> None:
+    def __init__(self, root: Path, device: torch.device | str, device_budget_bytes: int,
+                 host_budget_bytes: int = 0, disk_budget_bytes: int | None = None) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
         self.device = torch.device(device)
         self.device_budget_bytes = int(device_budget_bytes)
-        self._hot: OrderedDict[str, StoredKV] = OrderedDict()
-        self._hot_bytes = 0
+        self.host_budget_bytes = int(host_budget_bytes) if self.device.type != "cpu" else 0
+        self.disk_budget_bytes = None if disk_budget_bytes is None else int(disk_budget_bytes)
+        self._device = MemoryTier("device", self.device_budget_bytes)
+        self._host = MemoryTier("host", self.host_budget_bytes)
+        self.disk = DiskTier(self.root, self.disk_budget_bytes)
         self._lock = threading.RLock()
-        self.stats = {"device_hits": 0, "disk_hits": 0, "misses": 0, "writes": 0}
+        self._pins: dict[str, int] = {}
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self.stats = {"device_hits": 0, "host_hits": 0, "disk_hits": 0, "misses": 0, "writes": 0,
+                      "device_evictions": 0, "host_evictions": 0, "disk_evictions": 0, "disk_evicted_bytes": 0,
+                      "reencodes": 0}
 
     @classmethod
-    def shared(cls, root: Path, device: torch.device | str, device_budget_bytes: int) -> "KVPool":
+    def shared(cls, root: Path, device: torch.device | str, device_budget_bytes: int, host_budget_bytes: int = 0,
+               disk_budget_bytes: int | None = None) -> "KVPool":
         """The process-wide pool for ``root`` (created on first use).
 
-        Every caller in a process shares one device tier per folder, so invalidations
-        reach all of them.
+        Every caller in a process shares one set of tiers per folder, so invalidations and
+        pins reach all of them.
 
         Raises:
             ValueError: the pool for ``root`` exists with another device or budget (the
@@ -159,62 +128,68 @@ class KVPool:
         with cls._registry_lock:
             pool = cls._registry.get(key)
             if pool is None:
-                pool = cls(key, device, device_budget_bytes)
+                pool = cls(key, device, device_budget_bytes, host_budget_bytes, disk_budget_bytes)
                 cls._registry[key] = pool
-            elif pool.device != torch.device(device) or pool.device_budget_bytes != int(device_budget_bytes):
+                return pool
+            asked = cls(key, device, device_budget_bytes, host_budget_bytes, disk_budget_bytes).settings()
+            if pool.settings() != asked:
                 raise ValueError(
-                    f"the KV pool at {key} is already open in this process on {pool.device} with a device budget "
-                    f"of {pool.device_budget_bytes} bytes; open it with the same settings (asked: {device}, "
-                    f"{device_budget_bytes} bytes)"
+                    f"the KV pool at {key} is already open in this process with {pool.settings()}; open it with the "
+                    f"same settings (asked: {asked})"
                 )
             return pool
 
+    def settings(self) -> dict:
+        """Device and budgets (bytes), as :meth:`shared` compares them."""
+        return {"device": str(self.device), "device_budget_bytes": self.device_budget_bytes,
+                "host_budget_bytes": self.host_budget_bytes, "disk_budget_bytes": self.disk_budget_bytes}
+
     def _path(self, key: str) -> Path:
-        owner, variant = validate_key(key).split("/")
-        return self.root / owner / f"{variant}.safetensors"
+        return self.disk.path(validate_key(key))
 
     def _remember(self, key: str, kv: StoredKV) -> None:
-        old = self._hot.pop(key, None)
-        if old is not None:
-            self._hot_bytes -= old.nbytes
-        if kv.nbytes > self.device_budget_bytes:
-            return
-        self._hot[key] = kv
-        self._hot_bytes += kv.nbytes
-        while self._hot_bytes > self.device_budget_bytes:
-            _, old = self._hot.popitem(last=False)
-            self._hot_bytes -= old.nbytes
+        """Hold ``kv`` in the device tier; what leaves it goes to the host tier (when there is one)."""
+        for old_key, old in self._device.put(key, kv):
+            self.stats["device_evictions"] += 1
+            if self._host.budget_bytes > 0:
+                self.stats["host_evictions"] += len(self._host.put(old_key, _to_host(old)))
+        self._host.pop(key)
 
     def put(self, key: str, kv: StoredKV) -> None:
         """Store ``kv`` under ``key`` on disk (atomically) and in the device tier, as it is
-        (dense, or the codes of a :class:`~inferscale.kv.quant.QuantizedKV`).
+        (dense, or the codes of a :class:`~inferscale.kv.quant.QuantizedKV`); past the disk
+        budget, evict the least recently used files that no request pins.
 
         Raises:
             ValueError: ``key`` is malformed, or ``kv.token_ids`` has another length than the KV.
         """
-        path = self._path(key)
+        validate_key(key)
         if kv.token_ids is not None and len(kv.token_ids) != kv.num_tokens:
             raise ValueError(f"{len(kv.token_ids)} token ids for KV of {kv.num_tokens} tokens")
-        if isinstance(kv, QuantizedKV):
-            tensors, meta = quant.to_tensors(kv)
-        else:
-            tensors = {"keys": kv.keys.detach().contiguous().cpu(), "values": kv.values.detach().contiguous().cpu()}
-            meta = {"storage": "model"}
-        if kv.token_ids is not None:
-            tensors["token_ids"] = torch.tensor(kv.token_ids, dtype=torch.int64)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"format": "inferscale-kv-2", "layout": "layers,tokens,kv_heads,head_dim",
-                                              **meta})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        self.disk.write(key, kv)
         with self._lock:
             self._remember(key, kv.to(self.device))
             self.stats["writes"] += 1
+            if key in self._evicted:  # evicted earlier, now encoded again
+                del self._evicted[key]
+                self.stats["reencodes"] += 1
+        if self.disk.over_budget():
+            self._evict_disk(protect=key)
+
+    def _evict_disk(self, protect: str) -> None:
+        with self._lock:
+            pinned = set(self._pins)
+        # the preamble (owner "_preamble") is in every request and one per model: never evicted
+        gone = self.disk.evict(keep=lambda k: k == protect or k in pinned or k.startswith("_"))
+        with self._lock:
+            for key, size in gone:
+                self._device.pop(key)
+                self._host.pop(key)
+                self._evicted[key] = None
+                self.stats["disk_evictions"] += 1
+                self.stats["disk_evicted_bytes"] += size
+            while len(self._evicted) > _EVICTED_KEPT:
+                self._evicted.popitem(last=False)
 
     def get(self, key: str) -> StoredKV | None:
         """The entry for ``key`` on the pool's device, or ``None`` when absent or unreadable.
@@ -222,15 +197,19 @@ class KVPool:
         A quantized entry comes back quantized (:class:`~inferscale.kv.quant.QuantizedKV`:
         its ``keys`` and ``values`` dequantize on access)."""
         with self._lock:
-            kv = self._hot.get(key)
+            kv = self._device.get(key)
             if kv is not None:
-                self._hot.move_to_end(key)
                 self.stats["device_hits"] += 1
                 return kv
-        path = self._path(key)
+            kv = self._host.get(key)
+            if kv is not None:
+                self.stats["host_hits"] += 1
+                kv = kv.to(self.device)
+                self._remember(key, kv)
+                return kv
         try:
-            kv = _read(path).to(self.device)
-        except (FileNotFoundError, SafetensorError, KeyError, OSError, ValueError):
+            kv = self.disk.read(validate_key(key)).to(self.device)
+        except READ_ERRORS:
             with self._lock:
                 self.stats["misses"] += 1
             return None
@@ -243,69 +222,94 @@ class KVPool:
         """The tokens ``key``'s KV was encoded from, read without loading the KV (``None`` when
         the entry is absent, unreadable or has no token ids)."""
         with self._lock:
-            kv = self._hot.get(key)
+            kv = self._device.get(key) or self._host.get(key)
         if kv is not None:
             return kv.token_ids
         try:
-            with safe_open(self._path(key), framework="pt", device="cpu") as f:
-                if "token_ids" not in f.keys():
-                    return None
-                return tuple(f.get_tensor("token_ids").tolist())
-        except (FileNotFoundError, SafetensorError, OSError, ValueError):
+            return self.disk.token_ids(validate_key(key))
+        except ValueError:
             return None
 
     def contains(self, key: str) -> bool:
-        """Whether ``key`` is in the device tier or on disk (no load)."""
-        with self._lock:
-            if key in self._hot:
-                return True
+        """Whether ``key`` is on disk, where every process reads it (no load).
+
+        The disk tier is what the connector in vLLM's process reads, so an entry counts as
+        stored only there; an entry evicted from disk is dropped from this process's memory
+        tiers at once, so the two agree."""
         return self._path(key).exists()
 
-    def remove(self, key: str) -> None:
-        """Drop one entry from the device tier and disk (absent is fine)."""
+    def tier(self, key: str) -> str | None:
+        """Where this process holds ``key``: ``"device"``, ``"host"``, ``"disk"`` or ``None``."""
         with self._lock:
-            old = self._hot.pop(key, None)
-            if old is not None:
-                self._hot_bytes -= old.nbytes
-        self._path(key).unlink(missing_ok=True)
+            if key in self._device:
+                return "device"
+            if key in self._host:
+                return "host"
+        return "disk" if self._path(key).exists() else None
+
+    def use(self, keys: Iterable[str]) -> None:
+        """Mark ``keys`` as used by a request now (their disk recency, :meth:`DiskTier.touch`)."""
+        for key in keys:
+            self.disk.touch(validate_key(key))
+
+    def was_evicted(self, key: str) -> bool:
+        """Whether this process evicted ``key`` (and has not stored it again since)."""
+        with self._lock:
+            return key in self._evicted
+
+    @contextmanager
+    def pinned(self, keys: Iterable[str]) -> Iterator[None]:
+        """Keep ``keys`` from eviction while the block runs (a request's life)."""
+        keys = list(keys)
+        with self._lock:
+            for key in keys:
+                self._pins[key] = self._pins.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                for key in keys:
+                    left = self._pins[key] - 1
+                    if left:
+                        self._pins[key] = left
+                    else:
+                        del self._pins[key]
+
+    def remove(self, key: str) -> None:
+        """Drop one entry from every tier (absent is fine)."""
+        with self._lock:
+            self._device.pop(key)
+            self._host.pop(key)
+        self.disk.remove(validate_key(key))
 
     def invalidate_owner(self, owner: str) -> None:
-        """Drop every entry of ``owner`` (a fact id) from the device tier and disk."""
-        prefix = f"{owner}/"
+        """Drop every entry of ``owner`` (a fact id) from every tier."""
         with self._lock:
-            for key in [k for k in self._hot if k.startswith(prefix)]:
-                self._hot_bytes -= self._hot.pop(key).nbytes
-        shutil.rmtree(self.root / owner, ignore_errors=True)
+            self._device.pop_owner(owner)
+            self._host.pop_owner(owner)
+        self.disk.remove_owner(owner)
 
     def clear(self) -> None:
-        """Drop every entry from the device tier and disk."""
+        """Drop every entry from every tier."""
         with self._lock:
-            self._hot.clear()
-            self._hot_bytes = 0
-        for child in self.root.iterdir():
-            if child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
+            self._device.clear()
+            self._host.clear()
+        self.disk.clear()
 
-    def footprint(self) -> dict[str, int]:
-        """Bytes held: ``{"device": ..., "disk": ...}``."""
+    def footprint(self, exact: bool = True) -> dict[str, int]:
+        """Bytes held: ``{"device": ..., "host": ..., "disk": ...}``; the disk's by a scan, or
+        (``exact=False``) as last counted (:meth:`DiskTier.estimate`)."""
         with self._lock:
-            device = self._hot_bytes
-        disk = sum(p.stat().st_size for p in self.root.rglob("*.safetensors"))
-        return {"device": device, "disk": disk}
+            device, host = self._device.bytes, self._host.bytes
+        return {"device": device, "host": host, "disk": self.disk.size() if exact else self.disk.estimate()}
 
 
-def _read(path: Path) -> StoredKV:
-    """One entry from its safetensors file, on the CPU.
-
-    Raises:
-        FileNotFoundError, OSError, SafetensorError: unreadable. KeyError, ValueError: a
-            tensor or metadata field missing or unknown.
-    """
-    with safe_open(path, framework="pt", device="cpu") as f:
-        meta = f.metadata() or {}
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    ids = tensors.pop("token_ids", None)
-    token_ids = None if ids is None else tuple(ids.tolist())
-    if meta.get("storage", "model") == "model":
-        return FactKV(tensors["keys"], tensors["values"], token_ids)
-    return quant.from_tensors(tensors, meta, token_ids)
+def _to_host(kv: StoredKV) -> StoredKV:
+    """``kv`` in host memory, pinned (page-locked, for fast copies back to the GPU)."""
+    kv = kv.to("cpu")
+    if not torch.cuda.is_available():
+        return kv
+    if isinstance(kv, QuantizedKV):
+        return QuantizedKV(kv.dtype, kv.k_codes.pin_memory(), kv.k_scales.pin_memory(), kv.v_codes.pin_memory(),
+                           kv.v_scales.pin_memory(), kv.out_dtype, kv.token_ids)
+    return FactKV(kv.keys.pin_memory(), kv.values.pin_memory(), kv.token_ids)

@@ -6,3 +6,6 @@ imports this module and nothing else of the settings)."""
 DEFAULT_DEVICE_KV_BUDGET_BYTES = 2 << 30
 #: vLLM's paged KV cache (1 GiB): at SmolLM2's 45 KiB/token in fp32, about 23k tokens.
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+#: Bytes of fact KV kept in pinned host memory below a CUDA device tier (4 GiB): a GPU's device
+#: tier lets go of cold facts there instead of dropping them to disk.
+DEFAULT_HOST_KV_BUDGET_BYTES = 4 << 30

@@ -73,7 +73,7 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
                   version="0.1.0", lifespan=lifespan)
     app.state.memory = memory
     app.state.upstream = upstream
-    app.state.metrics = FrontMetrics()
+    app.state.metrics = FrontMetrics(memory.kv_stats)
     worker = str(os.getpid())
 
     @app.middleware("http")

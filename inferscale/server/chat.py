@@ -175,6 +175,7 @@ class ChatPlan:
             b = self.block
             out.update(memories=[{"id": r.id, "memory": r.text, "score": s} for r, s in b.hits],
                        kv_memory_ids=list(b.kv_memory_ids), text_memory_ids=list(b.text_memory_ids),
+                       kv_sources=dict(b.kv_sources),
                        kv_tokens=b.memory_tokens if b.plan is not None else 0,
                        retrieval_ms=round(b.retrieval_s * 1000, 3))
         if injected_tokens is not None:

@@ -2,16 +2,61 @@
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from inferscale.server.chat import ChatPlan
 
 
-class FrontMetrics:
-    """The front's Prometheus counters (a registry of its own, appended to vLLM's ``/metrics``)."""
+class KVPoolCollector(Collector):
+    """The front's KV pool on ``/metrics``, read at each scrape from ``kv_stats``
+    (:meth:`inferscale.Memory.kv_stats`): ``inferscale_kv_hits_total{tier}``,
+    ``inferscale_kv_misses_total``, ``inferscale_kv_evictions_total{tier}``,
+    ``inferscale_kv_evicted_bytes_total{tier="disk"}``, ``inferscale_kv_writes_total``,
+    ``inferscale_kv_reencodes_total`` and ``inferscale_kv_bytes{tier}`` (held now)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_stats: Callable[[], dict[str, int]]) -> None:
+        self.kv_stats = kv_stats
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            s = self.kv_stats()
+        except RuntimeError:  # the memory closed (shutting down)
+            return
+        hits = CounterMetricFamily("inferscale_kv_hits", "fact KV found in a tier of the front's pool", labels=["tier"])
+        evictions = CounterMetricFamily("inferscale_kv_evictions", "fact KV entries evicted from a tier past its "
+                                        "budget", labels=["tier"])
+        held = GaugeMetricFamily("inferscale_kv_bytes", "bytes of fact KV a tier holds", labels=["tier"])
+        for tier in ("device", "host", "disk"):
+            hits.add_metric([tier], s[f"{tier}_hits"])
+            evictions.add_metric([tier], s[f"{tier}_evictions"])
+            held.add_metric([tier], s[f"{tier}_bytes"])
+        evicted = CounterMetricFamily("inferscale_kv_evicted_bytes", "bytes of fact KV evicted", labels=["tier"])
+        evicted.add_metric(["disk"], s["disk_evicted_bytes"])
+        yield hits
+        yield evictions
+        yield evicted
+        yield held
+        yield CounterMetricFamily("inferscale_kv_misses", "fact KV looked up and found in no tier", s["misses"])
+        yield CounterMetricFamily("inferscale_kv_writes", "fact KV entries written", s["writes"])
+        yield CounterMetricFamily("inferscale_kv_reencodes", "fact KV written again after it was evicted",
+                                  s["reencodes"])
+
+
+class FrontMetrics:
+    """The front's Prometheus counters (a registry of its own, appended to vLLM's ``/metrics``).
+
+    Args:
+        kv_stats: the KV pool's counters (:meth:`inferscale.Memory.kv_stats`); ``None``: not exported.
+    """
+
+    def __init__(self, kv_stats: Callable[[], dict[str, int]] | None = None) -> None:
         self.registry = CollectorRegistry()
+        if kv_stats is not None:
+            self.registry.register(KVPoolCollector(kv_stats))
         self.requests = Counter("inferscale_chat_requests", "chat requests, by memory mode", ["mode"],
                                 registry=self.registry)
         self.memories = Counter("inferscale_chat_memories", "memories placed in chat prompts, by how: 'kv' "

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from contextlib import ExitStack
+from typing import Any, ContextManager
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -70,8 +71,10 @@ def router() -> APIRouter:
         metrics.observe(plan, time.perf_counter() - t0)
         if "model" not in plan.body:
             plan.body["model"] = await upstream.model_name()
+        planned = plan.block.plan if plan.block is not None else None
+        pins = memory.pinned_kv(planned.keys) if planned is not None else None
         return await _until_disconnected(
-            request, _forward(upstream, key, "/v1/chat/completions", plan.body, plan, metrics))
+            request, _forward(upstream, key, "/v1/chat/completions", plan.body, plan, metrics, pins))
 
     return r
 
@@ -136,11 +139,28 @@ async def _until_disconnected(request: Request, work):
 
 
 async def _forward(upstream: Replicas, key: str, path: str, body: dict, plan: ChatPlan | None,
-                   metrics: FrontMetrics) -> Response:
+                   metrics: FrontMetrics, pins: ContextManager | None = None) -> Response:
     """Send ``body`` to routing key ``key``'s vLLM replica; a streamed answer is relayed as it
     comes, with the memory report in its first chunk; a whole one gets it as a ``memory``
     field. Both carry it in ``X-InferScale-*`` headers too (clients that drop unknown body
-    fields, such as LangChain's ``ChatOpenAI``, can read those: ``include_response_headers=True``)."""
+    fields, such as LangChain's ``ChatOpenAI``, can read those: ``include_response_headers=True``).
+    ``pins`` (the request's KV kept from eviction) is held until the answer is whole."""
+    stack = ExitStack()
+    if pins is not None:
+        stack.enter_context(pins)
+    try:
+        response = await _send(upstream, key, path, body, plan, metrics, stack)
+    except BaseException:
+        stack.close()
+        raise
+    if not isinstance(response, StreamingResponse):
+        stack.close()
+    return response
+
+
+async def _send(upstream: Replicas, key: str, path: str, body: dict, plan: ChatPlan | None,
+                metrics: FrontMetrics, stack: ExitStack) -> Response:
+    """:func:`_forward`'s work; a streamed answer closes ``stack`` when its relay ends."""
     stream = bool(body.get("stream"))
     replica, r = await upstream.send(key, "POST", path, json=body, stream=stream)
     headers = {"x-inferscale-replica": str(replica.index)}
@@ -173,6 +193,7 @@ async def _forward(upstream: Replicas, key: str, path: str, body: dict, plan: Ch
                 yield line + "\n"
         finally:
             await resp.aclose()
+            stack.close()
 
     return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
 

@@ -162,7 +162,8 @@ class InferScaleConnector(KVConnectorBase_V1):
     """vLLM KV connector serving InferScale's fact KV; see the module docstring.
 
     ``kv_connector_extra_config``: ``kv_dir`` (the KV pool's folder, required) and
-    ``device_budget_bytes`` (the pool's device tier in this process, bytes).
+    ``device_budget_bytes`` (the pool's device tier in this process, bytes) and
+    ``host_budget_bytes`` (its pinned host tier on CUDA, bytes; default 0).
 
     Raises:
         ValueError: ``kv_dir`` is missing.
@@ -174,8 +175,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         if "kv_dir" not in extra:
             raise ValueError("InferScaleConnector needs kv_connector_extra_config={'kv_dir': <KV pool folder>}")
         self._block_size = vllm_config.cache_config.block_size
-        self._pool = KVPool.shared(
-            extra["kv_dir"], best_device(), int(extra.get("device_budget_bytes", DEFAULT_DEVICE_KV_BUDGET_BYTES))
+        self._pool = KVPool.shared(  # reads and touches the disk tier, never evicts it
+            extra["kv_dir"], best_device(), int(extra.get("device_budget_bytes", DEFAULT_DEVICE_KV_BUDGET_BYTES)),
+            int(extra.get("host_budget_bytes", 0)),
         )
         # scheduler side: claimed, allocated, and injected (reported at request_finished)
         self._pending: dict[str, tuple[InjectionPlan, int]] = {}

@@ -1,0 +1,228 @@
+"""The KV pool's disk tier: one safetensors file per entry, under a byte budget.
+
+A file is ``<root>/<owner>/<variant>.safetensors`` (format ``inferscale-kv-2``): the KV
+(``keys`` / ``values``, or a quantized entry's codes and scales) with the token ids it was
+encoded from, and metadata ``storage`` naming ``model`` or the quantized dtype (files
+written before that field existed read as ``model``). Writes go to a temporary file renamed
+into place: a crash leaves no partial entry.
+
+**Budget and eviction.** With a budget, the tier evicts least recently used files when it
+holds more: recency is the file's modification time, which a write sets and a use renews
+(:meth:`DiskTier.touch`: every read, and the front each time it plans a request with the KV,
+at most once a minute per entry), so every process sharing the folder (the front's workers,
+the connector in vLLM's process) sees one order. An eviction pass scans the folder and
+removes the oldest files down to 90% of the budget (so passes are rare), skipping what the
+caller keeps (entries pinned by requests in flight, the entry just written). Only processes
+that write evict; the connector only reads and touches. The budget bounds the folder between
+passes up to what is written meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from inferscale.kv import quant
+from inferscale.kv.entry import FactKV, StoredKV
+from inferscale.kv.quant import QuantizedKV
+
+_SUFFIX = ".safetensors"
+
+#: Errors that mean "this file cannot be read": the entry is treated as absent.
+READ_ERRORS = (FileNotFoundError, SafetensorError, KeyError, OSError, ValueError)
+
+
+class DiskTier:
+    """Files of the pool under ``root``; see the module docstring.
+
+    Args:
+        root: the folder (created when missing).
+        budget_bytes: most bytes of files kept (``None``: no limit, nothing is evicted).
+
+    Thread-safe.
+    """
+
+    #: a use renews an entry's modification time at most this often (seconds)
+    TOUCH_INTERVAL_S = 60.0
+    #: an eviction pass stops at this share of the budget
+    LOW_WATERMARK = 0.9
+    #: an over-budget check rescans the folder at least this often (seconds): other
+    #: processes' writes are counted then
+    RESCAN_S = 300.0
+
+    def __init__(self, root: Path, budget_bytes: int | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
+        self._lock = threading.Lock()
+        self._bytes: int | None = None  # last scan plus this process's writes since
+        self._scanned_at = 0.0
+        self._touched: dict[str, float] = {}
+
+    def path(self, key: str) -> Path:
+        owner, variant = key.split("/")
+        return self.root / owner / f"{variant}{_SUFFIX}"
+
+    def write(self, key: str, kv: StoredKV) -> int:
+        """Write ``kv`` atomically; returns the file's size (bytes)."""
+        if isinstance(kv, QuantizedKV):
+            tensors, meta = quant.to_tensors(kv)
+        else:
+            tensors = {"keys": kv.keys.detach().contiguous().cpu(), "values": kv.values.detach().contiguous().cpu()}
+            meta = {"storage": "model"}
+        if kv.token_ids is not None:
+            tensors["token_ids"] = torch.tensor(kv.token_ids, dtype=torch.int64)
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX, dir=path.parent)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata={"format": "inferscale-kv-2", "layout": "layers,tokens,kv_heads,head_dim",
+                                              **meta})
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        size = path.stat().st_size
+        with self._lock:
+            if self._bytes is not None:
+                self._bytes += size
+            self._touched[key] = time.monotonic()
+        return size
+
+    def read(self, key: str) -> StoredKV:
+        """The entry, on the CPU; renews its recency.
+
+        Raises:
+            FileNotFoundError, OSError, SafetensorError: unreadable. KeyError, ValueError: a
+                tensor or metadata field missing or unknown (see :data:`READ_ERRORS`).
+        """
+        with safe_open(self.path(key), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        self.touch(key)
+        ids = tensors.pop("token_ids", None)
+        token_ids = None if ids is None else tuple(ids.tolist())
+        if meta.get("storage", "model") == "model":
+            return FactKV(tensors["keys"], tensors["values"], token_ids)
+        return quant.from_tensors(tensors, meta, token_ids)
+
+    def token_ids(self, key: str) -> tuple[int, ...] | None:
+        """The entry's token ids without its KV (``None``: absent, unreadable, or none stored)."""
+        try:
+            with safe_open(self.path(key), framework="pt", device="cpu") as f:
+                if "token_ids" not in f.keys():
+                    return None
+                return tuple(f.get_tensor("token_ids").tolist())
+        except (FileNotFoundError, SafetensorError, OSError, ValueError):
+            return None
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).exists()
+
+    def touch(self, key: str) -> None:
+        """Renew the entry's recency (its modification time), at most every
+        :attr:`TOUCH_INTERVAL_S` seconds per entry in this process; absent is fine."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._touched.get(key, -1e9) < self.TOUCH_INTERVAL_S:
+                return
+            if len(self._touched) > 1_000_000:  # bound the memory: start over
+                self._touched.clear()
+            self._touched[key] = now
+        try:
+            os.utime(self.path(key))
+        except OSError:
+            pass
+
+    def remove(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def remove_owner(self, owner: str) -> None:
+        shutil.rmtree(self.root / owner, ignore_errors=True)
+
+    def clear(self) -> None:
+        for child in self.root.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+        with self._lock:
+            self._bytes = 0
+
+    def scan(self) -> list[tuple[float, int, str]]:
+        """Every entry as ``(modification time, bytes, key)``, oldest first; records the total."""
+        entries = []
+        for owner in os.scandir(self.root):
+            if not owner.is_dir():
+                continue
+            try:
+                files = list(os.scandir(owner.path))
+            except OSError:  # removed meanwhile
+                continue
+            for f in files:
+                if not f.name.endswith(_SUFFIX) or f.name.startswith(".tmp-"):
+                    continue
+                try:
+                    st = f.stat()
+                except OSError:
+                    continue
+                entries.append((st.st_mtime, st.st_size, f"{owner.name}/{f.name[:-len(_SUFFIX)]}"))
+        entries.sort()
+        with self._lock:
+            self._bytes = sum(size for _, size, _ in entries)
+            self._scanned_at = time.monotonic()
+        return entries
+
+    def size(self) -> int:
+        """Bytes of files held (a scan)."""
+        self.scan()
+        return self._bytes or 0
+
+    def estimate(self) -> int:
+        """Bytes of files held as last counted (the last scan plus this process's writes since;
+        a scan when none was made)."""
+        with self._lock:
+            known = self._bytes
+        return self.size() if known is None else known
+
+    def over_budget(self) -> bool:
+        """Whether the tier holds more than its budget (rescanning when the count is unknown or old)."""
+        if self.budget_bytes is None:
+            return False
+        with self._lock:
+            known = self._bytes is not None and time.monotonic() - self._scanned_at < self.RESCAN_S
+        if not known:
+            self.scan()
+        return (self._bytes or 0) > self.budget_bytes
+
+    def evict(self, keep: Callable[[str], bool]) -> list[tuple[str, int]]:
+        """Remove the least recently used files, skipping those ``keep(key)`` holds, until the
+        folder is at :attr:`LOW_WATERMARK` of the budget; returns ``(key, bytes)`` removed."""
+        if self.budget_bytes is None:
+            return []
+        entries = self.scan()
+        total = self._bytes or 0
+        target = int(self.budget_bytes * self.LOW_WATERMARK)
+        out = []
+        for _, size, key in entries:
+            if total <= target:
+                break
+            if keep(key):
+                continue
+            try:
+                self.path(key).unlink()
+            except FileNotFoundError:  # another process evicted or invalidated it
+                pass
+            total -= size
+            out.append((key, size))
+        with self._lock:
+            self._bytes = total
+        return out

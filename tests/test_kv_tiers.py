@@ -1,0 +1,177 @@
+"""The KV pool as a bounded cache (issue 31, first step): a byte budget per tier, least
+recently used out first, pinned KV never evicted, eviction remembered for provenance, a
+second write after an eviction counted as a re-encode."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from inferscale.kv.pool import FactKV, KVPool, kv_key, to_storage
+from inferscale.kv.tiers import MemoryTier
+
+
+def kv(tokens: int = 8, seed: int = 0) -> FactKV:
+    g = torch.Generator().manual_seed(seed)
+    return FactKV(torch.randn(2, tokens, 2, 32, generator=g), torch.randn(2, tokens, 2, 32, generator=g),
+                  tuple(range(tokens)))
+
+
+def file_size(pool: KVPool, key: str) -> int:
+    return pool._path(key).stat().st_size
+
+
+@pytest.fixture
+def keys():
+    return [kv_key(f"fact{i}", i=i) for i in range(8)]
+
+
+def age(pool: KVPool, keys: list[str]) -> None:
+    """Give ``keys`` increasing modification times, oldest first (a clock of our own: the file
+    system's is too coarse for writes a microsecond apart)."""
+    t = time.time() - 1000
+    for i, key in enumerate(keys):
+        os.utime(pool._path(key), (t + i, t + i))
+
+
+def test_the_disk_tier_keeps_to_its_budget_least_recently_used_out_first(tmp_path, keys):
+    one = None
+    pool = KVPool(tmp_path, "cpu", 1 << 30)
+    for key in keys[:4]:
+        pool.put(key, kv())
+        one = file_size(pool, key)
+    age(pool, keys[:4])
+    os.utime(pool._path(keys[0]), None)  # the oldest is used again: now the most recent
+    budget = int(4.5 * one)
+    small = KVPool(tmp_path, "cpu", 1 << 30, disk_budget_bytes=budget)
+    small.put(keys[4], kv(seed=4))  # 5 files > 4.5: evict down to 90% of the budget (4.05 -> 4 files... or fewer)
+    assert small.disk.size() <= budget
+    assert not small.contains(keys[1]) and small.was_evicted(keys[1])  # the least recently used went first
+    assert small.contains(keys[0]) and small.contains(keys[4])  # renewed, and just written
+    assert small.tier(keys[1]) is None and small.get(keys[1]) is None
+    assert small.stats["disk_evictions"] >= 1 and small.stats["disk_evicted_bytes"] >= one
+
+
+def test_pinned_kv_is_never_evicted_and_a_miss_is_encoded_again_once(tmp_path, keys):
+    probe = KVPool(tmp_path / "probe", "cpu", 1 << 30)
+    probe.put(keys[0], kv())
+    one = file_size(probe, keys[0])
+    pool = KVPool(tmp_path / "pool", "cpu", 1 << 30, disk_budget_bytes=int(2.5 * one))
+    pool.put(keys[0], kv())
+    pool.put(keys[1], kv())
+    age(pool, keys[:2])
+    with pool.pinned([keys[0]]):
+        with pool.pinned([keys[0]]):  # pins nest (two requests using one memory)
+            pool.put(keys[2], kv())
+        pool.put(keys[3], kv())
+        assert pool.contains(keys[0])  # the oldest, but pinned by a request in flight
+        assert not pool.contains(keys[1]) and not pool.contains(keys[2])
+    assert pool._pins == {}
+    age(pool, [keys[0], keys[3]])
+    pool.put(keys[4], kv())  # unpinned now: the oldest goes
+    assert not pool.contains(keys[0]) and pool.was_evicted(keys[0])
+    before = pool.stats["reencodes"]
+    pool.put(keys[0], kv())  # the miss, encoded again
+    assert pool.stats["reencodes"] == before + 1 and not pool.was_evicted(keys[0])
+
+
+def test_eviction_drops_the_memory_tiers_too_so_planning_and_loading_agree(tmp_path, keys):
+    probe = KVPool(tmp_path / "probe", "cpu", 1 << 30)
+    probe.put(keys[0], kv())
+    one = file_size(probe, keys[0])
+    pool = KVPool(tmp_path / "pool", "cpu", 1 << 30, disk_budget_bytes=int(1.5 * one))
+    pool.put(keys[0], kv())
+    assert pool.tier(keys[0]) == "device"
+    age(pool, keys[:1])
+    pool.put(keys[1], kv())
+    assert pool.tier(keys[0]) is None and pool.footprint()["device"] == kv().nbytes
+
+
+def test_quantized_entries_are_what_the_budgets_count(tmp_path, keys):
+    dense, q = kv(64), to_storage(kv(64), "int4")
+    pool = KVPool(tmp_path, "cpu", device_budget_bytes=3 * q.nbytes)
+    for key in keys[:3]:
+        pool.put(key, q)
+    assert pool.footprint()["device"] == 3 * q.nbytes < dense.nbytes  # three int4 facts fit where one dense does not
+
+
+def test_a_host_tier_takes_what_the_device_tier_lets_go_and_gives_it_back(tmp_path, keys):
+    pool = KVPool(tmp_path, "cpu", device_budget_bytes=kv().nbytes)
+    pool._host = MemoryTier("host", 2 * kv().nbytes)  # on CUDA; the CPU's device tier is host memory already
+    pool.put(keys[0], kv(seed=0))
+    pool.put(keys[1], kv(seed=1))
+    assert pool.tier(keys[0]) == "host" and pool.tier(keys[1]) == "device"
+    got = pool.get(keys[0])
+    assert torch.equal(got.keys, kv(seed=0).keys)
+    assert pool.stats["host_hits"] == 1 and pool.tier(keys[0]) == "device" and pool.tier(keys[1]) == "host"
+    pool.put(keys[2], kv(seed=2))
+    pool.put(keys[3], kv(seed=3))  # the host tier holds two; the oldest leaves it (still on disk)
+    assert pool.tier(keys[1]) == "disk" and pool.stats["host_evictions"] == 1
+
+
+def test_the_host_tier_is_off_on_a_cpu_device_and_settings_must_match(tmp_path):
+    assert KVPool(tmp_path, "cpu", 1 << 20, host_budget_bytes=1 << 30).host_budget_bytes == 0
+    KVPool.shared(tmp_path / "s", "cpu", 1 << 20, disk_budget_bytes=1 << 30)
+    with pytest.raises(ValueError, match="disk_budget_bytes"):
+        KVPool.shared(tmp_path / "s", "cpu", 1 << 20, disk_budget_bytes=2 << 30)
+
+
+def test_a_use_renews_recency_at_most_once_a_minute_per_entry(tmp_path, keys):
+    pool = KVPool(tmp_path, "cpu", 1 << 30)
+    pool.put(keys[0], kv())
+    age(pool, keys[:1])
+    old = pool._path(keys[0]).stat().st_mtime
+    pool.use([keys[0]])  # written a moment ago: the write counts as the use
+    assert pool._path(keys[0]).stat().st_mtime == old
+    pool.disk._touched.clear()
+    pool.use([keys[0]])
+    assert pool._path(keys[0]).stat().st_mtime > old + 500
+
+
+# ---------------------------------------------------------------- through Memory (real SmolLM2 KV)
+
+FACTS = ["My dog is called Biscuit.", "I work as a nurse in Lisbon.", "My sister Ana plays the cello.",
+         "I am allergic to peanuts.", "My favourite film is Spirited Away.", "I ride a red bicycle to work.",
+         "My flat has a balcony full of basil.", "I learned to swim last summer."]
+
+
+def test_an_evicted_memory_comes_as_text_says_why_and_is_encoded_again_once(tmp_path):
+    from inferscale import Memory
+
+    probe = Memory(data_dir=tmp_path / "probe", dtype="float32")
+    probe.add(FACTS[0], user_id="u", infer=False)
+    assert probe.wait_for_kv(timeout=600)
+    files = list((tmp_path / "probe" / "kv").glob("*/*.safetensors"))
+    one = max(p.stat().st_size for p in files if not p.parent.name.startswith("_"))
+    preamble = sum(p.stat().st_size for p in files if p.parent.name.startswith("_"))
+    probe.close()
+    # room for the preamble (never evicted) and about six facts' KV; eight facts written: an
+    # eviction pass leaves 90% of the budget, so two or three facts are evicted
+    budget = preamble + int(6.5 * one)
+    mem = Memory(data_dir=tmp_path / "m", dtype="float32", disk_kv_budget_bytes=budget)
+    try:
+        for fact in FACTS:
+            mem.add(fact, user_id="u", infer=False)
+        assert mem.wait_for_kv(timeout=600)
+        mem.components.kv.background.pause()  # the evicted KV stays missing while we look
+        first = mem.inject("What is my dog called?", user_id="u", k=len(FACTS))
+        evicted = [i for i, why in first.kv_sources.items() if why == "text: evicted"]
+        assert evicted and set(evicted) == set(first.text_memory_ids)  # what was evicted comes as text, saying so
+        assert {first.kv_sources[i] for i in first.kv_memory_ids} <= {"device", "disk"}
+        assert mem.kv_stats()["disk_evictions"] >= len(evicted)
+        assert mem.kv_stats()["disk_bytes"] <= budget
+        before = mem.kv_stats()["reencodes"]
+        for _ in range(3):  # three requests ask for the evicted KV before it is back
+            again = mem.inject("What is my dog called?", user_id="u", k=len(FACTS))
+            assert set(evicted) <= set(again.text_memory_ids)
+        assert mem.pending_kv() == len(evicted)  # queued once each
+        mem.components.kv.background.resume()
+        assert mem.wait_for_kv(timeout=600)
+        assert mem.kv_stats()["reencodes"] - before == len(evicted)  # encoded again once, not three times
+        final = mem.inject("What is my dog called?", user_id="u", k=len(FACTS))
+        assert all(final.kv_sources[i] in ("device", "disk") for i in evicted)  # the newest now, so kept
+    finally:
+        mem.close()
