@@ -24,6 +24,15 @@ def file_size(pool: KVPool, key: str) -> int:
     return pool._path(key).stat().st_size
 
 
+def budgeted(tmp_path, keys, files: float) -> tuple[KVPool, int]:
+    """A pool whose disk budget holds ``files`` files of :func:`kv` (measured on a probe pool),
+    and the size of one."""
+    probe = KVPool(tmp_path / "probe", "cpu", 1 << 30)
+    probe.put(keys[0], kv())
+    one = file_size(probe, keys[0])
+    return KVPool(tmp_path / "pool", "cpu", 1 << 30, disk_budget_bytes=int(files * one)), one
+
+
 @pytest.fixture
 def keys():
     return [kv_key(f"fact{i}", i=i) for i in range(8)]
@@ -47,7 +56,7 @@ def test_the_disk_tier_keeps_to_its_budget_least_recently_used_out_first(tmp_pat
     os.utime(pool._path(keys[0]), None)  # the oldest is used again: now the most recent
     budget = int(4.5 * one)
     small = KVPool(tmp_path, "cpu", 1 << 30, disk_budget_bytes=budget)
-    small.put(keys[4], kv(seed=4))  # 5 files > 4.5: evict down to 90% of the budget (4.05 -> 4 files... or fewer)
+    small.put(keys[4], kv(seed=4))  # 5 files > 4.5: evicted down to 90% of the budget (4.05): 4 files
     assert small.disk.size() <= budget
     assert not small.contains(keys[1]) and small.was_evicted(keys[1])  # the least recently used went first
     assert small.contains(keys[0]) and small.contains(keys[4])  # renewed, and just written
@@ -56,10 +65,7 @@ def test_the_disk_tier_keeps_to_its_budget_least_recently_used_out_first(tmp_pat
 
 
 def test_pinned_kv_is_never_evicted_and_a_miss_is_encoded_again_once(tmp_path, keys):
-    probe = KVPool(tmp_path / "probe", "cpu", 1 << 30)
-    probe.put(keys[0], kv())
-    one = file_size(probe, keys[0])
-    pool = KVPool(tmp_path / "pool", "cpu", 1 << 30, disk_budget_bytes=int(2.5 * one))
+    pool, _ = budgeted(tmp_path, keys, 2.5)
     pool.put(keys[0], kv())
     pool.put(keys[1], kv())
     age(pool, keys[:2])
@@ -79,10 +85,7 @@ def test_pinned_kv_is_never_evicted_and_a_miss_is_encoded_again_once(tmp_path, k
 
 
 def test_eviction_drops_the_memory_tiers_too_so_planning_and_loading_agree(tmp_path, keys):
-    probe = KVPool(tmp_path / "probe", "cpu", 1 << 30)
-    probe.put(keys[0], kv())
-    one = file_size(probe, keys[0])
-    pool = KVPool(tmp_path / "pool", "cpu", 1 << 30, disk_budget_bytes=int(1.5 * one))
+    pool, _ = budgeted(tmp_path, keys, 1.5)
     pool.put(keys[0], kv())
     assert pool.tier(keys[0]) == "device"
     age(pool, keys[:1])
