@@ -93,15 +93,15 @@ def test_update_and_delete_invalidate_kv_everywhere(mem):
     mem.inject("What is my favourite colour?", user_id="u", k=1, wait_for_kv=True)
     owners = {p.name for p in mem.kv_dir.iterdir()}
     assert mid in owners
-    old_keys = [k for k in mem.components.pool._hot if k.startswith(mid)]
+    old_keys = [k for k in mem.components.pool.memory_keys() if k.startswith(mid)]
     assert old_keys
     mem.update(mid, "My favourite colour is amber.", user_id="u")
-    assert not (mem.kv_dir / mid).exists() and not any(k.startswith(mid) for k in mem.components.pool._hot)
+    assert not (mem.kv_dir / mid).exists() and not any(k.startswith(mid) for k in mem.components.pool.memory_keys())
     req = mem.inject("What is my favourite colour?", user_id="u", k=1, wait_for_kv=True)
     new_key = req.kv_transfer_params["inferscale"]["segments"][1][0]
     assert new_key not in old_keys  # new text, new KV
     mem.delete(mid, user_id="u")
-    assert not (mem.kv_dir / mid).exists() and not any(k.startswith(mid) for k in mem.components.pool._hot)
+    assert not (mem.kv_dir / mid).exists() and not any(k.startswith(mid) for k in mem.components.pool.memory_keys())
 
 
 def test_changed_model_fingerprint_recomputes_kv(mem):

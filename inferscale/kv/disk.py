@@ -92,7 +92,10 @@ class DiskTier:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        size = path.stat().st_size
+        try:
+            size = path.stat().st_size
+        except OSError:  # evicted or invalidated by another process at once
+            size = 0
         with self._lock:
             if self._bytes is not None:
                 self._bytes += size

@@ -247,6 +247,11 @@ class KVPool:
                 return "host"
         return "disk" if self._path(key).exists() else None
 
+    def memory_keys(self) -> list[str]:
+        """The keys this process holds in memory (device tier, then host tier)."""
+        with self._lock:
+            return self._device.keys() + self._host.keys()
+
     def use(self, keys: Iterable[str]) -> None:
         """Mark ``keys`` as used by a request now (their disk recency, :meth:`DiskTier.touch`)."""
         for key in keys:

@@ -28,6 +28,10 @@ class MemoryTier:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
+    def keys(self) -> list[str]:
+        """The keys held, least recently used first."""
+        return list(self._entries)
+
     def get(self, key: str) -> StoredKV | None:
         """The entry, marked most recently used (``None`` when absent)."""
         kv = self._entries.get(key)
