@@ -30,12 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from safetensors import safe_open
 from tqdm import tqdm
 
 from inferscale.bench.common import (
     ResultLog, ensure_conversation, markdown_table, mean, pick_questions, scope_of, write_outputs,
 )
+from inferscale.bench.footprint import stored_files
 from inferscale.bench.quality import answer_nll
 from inferscale.datasets.locomo import load_locomo, token_f1
 from inferscale.kv.quant import STORAGE_DTYPES
@@ -188,18 +188,16 @@ def summarize(rows: list[dict], ks: Sequence[int], windows: Sequence[int]) -> di
 def stored_bytes(kv_dir: Path) -> dict:
     """Fact KV files in the store by ``storage`` metadata (the preamble's left out): count, mean
     bytes, and bytes against the same KV in bf16 (``4 * layers * tokens * kv_heads * head_dim``:
-    keys and values, 2 bytes an element), file headers and scales included."""
+    keys and values, 2 bytes an element), file headers and scales included. The files are read
+    by :func:`inferscale.bench.footprint.stored_files`."""
     sizes: dict[str, list[int]] = defaultdict(list)
     bf16: dict[str, int] = defaultdict(int)
-    for path in kv_dir.glob("*/*.safetensors"):
-        if path.parent.name.startswith("_"):
+    for f in stored_files(kv_dir):
+        if f["owner"].startswith("_"):
             continue
-        with safe_open(path, framework="pt") as f:
-            storage = (f.metadata() or {}).get("storage", "model")
-            shape = f.get_slice("keys" if storage == "model" else "k_codes").get_shape()
-        elements = shape[0] * shape[1] * shape[2] * shape[3] * (2 if storage == "int4" else 1)
-        sizes[storage].append(path.stat().st_size)
-        bf16[storage] += 4 * elements
+        layers, tokens, heads, dim = f["shape"]
+        sizes[f["storage"]].append(f["file_bytes"])
+        bf16[f["storage"]] += 4 * layers * tokens * heads * dim * (2 if f["storage"] == "int4" else 1)
     return {s: {"files": len(v), "mean_bytes": sum(v) / len(v), "vs_bf16": sum(v) / bf16[s]} for s, v in sizes.items()}
 
 

@@ -131,7 +131,7 @@ class KVPool:
                 pool = cls(key, device, device_budget_bytes, host_budget_bytes, disk_budget_bytes)
                 cls._registry[key] = pool
                 return pool
-            asked = cls(key, device, device_budget_bytes, host_budget_bytes, disk_budget_bytes).settings()
+            asked = _settings(torch.device(device), device_budget_bytes, host_budget_bytes, disk_budget_bytes)
             if pool.settings() != asked:
                 raise ValueError(
                     f"the KV pool at {key} is already open in this process with {pool.settings()}; open it with the "
@@ -141,8 +141,7 @@ class KVPool:
 
     def settings(self) -> dict:
         """Device and budgets (bytes), as :meth:`shared` compares them."""
-        return {"device": str(self.device), "device_budget_bytes": self.device_budget_bytes,
-                "host_budget_bytes": self.host_budget_bytes, "disk_budget_bytes": self.disk_budget_bytes}
+        return _settings(self.device, self.device_budget_bytes, self.host_budget_bytes, self.disk_budget_bytes)
 
     def _path(self, key: str) -> Path:
         return self.disk.path(validate_key(key))
@@ -318,3 +317,11 @@ def _to_host(kv: StoredKV) -> StoredKV:
         return QuantizedKV(kv.dtype, kv.k_codes.pin_memory(), kv.k_scales.pin_memory(), kv.v_codes.pin_memory(),
                            kv.v_scales.pin_memory(), kv.out_dtype, kv.token_ids)
     return FactKV(kv.keys.pin_memory(), kv.values.pin_memory(), kv.token_ids)
+
+
+def _settings(device: torch.device, device_budget_bytes: int, host_budget_bytes: int,
+              disk_budget_bytes: int | None) -> dict:
+    """A pool's device and budgets as :meth:`KVPool.settings` reports them (no host tier on a CPU device)."""
+    return {"device": str(device), "device_budget_bytes": int(device_budget_bytes),
+            "host_budget_bytes": int(host_budget_bytes) if device.type != "cpu" else 0,
+            "disk_budget_bytes": None if disk_budget_bytes is None else int(disk_budget_bytes)}
