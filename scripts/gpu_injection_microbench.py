@@ -11,6 +11,13 @@ What a memory server pays per request for k retrieved facts of ``--fact-tokens``
   ``index_copy_`` into ``[num_blocks * block_size, kv_heads, head_dim]`` per layer
   standing in for vLLM's ``do_kv_cache_update``).
 
+``inject`` is timed for each storage dtype (``--storage``: the model's dtype ``auto``,
+``int8``, ``int4``; the facts are stored with :func:`inferscale.kv.quant.quantize` and
+dequantized inside ``stage``, as in the connector) and each tier the facts are read from
+(``--tiers``): ``device`` (the pool's device tier: already on the GPU) and ``host`` (its
+pinned host-memory tier: each request copies the facts' stored bytes to the GPU first, as
+``KVPool.get`` does on a host hit). The preamble stays in the model's dtype on the device.
+
 The model is ``LlamaForCausalLM`` built from a ``LlamaConfig`` with Llama-3.1-8B's shapes
 (32 layers, hidden 4096, 32 query / 8 KV heads of 128, intermediate 14336, llama3 rope
 scaling; from its public config.json) and random weights, so no hub is needed; only torch
@@ -18,7 +25,7 @@ and transformers are imported (``inferscale`` loads its public names lazily). Ti
 ``torch.cuda.synchronize`` on CUDA; the two ways alternate, and medians are printed with
 their ratio, plus one JSON line.
 
-    python scripts/gpu_injection_microbench.py                 # CUDA, 8B shapes, bf16
+    python scripts/gpu_injection_microbench.py                 # CUDA, 8B shapes, bf16, all dtypes and tiers
     python scripts/gpu_injection_microbench.py --tiny --device cpu --dtype float32   # what the tests run
 """
 
@@ -37,6 +44,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inferscale.kv.injection import InjectionPlan, LayerWriter, slot_mapping, stage, write_layers  # noqa: E402
 from inferscale.kv.pool import FactKV, kv_key  # noqa: E402
+from inferscale.kv.quant import VALUE_GROUP, QuantizedKV, quantize  # noqa: E402
 from inferscale.kv.rope import RopeRotator  # noqa: E402
 
 LLAMA_31_8B = dict(  # meta-llama/Llama-3.1-8B config.json
@@ -56,8 +64,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(*, tiny: bool, device: str, dtype: str, k: int, fact_tokens: int, preamble_tokens: int, repeats: int) -> dict:
-    """Time prefill and injection side by side; returns the medians (ms) and their ratio."""
+def _pinned(kv: FactKV | QuantizedKV) -> FactKV | QuantizedKV:
+    """``kv`` in pinned host memory, as the pool's host tier holds it (``kv.pool._to_host``; pinned
+    only where CUDA is)."""
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.cpu().pin_memory() if torch.cuda.is_available() else t.cpu().clone()
+    if isinstance(kv, QuantizedKV):
+        return QuantizedKV(kv.dtype, *(host(t) for t in (kv.k_codes, kv.k_scales, kv.v_codes, kv.v_scales)),
+                           kv.out_dtype, kv.token_ids)
+    return FactKV(host(kv.keys), host(kv.values), kv.token_ids)
+
+
+def run(*, tiny: bool, device: str, dtype: str, k: int, fact_tokens: int, preamble_tokens: int, repeats: int,
+        storages: tuple[str, ...] = ("auto",), tiers: tuple[str, ...] = ("device",)) -> dict:
+    """Time prefill and injection (per storage dtype and tier) side by side; returns the medians (ms)."""
     dev = torch.device(device)
     dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     config = LlamaConfig(**(TINY if tiny else LLAMA_31_8B))
@@ -70,14 +90,25 @@ def run(*, tiny: bool, device: str, dtype: str, k: int, fact_tokens: int, preamb
 
     # the pool's view: one stored FactKV per segment, on the device (its device tier)
     lengths = [preamble_tokens] + [fact_tokens] * k
-    stored, segments, pos = {}, [], 0
+    dense, segments, pos = {}, [], 0
     for i, length in enumerate(lengths):
         key = kv_key("_preamble" if i == 0 else f"fact{i}", n=i)
-        stored[key] = FactKV(torch.randn(layers, length, heads, dim, device=dev, dtype=dt),
-                             torch.randn(layers, length, heads, dim, device=dev, dtype=dt))
+        dense[key] = FactKV(torch.randn(layers, length, heads, dim, device=dev, dtype=dt),
+                            torch.randn(layers, length, heads, dim, device=dev, dtype=dt))
         segments.append((key, pos, length))
         pos += length
     plan = InjectionPlan.of(segments)
+    preamble = segments[0][0]
+    pools: dict[str, dict[str, FactKV | QuantizedKV]] = {}  # (storage, tier) -> the pool's entries
+    stored_bytes: dict[str, int] = {}
+    for storage in storages:
+        on_device = {key: kv if storage == "auto" or key == preamble else quantize(kv.keys, kv.values, storage, min(VALUE_GROUP, dim))
+                     for key, kv in dense.items()}
+        stored_bytes[storage] = sum(kv.nbytes for key, kv in on_device.items() if key != preamble)
+        for tier in tiers:
+            pools[f"{storage}-{tier}"] = on_device if tier == "device" else {
+                key: kv if key == preamble else _pinned(kv) for key, kv in on_device.items()}
+    stored = pools[next(iter(pools))]
     rotator = RopeRotator(config)
     num_blocks = (n + BLOCK_SIZE - 1) // BLOCK_SIZE + 8
     block_ids = list(torch.randperm(num_blocks)[: (n + BLOCK_SIZE - 1) // BLOCK_SIZE].tolist())
@@ -98,29 +129,39 @@ def run(*, tiny: bool, device: str, dtype: str, k: int, fact_tokens: int, preamb
     def prefill() -> None:
         model(input_ids=ids, use_cache=True, logits_to_keep=1)
 
-    def inject() -> None:
-        staged = stage(plan, 0, stored.get)
-        write_layers(staged, slot_mapping(staged.positions, block_ids, BLOCK_SIZE), rotator, writers)
+    def injector(entries: dict[str, FactKV | QuantizedKV]):
+        def fetch(key: str) -> FactKV | QuantizedKV:
+            kv = entries[key]
+            return kv.to(dev)  # no copy on the device tier; a host hit's copy to the GPU
 
-    for fn in (prefill, inject):  # warm-up (kernels, allocator)
+        def inject() -> None:
+            staged = stage(plan, 0, fetch)
+            write_layers(staged, slot_mapping(staged.positions, block_ids, BLOCK_SIZE), rotator, writers)
+        return inject
+
+    ways = {"prefill": prefill, **{f"inject-{name}": injector(entries) for name, entries in pools.items()}}
+    for fn in ways.values():  # warm-up (kernels, allocator)
         fn()
     _sync(dev)
-    times: dict[str, list[float]] = {"prefill": [], "inject": []}
+    times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):
-        for name, fn in (("prefill", prefill), ("inject", inject)):
+        for name, fn in ways.items():
             _sync(dev)
             t0 = time.perf_counter()
             fn()
             _sync(dev)
             times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+    first = f"inject-{next(iter(pools))}"
     kv_bytes = 2 * layers * n * heads * dim * torch.finfo(dt).bits // 8
     return {
         "shapes": "tiny" if tiny else "Llama-3.1-8B", "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": dtype, "k": k, "tokens": n, "kv_mib": kv_bytes / 2**20, "repeats": repeats,
-        "prefill_median_ms": med["prefill"], "inject_median_ms": med["inject"],
-        "prefill_over_inject": med["prefill"] / med["inject"],
+        "prefill_median_ms": med["prefill"], "inject_median_ms": med[first],
+        "prefill_over_inject": med["prefill"] / med[first],
+        "inject_ms": {name.removeprefix("inject-"): v for name, v in med.items() if name != "prefill"},
+        "fact_mib": {storage: b / 2**20 for storage, b in stored_bytes.items()},
         "torch": torch.__version__,
     }
 
@@ -134,16 +175,30 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fact-tokens", type=int, default=31, help="tokens per fact (LoCoMo conv-26 averages ~31)")
     ap.add_argument("--preamble-tokens", type=int, default=34)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--storage", default="auto,int8,int4", help="storage dtypes of the facts' KV, comma-separated")
+    ap.add_argument("--tiers", default=None, help="tiers the facts are read from: device,host (default: both on "
+                    "CUDA, device on the CPU, whose device tier is host memory)")
     args = ap.parse_args(argv)
     if args.k < 0 or args.fact_tokens < 1 or args.preamble_tokens < 1 or args.repeats < 1:
         ap.error("--k must be >= 0; --fact-tokens, --preamble-tokens and --repeats >= 1")
+    storages = tuple(s.strip() for s in args.storage.split(",") if s.strip())
+    if not storages or any(s not in ("auto", "int8", "int4") for s in storages):
+        ap.error(f"--storage takes auto, int8 and int4, comma-separated; got {args.storage!r}")
+    tiers = tuple(t.strip() for t in (args.tiers or ("device,host" if args.device.startswith("cuda") else "device"))
+                  .split(",") if t.strip())
+    if not tiers or any(t not in ("device", "host") for t in tiers):
+        ap.error(f"--tiers takes device and host, comma-separated; got {args.tiers!r}")
     result = run(tiny=args.tiny, device=args.device, dtype=args.dtype, k=args.k, fact_tokens=args.fact_tokens,
-                 preamble_tokens=args.preamble_tokens, repeats=args.repeats)
+                 preamble_tokens=args.preamble_tokens, repeats=args.repeats, storages=storages, tiers=tiers)
     print(f"{result['shapes']} on {result['device_name']} ({result['dtype']}), k={result['k']}: "
           f"{result['tokens']} tokens, {result['kv_mib']:.1f} MiB of KV")
     print(f"  prefill median {result['prefill_median_ms']:8.2f} ms")
-    print(f"  inject  median {result['inject_median_ms']:8.2f} ms   (stage + slot mapping + rotate + write)")
-    print(f"  prefill / inject = {result['prefill_over_inject']:.1f}x")
+    first = next(iter(result["inject_ms"]))
+    for name, ms in result["inject_ms"].items():
+        storage = name.split("-")[0]
+        print(f"  inject {name:12s} median {ms:8.2f} ms ({ms / result['inject_ms'][first]:.2f}x of {first}; "
+              f"facts stored in {result['fact_mib'][storage]:.1f} MiB; prefill / inject "
+              f"{result['prefill_median_ms'] / ms:.1f}x)")
     print("RESULT " + json.dumps(result))
     return result
 

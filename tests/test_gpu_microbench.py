@@ -9,20 +9,25 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_injection_microbench.py"
 PROBE = """
 import runpy, sys
-sys.argv = [{script!r}, "--tiny", "--device", "cpu", "--dtype", "float32", "--k", "5", "--repeats", "2"]
+sys.argv = [{script!r}, "--tiny", "--device", "cpu", "--dtype", "float32", "--k", "5", "--repeats", "2",
+            "--tiers", "device,host"]
 runpy.run_path({script!r}, run_name="__main__")
 print("IMPORTED " + " ".join(m for m in ("vllm", "chromadb", "sentence_transformers", "langchain_core",
                                           "llama_index") if m in sys.modules))
 """
 
 
-def test_microbenchmark_times_prefill_and_injection_with_only_torch_and_transformers():
+def test_microbenchmark_times_prefill_and_injection_per_storage_dtype_and_tier_with_only_torch_and_transformers():
     out = subprocess.run([sys.executable, "-c", PROBE.format(script=str(SCRIPT))], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["shapes"] == "tiny" and result["tokens"] == 34 + 5 * 31
     assert result["prefill_median_ms"] > 0 and result["inject_median_ms"] > 0
+    assert set(result["inject_ms"]) == {f"{s}-{t}" for s in ("auto", "int8", "int4") for t in ("device", "host")}
+    assert all(ms > 0 for ms in result["inject_ms"].values())
+    # the bytes the facts are stored in shrink with the storage dtype
+    assert result["fact_mib"]["int4"] < result["fact_mib"]["int8"] < result["fact_mib"]["auto"]
     assert out.stdout.strip().splitlines()[-1] == "IMPORTED", "the script must need nothing but torch and transformers"
 
 

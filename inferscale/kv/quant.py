@@ -140,17 +140,16 @@ def dequantize(q: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_keys(q: QuantizedKV) -> torch.Tensor:
     """Keys ``[L, T, H, D]`` in ``q.out_dtype``: codes times their channel's scale."""
-    codes = _unpack4(q.k_codes) if q.dtype == "int4" else q.k_codes
-    return (codes.float() * q.k_scales.float()).to(q.out_dtype)
+    return _scaled(q.k_codes, q.k_scales, q.dtype).to(q.out_dtype)
 
 
 def dequantize_values(q: QuantizedKV) -> torch.Tensor:
     """Values ``[L, T, H, D]`` in ``q.out_dtype``: codes times their token group's scale."""
-    codes = _unpack4(q.v_codes) if q.dtype == "int4" else q.v_codes
-    layers, tokens, heads, dim = codes.shape
-    group = q.value_group
-    return (codes.float().reshape(layers, tokens, heads, dim // group, group)
-            * q.v_scales.float().unsqueeze(-1)).reshape(layers, tokens, heads, dim).to(q.out_dtype)
+    layers, tokens, heads, width = q.v_codes.shape
+    groups = int(q.v_scales.shape[-1])
+    grouped = q.v_codes.reshape(layers, tokens, heads, groups, width // groups)
+    return _scaled(grouped, q.v_scales.unsqueeze(-1), q.dtype).reshape(layers, tokens, heads, q.head_dim).to(
+        q.out_dtype)
 
 
 #: safetensors metadata ``layout`` of a quantized entry (:func:`to_tensors`).
@@ -209,6 +208,24 @@ def _pack4(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes in -8..7, ``[..., D]`` -> uint8 ``[..., D // 2]``, low nibble first."""
     nibbles = (codes.to(torch.int16) + 8).to(torch.uint8)
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def _scaled(codes: torch.Tensor, scales: torch.Tensor, dtype: str) -> torch.Tensor:
+    """float32 ``code * scale``: ``codes`` ``[..., C]`` (int4: uint8 ``[..., C // 2]``), ``scales`` broadcastable.
+
+    One pass per step, no int8 intermediate: int8 codes are cast inside the multiply; int4
+    nibbles are written straight into their float32 slots (even channels from the low
+    nibble, odd from the high), then shifted by 8 and scaled in place. The result is
+    bit-identical to ``float(_unpack4(codes)) * scale`` (``n - 8`` is exact in float32)
+    and, on the 2-core EPYC, about 1.4x faster than unpacking to int8 first (docs/decisions.md).
+    """
+    scale = scales.float()
+    if dtype != "int4":
+        return torch.mul(codes, scale)
+    out = torch.empty(*codes.shape[:-1], codes.shape[-1] * 2, dtype=torch.float32, device=codes.device)
+    out[..., 0::2] = codes & 0x0F
+    out[..., 1::2] = codes >> 4
+    return out.sub_(8).mul_(scale)
 
 
 def _unpack4(packed: torch.Tensor) -> torch.Tensor:
