@@ -62,6 +62,40 @@ def test_stage_gathers_from_the_first_uncomputed_position(stored):
     assert stage(plan, 14, kvs.get) is None
 
 
+def mixed_plan() -> tuple[InjectionPlan, dict]:
+    """A dense preamble, then facts alternately int8 and int4 (DIM 16, value groups of 8)."""
+    from inferscale.kv.quant import quantize
+    kvs = {kv_key("_preamble", a=3): fact_kv(5, 0)}
+    for i, (n, dtype) in enumerate([(3, "int8"), (6, "int4"), (4, "int8"), (2, "int4"), (5, "int4")]):
+        dense = fact_kv(n, 10 + i)
+        kvs[kv_key(f"f{i}", a=3)] = quantize(dense.keys, dense.values, dtype, value_group=8)
+    starts, pos = [], 0
+    for kv in kvs.values():
+        starts.append(pos)
+        pos += kv.num_tokens
+    return InjectionPlan.of([(k, s, kv.num_tokens) for (k, kv), s in zip(kvs.items(), starts)]), kvs
+
+
+@pytest.mark.parametrize("start", [0, 6, 10, 16])
+def test_the_gpu_way_stages_the_same_kv_as_the_cpu_way(start):
+    """Batched (one dequantization per storage dtype, one concatenation: the GPU way) and per
+    segment (the CPU way) give bit-identical keys, values and positions, from any start."""
+    plan, kvs = mixed_plan()
+    per_segment = stage(plan, start, kvs.get, batched=False)
+    batched = stage(plan, start, kvs.get, batched=True)
+    assert len(batched.key_parts) == 1 and len(per_segment.key_parts) > 1
+    assert torch.equal(batched.positions, per_segment.positions)
+    assert batched.positions.tolist() == list(range(start, plan.memory_end))
+    assert torch.equal(batched.keys, per_segment.keys) and torch.equal(batched.values, per_segment.values)
+    for layer in range(LAYERS):
+        assert all(torch.equal(a, b) for a, b in zip(batched.layer(layer), per_segment.layer(layer)))
+    # and each fact's slice is its own dequantized KV
+    seg = plan.segments[3]
+    lo = max(seg.start, start) - start
+    assert torch.equal(batched.keys[:, lo:lo + seg.end - max(seg.start, start)],
+                       kvs[seg.key].keys[:, max(seg.start, start) - seg.start:])
+
+
 def test_stage_refuses_missing_or_wrong_length_kv(stored):
     plan, kvs = stored
     with pytest.raises(MissingKVError, match="not in the pool"):

@@ -59,6 +59,21 @@ def test_keys_are_scaled_per_channel_so_an_outlier_channel_does_not_widen_the_ot
     assert rel(out[..., others], keys[..., others]) < 0.15  # a per-tensor scale would leave them near 0
 
 
+def test_many_facts_dequantized_together_equal_each_dequantized_alone():
+    from inferscale.kv.quant import dequantize_many
+    g = torch.Generator().manual_seed(3)
+    for dtype in ("int8", "int4"):
+        qs = [quantize(torch.randn(2, n, 3, 64, generator=g), torch.randn(2, n, 3, 64, generator=g), dtype)
+              for n in (4, 1, 7)]
+        keys, values = dequantize_many([(qs[0], 0), (qs[1], 0), (qs[2], 3)])
+        assert torch.equal(keys, torch.cat([qs[0].keys, qs[1].keys, qs[2].keys[:, 3:]], dim=1))
+        assert torch.equal(values, torch.cat([qs[0].values, qs[1].values, qs[2].values[:, 3:]], dim=1))
+    with pytest.raises(ValueError, match="one storage dtype"):
+        dequantize_many([(qs[0], 0), (quantize(qs[0].keys, qs[0].values, "int8"), 0)])
+    with pytest.raises(ValueError, match="at least one"):
+        dequantize_many([])
+
+
 def test_int4_packing_is_exact_and_bf16_stays_bf16():
     codes = torch.arange(-8, 8, dtype=torch.int8).repeat(4).reshape(2, 32)
     assert torch.equal(_unpack4(_pack4(codes)), codes)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from inferscale.kv.pool import StoredKV, validate_key
+from inferscale.kv.quant import QuantizedKV, dequantize_many
 from inferscale.kv.rope import RopeRotator
 
 PARAMS_KEY = "inferscale"
@@ -192,26 +193,36 @@ class StagedKV:
         return torch.cat(self.value_parts, dim=1)
 
 
-def stage(plan: InjectionPlan, start: int, fetch: Callable[[str], StoredKV | None]) -> StagedKV | None:
+def stage(plan: InjectionPlan, start: int, fetch: Callable[[str], StoredKV | None], *,
+          batched: bool | None = None) -> StagedKV | None:
     """Gather the planned KV from prompt position ``start`` (tokens before it are computed).
 
     Segments may mix storage dtypes: model-dtype KV is taken as it is, 8- and 4-bit KV is
-    dequantized here, one vectorized pass per segment (:mod:`inferscale.kv.quant`), before
-    :func:`write_layers` rotates and writes it.
+    dequantized here (:mod:`inferscale.kv.quant`), before :func:`write_layers` rotates and
+    writes it. How depends on where the pool's tier lives (docs/decisions.md):
+
+    - on the CPU, segment by segment (one vectorized pass each), and the parts stay apart:
+      each layer's concatenation then stays in cache while it is rotated and written;
+    - on a GPU, where kernel launches and Python indexing, not bytes, bound this work, the
+      quantized segments of each storage dtype are dequantized together
+      (:func:`~inferscale.kv.quant.dequantize_many`) and all parts are concatenated once,
+      so each layer is a view.
 
     Args:
         plan: the request's plan.
         start: first position to write (vLLM's ``num_computed_tokens`` when it was claimed).
         fetch: the pool's ``get``.
+        batched: the GPU way (``True``) or the CPU way (``False``); ``None``: by the device
+            the first segment is on.
 
     Returns:
-        A :class:`StagedKV` of ``memory_end - start`` tokens (views of the pool's tensors for
-        model-dtype KV, dequantized copies for quantized KV), or ``None`` when nothing is left.
+        A :class:`StagedKV` of ``memory_end - start`` tokens, or ``None`` when nothing is left.
 
     Raises:
         MissingKVError: a segment is absent or has another length than planned.
     """
-    parts_k, parts_v, positions = [], [], []
+    entries: list[tuple[StoredKV, int]] = []  # (stored KV, first token to take), in prompt order
+    positions = []
     for seg in plan.segments:
         if seg.end <= start:
             continue  # already computed (prefix cache)
@@ -220,13 +231,37 @@ def stage(plan: InjectionPlan, start: int, fetch: Callable[[str], StoredKV | Non
             raise MissingKVError(f"KV {seg.key} is not in the pool" if kv is None else
                                  f"KV {seg.key} has {kv.num_tokens} tokens, planned {seg.num_tokens}")
         lo = max(start, seg.start) - seg.start
-        keys, values = kv.keys, kv.values  # dequantized here when stored in 8 or 4 bits
-        parts_k.append(keys[:, lo:] if lo else keys)
-        parts_v.append(values[:, lo:] if lo else values)
+        entries.append((kv, lo))
         positions.append(torch.arange(seg.start + lo, seg.end))
     if not positions:
         return None
+    if batched is None:
+        first = entries[0][0]
+        batched = (first.k_codes if isinstance(first, QuantizedKV) else first.keys).device.type != "cpu"
+    parts_k, parts_v = _gather(entries, batched)
+    if batched:
+        parts_k, parts_v = [torch.cat(parts_k, dim=1)], [torch.cat(parts_v, dim=1)]
     return StagedKV(tuple(parts_k), tuple(parts_v), torch.cat(positions).to(parts_k[0].device))
+
+
+def _gather(entries: list[tuple[StoredKV, int]], batched: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per entry, ``[L, n_i, H, D]`` keys and values from its token ``lo``: views of dense KV;
+    quantized KV dequantized per entry, or (``batched``) per storage dtype together."""
+    parts_k: list[torch.Tensor | None] = [None] * len(entries)
+    parts_v: list[torch.Tensor | None] = [None] * len(entries)
+    groups: dict[tuple, list[int]] = {}
+    for i, (kv, lo) in enumerate(entries):
+        if batched and isinstance(kv, QuantizedKV):
+            groups.setdefault((kv.dtype, kv.value_group, kv.out_dtype), []).append(i)
+            continue
+        keys, values = kv.keys, kv.values  # dequantized here when stored in 8 or 4 bits
+        parts_k[i], parts_v[i] = (keys[:, lo:], values[:, lo:]) if lo else (keys, values)
+    for members in groups.values():
+        keys, values = dequantize_many([entries[i] for i in members])  # type: ignore[misc]
+        sizes = [entries[i][0].num_tokens - entries[i][1] for i in members]
+        for i, k, v in zip(members, keys.split(sizes, dim=1), values.split(sizes, dim=1)):
+            parts_k[i], parts_v[i] = k, v
+    return parts_k, parts_v  # type: ignore[return-value]
 
 
 def slot_mapping(positions: torch.Tensor, block_ids: Sequence[int], block_size: int) -> torch.Tensor:

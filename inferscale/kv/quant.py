@@ -152,6 +152,41 @@ def dequantize_values(q: QuantizedKV) -> torch.Tensor:
         q.out_dtype)
 
 
+def dequantize_many(entries: list[tuple[QuantizedKV, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of several facts, from token ``lo`` of each, in one pass over all of them.
+
+    What a GPU wants: the codes are concatenated first and dequantized by a handful of
+    kernels for the whole request, instead of a handful per fact (launches, not bytes, bound
+    the per-fact way there: docs/decisions.md). Each fact's per-channel key scales are
+    repeated over its tokens (``repeat_interleave``); value scales are per token already.
+
+    Args:
+        entries: ``(q, lo)`` pairs, one storage dtype, value group and ``out_dtype``, all on
+            one device; ``0 <= lo < q.num_tokens``.
+
+    Returns:
+        keys, values: ``[L, N, H, D]`` in ``out_dtype``, ``N`` the sum of ``q.num_tokens - lo``,
+        in the entries' order; equal to concatenating each :func:`dequantize` result.
+
+    Raises:
+        ValueError: no entries, or entries of different dtypes, value groups or output dtypes.
+    """
+    if not entries:
+        raise ValueError("dequantize_many needs at least one entry")
+    first = entries[0][0]
+    if any((q.dtype, q.value_group, q.out_dtype) != (first.dtype, first.value_group, first.out_dtype)
+           for q, _ in entries):
+        raise ValueError("dequantize_many takes entries of one storage dtype, value group and output dtype")
+    counts = [q.num_tokens - lo for q, lo in entries]
+    k_codes = torch.cat([q.k_codes[:, lo:] for q, lo in entries], dim=1)
+    v_codes = torch.cat([q.v_codes[:, lo:] for q, lo in entries], dim=1)
+    v_scales = torch.cat([q.v_scales[:, lo:] for q, lo in entries], dim=1)
+    k_scales = torch.repeat_interleave(torch.cat([q.k_scales for q, _ in entries], dim=1),
+                                       torch.tensor(counts, device=k_codes.device), dim=1, output_size=sum(counts))
+    many = QuantizedKV(first.dtype, k_codes, k_scales, v_codes, v_scales, first.out_dtype)
+    return dequantize_keys(many), dequantize_values(many)
+
+
 #: safetensors metadata ``layout`` of a quantized entry (:func:`to_tensors`).
 LAYOUT = ("k_codes,v_codes: layers,tokens,kv_heads,head_dim (int4: head_dim/2, two codes a byte, low nibble "
           "first, code+8); k_scales: layers,1,kv_heads,head_dim (per channel over tokens); v_scales: "
