@@ -76,7 +76,8 @@ def _pinned(kv: FactKV | QuantizedKV) -> FactKV | QuantizedKV:
 
 
 def run(*, tiny: bool, device: str, dtype: str, k: int, fact_tokens: int, preamble_tokens: int, repeats: int,
-        storages: tuple[str, ...] = ("auto",), tiers: tuple[str, ...] = ("device",)) -> dict:
+        storages: tuple[str, ...] = ("auto",), tiers: tuple[str, ...] = ("device",),
+        per_segment: bool = False) -> dict:
     """Time prefill and injection (per storage dtype and tier) side by side; returns the medians (ms)."""
     dev = torch.device(device)
     dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
@@ -129,17 +130,19 @@ def run(*, tiny: bool, device: str, dtype: str, k: int, fact_tokens: int, preamb
     def prefill() -> None:
         model(input_ids=ids, use_cache=True, logits_to_keep=1)
 
-    def injector(entries: dict[str, FactKV | QuantizedKV]):
+    def injector(entries: dict[str, FactKV | QuantizedKV], batched: bool | None = None):
         def fetch(key: str) -> FactKV | QuantizedKV:
             kv = entries[key]
             return kv.to(dev)  # no copy on the device tier; a host hit's copy to the GPU
 
         def inject() -> None:
-            staged = stage(plan, 0, fetch)
+            staged = stage(plan, 0, fetch, batched=batched)
             write_layers(staged, slot_mapping(staged.positions, block_ids, BLOCK_SIZE), rotator, writers)
         return inject
 
     ways = {"prefill": prefill, **{f"inject-{name}": injector(entries) for name, entries in pools.items()}}
+    if per_segment:  # the CPU's way (stage(batched=False)) on this device, for comparison
+        ways.update({f"inject-{name}-per-segment": injector(entries, False) for name, entries in pools.items()})
     for fn in ways.values():  # warm-up (kernels, allocator)
         fn()
     _sync(dev)
@@ -176,6 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--preamble-tokens", type=int, default=34)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--storage", default="auto,int8,int4", help="storage dtypes of the facts' KV, comma-separated")
+    ap.add_argument("--per-segment", action="store_true", help="also time the CPU's way of staging "
+                    "(per segment, per layer) on this device")
     ap.add_argument("--tiers", default=None, help="tiers the facts are read from: device,host (default: both on "
                     "CUDA, device on the CPU, whose device tier is host memory)")
     args = ap.parse_args(argv)
@@ -189,14 +194,15 @@ def main(argv: list[str] | None = None) -> dict:
     if not tiers or any(t not in ("device", "host") for t in tiers):
         ap.error(f"--tiers takes device and host, comma-separated; got {args.tiers!r}")
     result = run(tiny=args.tiny, device=args.device, dtype=args.dtype, k=args.k, fact_tokens=args.fact_tokens,
-                 preamble_tokens=args.preamble_tokens, repeats=args.repeats, storages=storages, tiers=tiers)
+                 preamble_tokens=args.preamble_tokens, repeats=args.repeats, storages=storages, tiers=tiers,
+                 per_segment=args.per_segment)
     print(f"{result['shapes']} on {result['device_name']} ({result['dtype']}), k={result['k']}: "
           f"{result['tokens']} tokens, {result['kv_mib']:.1f} MiB of KV")
     print(f"  prefill median {result['prefill_median_ms']:8.2f} ms")
     first = next(iter(result["inject_ms"]))
     for name, ms in result["inject_ms"].items():
         storage = name.split("-")[0]
-        print(f"  inject {name:12s} median {ms:8.2f} ms ({ms / result['inject_ms'][first]:.2f}x of {first}; "
+        print(f"  inject {name:24s} median {ms:8.2f} ms ({ms / result['inject_ms'][first]:.2f}x of {first}; "
               f"facts stored in {result['fact_mib'][storage]:.1f} MiB; prefill / inject "
               f"{result['prefill_median_ms'] / ms:.1f}x)")
     print("RESULT " + json.dumps(result))
