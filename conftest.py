@@ -173,3 +173,53 @@ def postgres_url():
         subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
                        capture_output=True, timeout=120)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _redis_bin() -> str:
+    import shutil
+
+    found = shutil.which("redis-server") or ("/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None)
+    assert found, "redis-server not found: scripts/install.sh installs Debian's redis-server"
+    return found
+
+
+def _start_redis(port: int, log: Path):
+    import socket
+    import subprocess
+    import time
+
+    # no persistence (a cache), LFU eviction under maxmemory, as docs/deployment.md says to run it
+    proc = subprocess.Popen([_redis_bin(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lfu",
+                             "--protected-mode", "no"], stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc
+        except OSError:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"redis-server did not listen on {port}: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real Redis (Debian's redis-server) on loopback: ``{"url", "port", "kill", "start"}``;
+    ``kill()`` ends it at once (SIGKILL), ``start()`` starts it again, empty, on the same port."""
+    port = free_port()
+    state = {"proc": _start_redis(port, tmp_path / "redis.log"), "port": port, "url": f"redis://127.0.0.1:{port}/0"}
+
+    def kill() -> None:
+        state["proc"].kill()
+        state["proc"].wait(timeout=30)
+
+    def start() -> None:
+        state["proc"] = _start_redis(port, tmp_path / "redis.log")
+
+    state["kill"], state["start"] = kill, start
+    yield state
+    if state["proc"].poll() is None:
+        state["proc"].kill()
+        state["proc"].wait(timeout=30)

@@ -114,11 +114,17 @@ class Answering:
         ``disk_hits``), ``misses``, ``writes``, evictions per tier, ``disk_evicted_bytes``,
         ``reencodes`` (KV written again after this process evicted it), and the bytes each
         tier holds (``device_bytes``, ``host_bytes``, ``disk_bytes``: as last counted, see
-        :meth:`inferscale.kv.disk.DiskTier.estimate`)."""
+        :meth:`inferscale.kv.disk.DiskTier.estimate`); with a Redis tier, ``redis_hits``,
+        ``redis_misses``, ``redis_writes``, ``redis_errors`` and ``redis_up`` (1 or 0)."""
         self._check_open()
         pool = self.components.pool
         held = pool.footprint(exact=False)
-        return {**pool.stats, **{f"{tier}_bytes": n for tier, n in held.items()}}
+        stats = {**pool.stats, **{f"{tier}_bytes": n for tier, n in held.items()}}
+        if pool.remote is not None:
+            remote = dict(pool.remote.stats)
+            stats.update(redis_misses=remote["misses"], redis_writes=remote["writes"], redis_errors=remote["errors"],
+                         redis_up=int(pool.remote.available))
+        return stats
 
     def reference_model(self) -> ReferenceModel:
         """The transformers reference path over this memory's KV encoder (loaded on first use)."""
@@ -145,6 +151,7 @@ class Answering:
                     self.model_path, dtype=self.config.resolved_dtype, kv_dir=self.kv_dir,
                     max_model_len=self.config.max_model_len, kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
                     device_budget_bytes=self.config.device_kv_budget_bytes, verbose=self.config.verbose,
+                    redis_url=self.config.kv_redis_url,
                 )
             return self._engine
 

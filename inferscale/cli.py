@@ -380,6 +380,7 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, help="The 'model' name clients send (default: the model's)."),
     dtype: str = _DTYPE,
     kv_storage_dtype: Optional[str] = typer.Option(None, help="How fact KV is stored: auto (the model's dtype), int8 or int4 (default auto, or $INFERSCALE_KV_STORAGE_DTYPE; docs/configuration.md)."),
+    kv_redis_url: Optional[str] = typer.Option(None, help="A Redis shared by every deployment as a KV tier, e.g. redis://host:6379/0 (default: none, or $INFERSCALE_KV_REDIS_URL; docs/deployment.md)."),
     max_num_seqs: int = typer.Option(64, min=1, help="Most requests vLLM batches at once."),
     tool_call_parser: str = typer.Option("hermes", help="vLLM's tool-call parser for the model's tool-call format ('none': tools refused)."),
     default_max_tokens: Optional[int] = typer.Option(None, min=1, help="Answer budget (tokens) of a chat that sends no max_tokens (default 256, or $INFERSCALE_DEFAULT_MAX_TOKENS)."),
@@ -402,6 +403,8 @@ def serve(
         if kv_storage_dtype not in ("auto", "int8", "int4"):
             _fail(f"--kv-storage-dtype must be auto, int8 or int4, got {kv_storage_dtype!r}")
         overrides["kv_storage_dtype"] = kv_storage_dtype
+    if kv_redis_url is not None:
+        overrides["kv_redis_url"] = kv_redis_url
     try:
         config = MemoryConfig(**overrides)
         run_server(config, ServeOptions(host=host, port=port, vllm_urls=tuple(vllm_url or ()), replicas=replicas,

@@ -134,6 +134,13 @@ class MemoryConfig(BaseSettings):
             ``None``: no limit); past it the least recently used files no request is using
             are evicted, and a memory whose KV was evicted is served as text while its KV
             is encoded again (:mod:`inferscale.kv.pool`).
+        kv_redis_url: a Redis (or Valkey) server shared by every deployment that names it,
+            standalone or any node of a cluster (``redis://[:password@]host:6379/0``; ``pip
+            install 'inferscale[redis]'``): fact KV is written through to it and read from it
+            on a local miss, so a fact encoded on one machine is injected on another without
+            an encode there. Run it with ``maxmemory`` and ``maxmemory-policy allkeys-lfu``:
+            eviction is Redis's. A Redis that is down reads as a miss (local tiers and text),
+            never as an error (:mod:`inferscale.kv.remote`). Default ``None``: no shared tier.
         encode_batch_tokens: token budget of one KV-encoding batch (padding included).
         max_fact_tokens: longest fact accepted, in tokens of its memory line; longer text
             is refused (split it into shorter facts) so every fact fits the model's context.
@@ -200,6 +207,7 @@ class MemoryConfig(BaseSettings):
     device_kv_budget_bytes: int = Field(default=DEFAULT_DEVICE_KV_BUDGET_BYTES, ge=0)
     host_kv_budget_bytes: int = Field(default=DEFAULT_HOST_KV_BUDGET_BYTES, ge=0)
     disk_kv_budget_bytes: int | None = Field(default=None, ge=1 << 20)
+    kv_redis_url: str | None = None
     encode_batch_tokens: int = Field(default=8192, ge=256)
     max_fact_tokens: int = Field(default=512, ge=8)
     precompute_kv: bool = True
@@ -230,6 +238,25 @@ class MemoryConfig(BaseSettings):
             from inferscale.store.sql import check_url
 
             check_url(value)
+        return value
+
+    @field_validator("kv_redis_url")
+    @classmethod
+    def _kv_redis_url(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        from urllib.parse import urlsplit
+
+        from inferscale.kv.remote import redacted  # the message never shows a password
+
+        parts = urlsplit(value)
+        if parts.scheme not in ("redis", "rediss", "unix") or (parts.scheme != "unix" and not parts.hostname):
+            raise ValueError("kv_redis_url must look like redis://host:6379/0 (rediss:// for TLS, unix:///path.sock), "
+                             f"got {redacted(value)!r}")
+        try:
+            parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+        except ValueError:
+            raise ValueError(f"kv_redis_url has a port that is not a number, got {redacted(value)!r}") from None
         return value
 
     @field_validator("chroma_url")

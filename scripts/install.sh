@@ -133,6 +133,22 @@ else
   step "PostgreSQL (Debian's package)" install_postgres
 fi
 
+# Redis for the shared KV tier's tests (kv_redis_url), from Debian's package as PostgreSQL;
+# the tests start their own redis-server on loopback, so no service is enabled.
+install_redis() {
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends redis-server
+}
+if command -v redis-server >/dev/null 2>&1; then
+  skip "Redis (Debian's redis-server)" "already there"
+elif [ "${INFERSCALE_INSTALL_REDIS:-1}" = 0 ]; then
+  skip "Redis (Debian's redis-server)" "INFERSCALE_INSTALL_REDIS=0"
+else
+  step "Redis (Debian's redis-server)" install_redis
+fi
+
 # A client's own environment, as an agent's would be: LlamaIndex's OpenAILike, which needs
 # newer llama-index-core and older openai than vLLM's environment can hold (docs/decisions.md).
 CLIENT_REQS=integrations/llama_index/examples/server-client-requirements.txt

@@ -158,7 +158,7 @@ def test_the_connector_loads_a_small_part_of_the_package():
                       "inferscale.runtime.logs", "inferscale.kv",
                       "inferscale.kv.injection", "inferscale.kv.pool", "inferscale.kv.quant", "inferscale.kv.rope",
                       "inferscale.kv.entry", "inferscale.kv.tiers", "inferscale.kv.disk",
-                      "inferscale.serving",
+                      "inferscale.kv.remote", "inferscale.serving",
                       "inferscale.serving.connector"}, sorted(loaded)
 
 

@@ -36,7 +36,7 @@ def fake_checkout(tmp_path: Path) -> Path:
 
 def run_install(root: Path, fail_on: str = "never-matches") -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(root), "FAIL_ON": fail_on,  # no nvidia-smi: the CPU branch
-           "INFERSCALE_INSTALL_POSTGRES": "0"}  # never apt-get here
+           "INFERSCALE_INSTALL_POSTGRES": "0", "INFERSCALE_INSTALL_REDIS": "0"}  # never apt-get here
     return subprocess.run(["bash", "scripts/install.sh"], cwd=root, capture_output=True, text=True, timeout=120,
                           env=env)
 
@@ -51,6 +51,7 @@ def test_a_successful_install_prints_a_short_summary_and_logs_the_rest(tmp_path)
     assert "all done" in lines[-1] and ".venv/install.log" in lines[-1]
     assert sum("done (" in line for line in lines) == 6 and "skipped (already there)" in lines[0]  # the venv existed
     assert "PostgreSQL (Debian's package) ... skipped" in proc.stdout
+    assert "Redis (Debian's redis-server) ... skipped" in proc.stdout
     log = (root / ".venv" / "install.log").read_text()
     assert "pip: -m pip install -e .[dev] -e integrations/langchain -e integrations/llama_index" in log
     assert "pip: -m pip install -r integrations/llama_index/examples/server-client-requirements.txt" in log

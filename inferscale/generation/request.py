@@ -34,11 +34,12 @@ class EngineLike(Protocol):
 
 
 #: What ``kv_sources`` says of a memory in inject mode: its KV was found in this process's
-#: ``"device"`` or ``"host"`` tier or on ``"disk"`` (the tier vLLM's connector reads; it may
-#: hold the KV in its own device tier), was ``"quantized now"`` from model-dtype KV, was
+#: ``"device"`` or ``"host"`` tier, on ``"disk"`` (the tier vLLM's connector reads; it may
+#: hold the KV in its own device tier) or only in the shared ``"redis"`` tier (the connector
+#: reads it from there), was ``"quantized now"`` from model-dtype KV, was
 #: ``"encoded now"`` (``wait_for_kv``), or the memory came as text: ``"text: not encoded yet"``
 #: or ``"text: evicted"`` (its KV was evicted past a tier budget; queued to be encoded again).
-KV_SOURCES = ("device", "host", "disk", "quantized now", "encoded now", "text: not encoded yet", "text: evicted")
+KV_SOURCES = ("device", "host", "disk", "redis", "quantized now", "encoded now", "text: not encoded yet", "text: evicted")
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ class RequestBuilder:
         preamble = self.kv.preamble_span()
         keys = self.kv.fact_keys(scope.key, ranked, w)
         pool = self.kv.pool
-        found = {r.id: pool.tier(k) for r, k in zip(ranked, keys)}
+        found = dict(zip((r.id for r in ranked), pool.tiers(keys)))  # one Redis round trip at most
         ready = [found[r.id] is not None for r in ranked]
         missing = [r for r, ok in zip(ranked, ready) if not ok]
         if missing and self.kv.storage != "auto":  # KV kept in the model's dtype is quantized now, not re-encoded

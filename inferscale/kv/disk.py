@@ -31,9 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from inferscale.kv import quant
-from inferscale.kv.entry import FactKV, StoredKV
-from inferscale.kv.quant import QuantizedKV
+from inferscale.kv.entry import StoredKV, from_tensors, to_tensors
 
 _SUFFIX = ".safetensors"
 
@@ -74,20 +72,13 @@ class DiskTier:
 
     def write(self, key: str, kv: StoredKV) -> int:
         """Write ``kv`` atomically; returns the file's size (bytes)."""
-        if isinstance(kv, QuantizedKV):
-            tensors, meta = quant.to_tensors(kv)
-        else:
-            tensors = {"keys": kv.keys.detach().contiguous().cpu(), "values": kv.values.detach().contiguous().cpu()}
-            meta = {"storage": "model"}
-        if kv.token_ids is not None:
-            tensors["token_ids"] = torch.tensor(kv.token_ids, dtype=torch.int64)
+        tensors, meta = to_tensors(kv)
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX, dir=path.parent)
         os.close(fd)
         try:
-            save_file(tensors, tmp, metadata={"format": "inferscale-kv-2", "layout": "layers,tokens,kv_heads,head_dim",
-                                              **meta})
+            save_file(tensors, tmp, metadata=meta)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -113,11 +104,7 @@ class DiskTier:
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         self.touch(key)
-        ids = tensors.pop("token_ids", None)
-        token_ids = None if ids is None else tuple(ids.tolist())
-        if meta.get("storage", "model") == "model":
-            return FactKV(tensors["keys"], tensors["values"], token_ids)
-        return quant.from_tensors(tensors, meta, token_ids)
+        return from_tensors(tensors, meta)
 
     def token_ids(self, key: str) -> tuple[int, ...] | None:
         """The entry's token ids without its KV (``None``: absent, unreadable, or none stored)."""

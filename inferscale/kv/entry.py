@@ -66,3 +66,37 @@ def to_storage(kv: FactKV, storage: str) -> StoredKV:
     if storage == "auto":
         return kv
     return quant.quantize(kv.keys, kv.values, storage, token_ids=kv.token_ids)
+
+
+#: safetensors metadata ``format`` of a stored entry (on disk and in Redis).
+FORMAT = "inferscale-kv-2"
+
+
+def to_tensors(kv: StoredKV) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and safetensors metadata that store ``kv`` (a file of the disk tier, a
+    value of the Redis tier): ``keys`` / ``values`` (or a quantized entry's codes and scales,
+    :func:`inferscale.kv.quant.to_tensors`), ``token_ids`` when known, and metadata naming
+    the format, the layout and the storage (``model`` or the quantized dtype)."""
+    if isinstance(kv, QuantizedKV):
+        tensors, meta = quant.to_tensors(kv)
+    else:
+        tensors = {"keys": kv.keys.detach().contiguous().cpu(), "values": kv.values.detach().contiguous().cpu()}
+        meta = {"storage": "model"}
+    if kv.token_ids is not None:
+        tensors["token_ids"] = torch.tensor(kv.token_ids, dtype=torch.int64)
+    return tensors, {"format": FORMAT, "layout": "layers,tokens,kv_heads,head_dim", **meta}
+
+
+def from_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> StoredKV:
+    """Inverse of :func:`to_tensors` (entries written before ``storage`` existed read as ``model``).
+
+    Raises:
+        KeyError: a tensor or metadata field is missing. ValueError: an unknown storage or
+            inconsistent shapes.
+    """
+    tensors = dict(tensors)
+    ids = tensors.pop("token_ids", None)
+    token_ids = None if ids is None else tuple(ids.tolist())
+    if meta.get("storage", "model") == "model":
+        return FactKV(tensors["keys"], tensors["values"], token_ids)
+    return quant.from_tensors(tensors, meta, token_ids)

@@ -5,7 +5,11 @@
 - **host** (CUDA only, ``host_budget_bytes``): pinned host memory between the device and
   disk; what the device tier lets go lands here, and a host hit moves back up;
 - **disk** (:class:`~inferscale.kv.disk.DiskTier`, ``disk_budget_bytes``): the files every
-  process over the data dir shares; least recently used files are evicted past the budget.
+  process over the data dir shares; least recently used files are evicted past the budget;
+- **redis** (:class:`~inferscale.kv.remote.RedisTier`, ``redis_url``; optional): shared by
+  every machine that names it. Writes go through to it; a read that misses every local tier
+  asks it, and a hit is kept in the device tier (not written to the local disk: Redis is
+  the shared copy). Redis evicts by its own ``maxmemory-policy``; Redis down reads as a miss.
 
 KV is a cache of the memory's text, which stays the system of record: an entry evicted from
 every tier is a miss, and the request path serves that memory as text and queues its KV to
@@ -35,13 +39,14 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
 from inferscale.kv.disk import READ_ERRORS, DiskTier
 from inferscale.kv.entry import FactKV, StoredKV, to_storage
 from inferscale.kv.quant import QuantizedKV
+from inferscale.kv.remote import RedisTier
 from inferscale.kv.tiers import MemoryTier
 
 __all__ = ["FactKV", "KVPool", "StoredKV", "kv_key", "to_storage", "validate_key"]
@@ -87,6 +92,10 @@ class KVPool:
         host_budget_bytes: bytes kept in pinned host memory below a CUDA device tier (0: no
             host tier; ignored when the device is the CPU, whose tier is host memory).
         disk_budget_bytes: bytes of files kept on disk (``None``: no limit).
+        redis_url: the shared Redis tier's URL (``None``: none).
+
+    Raises:
+        ValueError: ``redis_url`` is not a Redis URL.
 
     Thread-safe.
     """
@@ -95,7 +104,8 @@ class KVPool:
     _registry_lock = threading.Lock()
 
     def __init__(self, root: Path, device: torch.device | str, device_budget_bytes: int,
-                 host_budget_bytes: int = 0, disk_budget_bytes: int | None = None) -> None:
+                 host_budget_bytes: int = 0, disk_budget_bytes: int | None = None,
+                 redis_url: str | None = None) -> None:
         self.root = Path(root)
         self.device = torch.device(device)
         self.device_budget_bytes = int(device_budget_bytes)
@@ -104,16 +114,18 @@ class KVPool:
         self._device = MemoryTier("device", self.device_budget_bytes)
         self._host = MemoryTier("host", self.host_budget_bytes)
         self.disk = DiskTier(self.root, self.disk_budget_bytes)
+        self.redis_url = redis_url or None
+        self.remote = RedisTier(self.redis_url) if self.redis_url else None
         self._lock = threading.RLock()
         self._pins: dict[str, int] = {}
         self._evicted: OrderedDict[str, None] = OrderedDict()
         self.stats = {"device_hits": 0, "host_hits": 0, "disk_hits": 0, "misses": 0, "writes": 0,
                       "device_evictions": 0, "host_evictions": 0, "disk_evictions": 0, "disk_evicted_bytes": 0,
-                      "reencodes": 0}
+                      "reencodes": 0, "redis_hits": 0}
 
     @classmethod
     def shared(cls, root: Path, device: torch.device | str, device_budget_bytes: int, host_budget_bytes: int = 0,
-               disk_budget_bytes: int | None = None) -> "KVPool":
+               disk_budget_bytes: int | None = None, redis_url: str | None = None) -> "KVPool":
         """The process-wide pool for ``root`` (created on first use).
 
         Every caller in a process shares one set of tiers per folder, so invalidations and
@@ -128,10 +140,11 @@ class KVPool:
         with cls._registry_lock:
             pool = cls._registry.get(key)
             if pool is None:
-                pool = cls(key, device, device_budget_bytes, host_budget_bytes, disk_budget_bytes)
+                pool = cls(key, device, device_budget_bytes, host_budget_bytes, disk_budget_bytes, redis_url)
                 cls._registry[key] = pool
                 return pool
-            asked = _settings(torch.device(device), device_budget_bytes, host_budget_bytes, disk_budget_bytes)
+            asked = _settings(torch.device(device), device_budget_bytes, host_budget_bytes, disk_budget_bytes,
+                              redis_url)
             if pool.settings() != asked:
                 raise ValueError(
                     f"the KV pool at {key} is already open in this process with {pool.settings()}; open it with the "
@@ -140,8 +153,9 @@ class KVPool:
             return pool
 
     def settings(self) -> dict:
-        """Device and budgets (bytes), as :meth:`shared` compares them."""
-        return _settings(self.device, self.device_budget_bytes, self.host_budget_bytes, self.disk_budget_bytes)
+        """Device, budgets (bytes) and Redis URL, as :meth:`shared` compares them."""
+        return _settings(self.device, self.device_budget_bytes, self.host_budget_bytes, self.disk_budget_bytes,
+                         self.redis_url)
 
     def _path(self, key: str) -> Path:
         return self.disk.path(validate_key(key))
@@ -166,6 +180,8 @@ class KVPool:
         if kv.token_ids is not None and len(kv.token_ids) != kv.num_tokens:
             raise ValueError(f"{len(kv.token_ids)} token ids for KV of {kv.num_tokens} tokens")
         self.disk.write(key, kv)
+        if self.remote is not None:
+            self.remote.put(key, kv)  # write-through; skipped while Redis is down
         with self._lock:
             self._remember(key, kv.to(self.device))
             self.stats["writes"] += 1
@@ -208,13 +224,17 @@ class KVPool:
                 return kv
         try:
             kv = self.disk.read(validate_key(key)).to(self.device)
+            tier = "disk_hits"
         except READ_ERRORS:
-            with self._lock:
-                self.stats["misses"] += 1
-            return None
+            kv = self.remote.get(key) if self.remote is not None else None
+            if kv is None:
+                with self._lock:
+                    self.stats["misses"] += 1
+                return None
+            kv, tier = kv.to(self.device), "redis_hits"
         with self._lock:
             self._remember(key, kv)
-            self.stats["disk_hits"] += 1
+            self.stats[tier] += 1
         return kv
 
     def token_ids(self, key: str) -> tuple[int, ...] | None:
@@ -225,26 +245,42 @@ class KVPool:
         if kv is not None:
             return kv.token_ids
         try:
-            return self.disk.token_ids(validate_key(key))
+            tokens = self.disk.token_ids(validate_key(key))
         except ValueError:
             return None
+        if tokens is None and self.remote is not None and not self.disk.exists(key):
+            kv = self.get(key)  # from Redis: kept in the device tier for the load that follows
+            return None if kv is None else kv.token_ids
+        return tokens
 
     def contains(self, key: str) -> bool:
-        """Whether ``key`` is on disk, where every process reads it (no load).
+        """Whether ``key`` is on disk or in Redis, where every process reads it (no load).
 
-        The disk tier is what the connector in vLLM's process reads, so an entry counts as
+        Those are the tiers the connector in vLLM's process reads, so an entry counts as
         stored only there; an entry evicted from disk is dropped from this process's memory
         tiers at once, so the two agree."""
-        return self._path(key).exists()
+        if self._path(key).exists():
+            return True
+        return self.remote is not None and key in self.remote.present([key])
 
     def tier(self, key: str) -> str | None:
-        """Where this process holds ``key``: ``"device"``, ``"host"``, ``"disk"`` or ``None``."""
+        """Where ``key`` is: ``"device"``, ``"host"``, ``"disk"``, ``"redis"`` or ``None``."""
+        return self.tiers([key])[0]
+
+    def tiers(self, keys: Sequence[str]) -> list[str | None]:
+        """:meth:`tier` of each key, with one Redis round trip for all the local misses."""
+        found: list[str | None] = []
         with self._lock:
-            if key in self._device:
-                return "device"
-            if key in self._host:
-                return "host"
-        return "disk" if self._path(key).exists() else None
+            for key in keys:
+                found.append("device" if key in self._device else "host" if key in self._host else None)
+        for i, key in enumerate(keys):
+            if found[i] is None and self._path(key).exists():
+                found[i] = "disk"
+        rest = [key for key, where in zip(keys, found) if where is None]
+        if rest and self.remote is not None:
+            present = self.remote.present(rest)
+            found = [where or ("redis" if key in present else None) for key, where in zip(keys, found)]
+        return found
 
     def memory_keys(self) -> list[str]:
         """The keys this process holds in memory (device tier, then host tier)."""
@@ -285,6 +321,8 @@ class KVPool:
             self._device.pop(key)
             self._host.pop(key)
         self.disk.remove(validate_key(key))
+        if self.remote is not None:
+            self.remote.remove(key)
 
     def invalidate_owner(self, owner: str) -> None:
         """Drop every entry of ``owner`` (a fact id) from every tier."""
@@ -292,6 +330,8 @@ class KVPool:
             self._device.pop_owner(owner)
             self._host.pop_owner(owner)
         self.disk.remove_owner(owner)
+        if self.remote is not None:
+            self.remote.remove_owner(owner)
 
     def clear(self) -> None:
         """Drop every entry from every tier."""
@@ -299,6 +339,8 @@ class KVPool:
             self._device.clear()
             self._host.clear()
         self.disk.clear()
+        if self.remote is not None:
+            self.remote.clear()
 
     def footprint(self, exact: bool = True) -> dict[str, int]:
         """Bytes held: ``{"device": ..., "host": ..., "disk": ...}``; the disk's by a scan, or
@@ -320,8 +362,10 @@ def _to_host(kv: StoredKV) -> StoredKV:
 
 
 def _settings(device: torch.device, device_budget_bytes: int, host_budget_bytes: int,
-              disk_budget_bytes: int | None) -> dict:
-    """A pool's device and budgets as :meth:`KVPool.settings` reports them (no host tier on a CPU device)."""
+              disk_budget_bytes: int | None, redis_url: str | None) -> dict:
+    """A pool's device, budgets and Redis URL as :meth:`KVPool.settings` reports them (no host
+    tier on a CPU device)."""
     return {"device": str(device), "device_budget_bytes": int(device_budget_bytes),
             "host_budget_bytes": int(host_budget_bytes) if device.type != "cpu" else 0,
-            "disk_budget_bytes": None if disk_budget_bytes is None else int(disk_budget_bytes)}
+            "disk_budget_bytes": None if disk_budget_bytes is None else int(disk_budget_bytes),
+            "redis_url": redis_url or None}

@@ -185,7 +185,9 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
                     max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                     device_budget_bytes=config.device_kv_budget_bytes, max_num_seqs=options.max_num_seqs,
                     api_key=options.api_key, tool_call_parser=options.tool_call_parser,
-                    log_path=_fresh_log(config.data_dir / "logs" / log), environment=shares[i]))
+                    log_path=_fresh_log(config.data_dir / "logs" / log),
+                    environment={**shares[i], **({"INFERSCALE_KV_REDIS_URL": config.kv_redis_url}
+                                                 if config.kv_redis_url else {})}))
             for i, vllm in enumerate(started):
                 what = "vLLM's OpenAI server" if len(started) == 1 else f"vLLM replica {i}"
                 say(f"starting {what} for {name} on {vllm.url} (log: {vllm.log_path}) ...")

@@ -16,7 +16,10 @@ class KVPoolCollector(Collector):
     (:meth:`inferscale.Memory.kv_stats`): ``inferscale_kv_hits_total{tier}``,
     ``inferscale_kv_misses_total``, ``inferscale_kv_evictions_total{tier}``,
     ``inferscale_kv_evicted_bytes_total{tier="disk"}``, ``inferscale_kv_writes_total``,
-    ``inferscale_kv_reencodes_total`` and ``inferscale_kv_bytes{tier}`` (held now)."""
+    ``inferscale_kv_reencodes_total`` and ``inferscale_kv_bytes{tier}`` (held now); with a
+    Redis tier, ``inferscale_kv_hits_total{tier="redis"}``, ``inferscale_kv_redis_misses_total``,
+    ``inferscale_kv_redis_writes_total``, ``inferscale_kv_redis_errors_total`` and
+    ``inferscale_kv_redis_up`` (0 during an outage)."""
 
     def __init__(self, kv_stats: Callable[[], dict[str, int]]) -> None:
         self.kv_stats = kv_stats
@@ -34,6 +37,8 @@ class KVPoolCollector(Collector):
             hits.add_metric([tier], s[f"{tier}_hits"])
             evictions.add_metric([tier], s[f"{tier}_evictions"])
             held.add_metric([tier], s[f"{tier}_bytes"])
+        if "redis_up" in s:
+            hits.add_metric(["redis"], s["redis_hits"])
         evicted = CounterMetricFamily("inferscale_kv_evicted_bytes", "bytes of fact KV evicted", labels=["tier"])
         evicted.add_metric(["disk"], s["disk_evicted_bytes"])
         yield hits
@@ -44,6 +49,15 @@ class KVPoolCollector(Collector):
         yield CounterMetricFamily("inferscale_kv_writes", "fact KV entries written", s["writes"])
         yield CounterMetricFamily("inferscale_kv_reencodes", "fact KV written again after it was evicted",
                                   s["reencodes"])
+        if "redis_up" in s:
+            yield CounterMetricFamily("inferscale_kv_redis_misses", "fact KV asked of Redis and not found there "
+                                      "(or Redis down)", s["redis_misses"])
+            yield CounterMetricFamily("inferscale_kv_redis_writes", "fact KV written through to Redis",
+                                      s["redis_writes"])
+            yield CounterMetricFamily("inferscale_kv_redis_errors", "Redis calls that failed (timeouts, refused "
+                                      "connections)", s["redis_errors"])
+            yield GaugeMetricFamily("inferscale_kv_redis_up", "1 while the Redis KV tier answers, 0 during an outage",
+                                    s["redis_up"])
 
 
 class FrontMetrics:

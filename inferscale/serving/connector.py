@@ -33,6 +33,7 @@ The connector never saves KV (``save_kv_layer`` is a no-op): fact KV is produced
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -162,8 +163,10 @@ class InferScaleConnector(KVConnectorBase_V1):
     """vLLM KV connector serving InferScale's fact KV; see the module docstring.
 
     ``kv_connector_extra_config``: ``kv_dir`` (the KV pool's folder, required) and
-    ``device_budget_bytes`` (the pool's device tier in this process, bytes) and
-    ``host_budget_bytes`` (its pinned host tier on CUDA, bytes; default 0).
+    ``device_budget_bytes`` (the pool's device tier in this process, bytes),
+    ``host_budget_bytes`` (its pinned host tier on CUDA, bytes; default 0) and ``redis_url``
+    (the shared Redis tier, read on a local miss; default: ``INFERSCALE_KV_REDIS_URL``, how
+    ``inferscale serve`` passes it to vLLM's server, off the command line).
 
     Raises:
         ValueError: ``kv_dir`` is missing.
@@ -177,7 +180,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._pool = KVPool.shared(  # reads and touches the disk tier, never evicts it
             extra["kv_dir"], best_device(), int(extra.get("device_budget_bytes", DEFAULT_DEVICE_KV_BUDGET_BYTES)),
-            int(extra.get("host_budget_bytes", 0)),
+            int(extra.get("host_budget_bytes", 0)), None,
+            extra.get("redis_url") or os.environ.get("INFERSCALE_KV_REDIS_URL") or None,
         )
         # scheduler side: claimed, allocated, and injected (reported at request_finished)
         self._pending: dict[str, tuple[InjectionPlan, int]] = {}

@@ -127,6 +127,7 @@ class Engine:
         device_budget_bytes: device tier of the connector's KV pool (bytes).
         max_num_seqs: most requests vLLM batches at once.
         verbose: let vLLM log as it does on its own (default: errors only; :mod:`inferscale.runtime.logs`).
+        redis_url: the KV pool's shared Redis tier, which the connector reads on a local miss.
 
     Concurrent requests (from threads, or tasks of any event loop) are batched by vLLM.
     Call :meth:`close` (or use ``with Engine(...) as e:``) to stop the engine-core
@@ -139,7 +140,7 @@ class Engine:
     def __init__(self, model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: int = 8192,
                  kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
                  device_budget_bytes: int = DEFAULT_DEVICE_KV_BUDGET_BYTES, max_num_seqs: int = 64,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, redis_url: str | None = None) -> None:
         check_vllm_version()
         quiet_vllm_logger(verbose)
         self._verbose = verbose
@@ -150,7 +151,7 @@ class Engine:
         self._thread.start()
         kwargs = engine_kwargs(model_path, dtype=dtype, kv_dir=kv_dir, max_model_len=max_model_len,
                                kv_cache_memory_bytes=kv_cache_memory_bytes, device_budget_bytes=device_budget_bytes,
-                               max_num_seqs=max_num_seqs, verbose=verbose)
+                               max_num_seqs=max_num_seqs, verbose=verbose, redis_url=redis_url)
         try:
             self._holder = [self.run_coroutine(self._start(kwargs))]
         except BaseException:

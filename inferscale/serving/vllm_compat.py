@@ -62,9 +62,12 @@ def check_vllm_version() -> str:
     return version
 
 
-def kv_transfer_config(kv_dir: Path, device_budget_bytes: int) -> dict:
+def kv_transfer_config(kv_dir: Path, device_budget_bytes: int, redis_url: str | None = None) -> dict:
     """vLLM's ``KVTransferConfig`` fields for :class:`InferScaleConnector` (also the JSON of
     the OpenAI server's ``--kv-transfer-config``).
+
+    ``redis_url``: the shared Redis tier, read by the connector on a local miss (a server
+    started as a process gets it in ``INFERSCALE_KV_REDIS_URL`` instead, off its command line).
 
     ``kv_load_failure_policy="recompute"``: a segment that cannot be read on the worker is
     recomputed by vLLM (the request is answered, from the text), never failed.
@@ -73,7 +76,8 @@ def kv_transfer_config(kv_dir: Path, device_budget_bytes: int) -> dict:
         kv_connector="InferScaleConnector",
         kv_connector_module_path="inferscale.serving.connector",
         kv_role="kv_both",
-        kv_connector_extra_config={"kv_dir": str(kv_dir), "device_budget_bytes": int(device_budget_bytes)},
+        kv_connector_extra_config={"kv_dir": str(kv_dir), "device_budget_bytes": int(device_budget_bytes),
+                                   **({"redis_url": redis_url} if redis_url else {})},
         kv_load_failure_policy="recompute",
     )
 
@@ -107,7 +111,8 @@ def check_json_schema(schema: dict) -> None:
 
 
 def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: int, kv_cache_memory_bytes: int,
-                  device_budget_bytes: int, max_num_seqs: int, verbose: bool = False) -> dict:
+                  device_budget_bytes: int, max_num_seqs: int, verbose: bool = False,
+                  redis_url: str | None = None) -> dict:
     """vLLM engine arguments for serving with :class:`InferScaleConnector`.
 
     Args:
@@ -116,6 +121,7 @@ def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: 
         kv_cache_memory_bytes: vLLM's paged cache (bytes). device_budget_bytes: the
             connector's device tier (bytes). max_num_seqs: most requests batched at once.
         verbose: show vLLM's weight-loading progress bar.
+        redis_url: the KV pool's shared Redis tier (``None``: none).
 
     Returns:
         Keyword arguments for ``AsyncEngineArgs``: prefix caching on, eager mode (no
@@ -124,7 +130,7 @@ def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: 
     """
     from vllm.config import KVTransferConfig, StructuredOutputsConfig
 
-    transfer = KVTransferConfig(**kv_transfer_config(kv_dir, device_budget_bytes))
+    transfer = KVTransferConfig(**kv_transfer_config(kv_dir, device_budget_bytes, redis_url))
     return dict(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_cache_memory_bytes, kv_transfer_config=transfer,
                 enable_prefix_caching=True, enforce_eager=True, seed=0, max_num_seqs=max_num_seqs,

@@ -1,0 +1,253 @@
+"""The KV pool's shared tier on Redis (or Valkey): one value per entry, across machines.
+
+Every process of every deployment that names the same ``kv_redis_url`` shares it: the
+encoder writes each entry through to it (after the local disk), and a process whose own
+tiers miss an entry reads it from here (the front when it plans or quantizes, the connector
+in vLLM's process when it injects), so a fact encoded on one machine is injected on another
+with no encode there. KV is content-addressed (:func:`inferscale.kv.pool.kv_key`), so two
+writers of a key write the same bytes.
+
+**Values.** Key ``inferscale:kv:{<owner>}/<variant>``; the braces are Redis Cluster's hash
+tag, so a fact's variants share a slot and one ``DEL`` drops them. The value is the same
+safetensors bytes as a disk-tier file (:func:`inferscale.kv.entry.to_tensors`).
+
+**Eviction is Redis's.** The tier sets no TTL and counts no budget: run Redis with
+``maxmemory <bytes>`` and ``maxmemory-policy allkeys-lfu`` (approximate LFU with decay,
+Redis's documented policy for caches: https://redis.io/docs/latest/develop/reference/eviction/),
+and it drops the least frequently used entries when full. An entry Redis evicted is a miss
+like any other: the memory is served as text and its KV encoded again.
+
+**Standalone or cluster.** The URL names any node; a node that answers ``cluster_enabled:1``
+to ``INFO cluster`` is used through redis-py's ``RedisCluster``.
+
+**An outage is never an error.** Every call has a timeout (:attr:`RedisTier.TIMEOUT_S`).
+The first failure marks the tier down: calls return "absent" (reads, lookups) or are
+skipped (writes; the entry stays on the local disk) without touching the network, until
+:attr:`RedisTier.RETRY_S` seconds pass and the next call tries again. The log gets one
+warning when an outage starts and one line when Redis answers again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, Iterable
+from urllib.parse import urlsplit, urlunsplit
+
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from inferscale.kv.entry import StoredKV, from_tensors, to_tensors
+
+log = logging.getLogger(__name__)
+
+PREFIX = "inferscale:kv:"
+
+
+def redis_key(key: str) -> str:
+    """The Redis key of pool key ``"<owner>/<variant>"``: ``inferscale:kv:{<owner>}/<variant>``."""
+    owner, variant = key.split("/")
+    return f"{PREFIX}{{{owner}}}/{variant}"
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (for logs and errors)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user = userinfo.split(":", 1)[0] if ":" in userinfo else ""  # a lone userinfo is a password to Redis
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def encode(kv: StoredKV) -> bytes:
+    """``kv`` as the bytes of a safetensors file (:func:`inferscale.kv.entry.to_tensors`)."""
+    tensors, meta = to_tensors(kv)
+    return save_tensors(tensors, metadata=meta)
+
+
+def decode(data: bytes) -> StoredKV:
+    """Inverse of :func:`encode`.
+
+    Raises:
+        ValueError: not safetensors bytes of a pool entry (truncated, another format).
+    """
+    try:
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+        return from_tensors(load_tensors(data), meta)
+    except Exception as exc:  # anything unreadable is a miss, never a crash of the reader
+        raise ValueError(f"not a stored KV entry ({len(data)} bytes): {exc}") from exc
+
+
+class RedisTier:
+    """Pool entries in Redis at ``url``; see the module docstring.
+
+    Args:
+        url: ``redis://[[user]:password@]host:port[/db]`` (``rediss://`` for TLS), any
+            node of a cluster.
+
+    Raises:
+        ImportError: redis-py is not installed (``pip install 'inferscale[redis]'``).
+        ValueError: ``url`` is not a ``redis://``, ``rediss://`` or ``unix://`` URL.
+
+    Thread-safe. The connection is made on first use, so a Redis that is down at start is
+    an outage like any other.
+    """
+
+    #: seconds a call waits for Redis (connect, then each command) before the tier is marked down
+    TIMEOUT_S = 1.0
+    #: seconds a down tier stays skipped before the next call tries Redis again
+    RETRY_S = 5.0
+
+    def __init__(self, url: str) -> None:
+        try:
+            import redis  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - the dev extras install it
+            raise ImportError("kv_redis_url needs redis-py: pip install 'inferscale[redis]'") from exc
+        if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"kv_redis_url {redacted(url)!r} must be a redis://, rediss:// or unix:// URL")
+        self.url = url
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self.stats = {"hits": 0, "misses": 0, "writes": 0, "errors": 0}
+
+    # ------------------------------------------------------------------ connection and outages
+
+    def _connect(self) -> Any:
+        import redis
+        from redis.cluster import RedisCluster
+
+        opts = dict(socket_timeout=self.TIMEOUT_S, socket_connect_timeout=self.TIMEOUT_S)
+        client = redis.Redis.from_url(self.url, **opts)
+        if client.info("cluster").get("cluster_enabled"):
+            client.close()
+            client = RedisCluster.from_url(self.url, **opts)
+        return client
+
+    def _call(self, what: str, fn, default):
+        """``fn(client)``, or ``default`` when the tier is down or the call fails (then marked down)."""
+        import redis
+
+        now = time.monotonic()
+        with self._lock:
+            if self._down_since is not None and now < self._retry_at:
+                return default
+            client = self._client
+        try:
+            if client is None:
+                client = self._connect()
+                with self._lock:
+                    self._client = client
+            result = fn(client)
+        except (redis.RedisError, OSError) as exc:
+            with self._lock:
+                self.stats["errors"] += 1
+                self._retry_at = time.monotonic() + self.RETRY_S
+                started = self._down_since is None
+                if started:
+                    self._down_since = time.monotonic()
+            if started:
+                log.warning("Redis KV tier at %s is unreachable (%s while %s: %s); serving from the local tiers and "
+                            "as text until it answers again", redacted(self.url), type(exc).__name__, what, exc)
+            return default
+        with self._lock:
+            down_since, self._down_since = self._down_since, None
+        if down_since is not None:
+            log.warning("Redis KV tier at %s answers again after %.0f s", redacted(self.url),
+                        time.monotonic() - down_since)
+        return result
+
+    @property
+    def available(self) -> bool:
+        """Whether the last call reached Redis (``True`` before the first)."""
+        with self._lock:
+            return self._down_since is None
+
+    # ------------------------------------------------------------------ entries
+
+    def get(self, key: str) -> StoredKV | None:
+        """The entry for pool key ``key`` on the CPU, or ``None`` (absent, unreadable, or Redis down)."""
+        data = self._call("reading", lambda c: c.get(redis_key(key)), None)
+        if data is None:
+            with self._lock:
+                self.stats["misses"] += 1
+            return None
+        try:
+            kv = decode(data)
+        except ValueError as exc:
+            log.warning("Redis KV entry %s is unreadable, treated as absent: %s", key, exc)
+            with self._lock:
+                self.stats["misses"] += 1
+            return None
+        with self._lock:
+            self.stats["hits"] += 1
+        return kv
+
+    def put(self, key: str, kv: StoredKV) -> bool:
+        """Write ``kv`` under ``key`` (no TTL: Redis's ``maxmemory-policy`` evicts); ``False``
+        when Redis is down (the entry is then only in the local tiers)."""
+        data = encode(kv)
+        done = self._call("writing", lambda c: c.set(redis_key(key), data), False)
+        if done:
+            with self._lock:
+                self.stats["writes"] += 1
+        return bool(done)
+
+    def present(self, keys: Iterable[str]) -> set[str]:
+        """Which of ``keys`` Redis holds, in one round trip (none when Redis is down)."""
+        keys = list(keys)
+        if not keys:
+            return set()
+
+        def lookup(client) -> set[str]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(redis_key(key))
+            return {key for key, n in zip(keys, pipe.execute()) if n}
+        return self._call("looking up", lookup, set())
+
+    def remove(self, key: str) -> None:
+        """Delete one entry (absent, or Redis down, is fine)."""
+        self._call("deleting", lambda c: c.delete(redis_key(key)), None)
+
+    def remove_owner(self, owner: str) -> None:
+        """Delete every entry of ``owner`` (a fact id): its keys share a hash slot."""
+        self._delete_matching(f"{PREFIX}{{{owner}}}/*")
+
+    def clear(self) -> None:
+        """Delete every InferScale KV entry in this Redis (other keys are left alone)."""
+        self._delete_matching(f"{PREFIX}*")
+
+    def _delete_matching(self, pattern: str) -> None:
+        def delete(client) -> None:
+            batch = []
+            for name in client.scan_iter(match=pattern, count=1000):
+                batch.append(name)
+                if len(batch) >= 1000:
+                    _delete_each(client, batch)
+                    batch = []
+            if batch:
+                _delete_each(client, batch)
+        self._call("deleting", delete, None)
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a dead connection is fine
+                pass
+
+
+def _delete_each(client: Any, names: list) -> None:
+    """``DEL`` each name (one pipeline): keys of different owners may be in different slots."""
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.delete(name)
+    pipe.execute()
