@@ -123,20 +123,27 @@ def unused_port() -> int:
 
 @pytest.fixture
 def chroma(tmp_path):
-    """A real Chroma server (``chroma run``) on loopback: ``{"url", "port", "restart"}``."""
+    """A real Chroma server (``chroma run``) on loopback: ``{"url", "port", "restart", "stop", "start"}``."""
     port = free_port()
     state = {"proc": _start_chroma(tmp_path / "chroma-server", port, tmp_path / "chroma.log"), "port": port,
              "url": f"http://127.0.0.1:{port}"}
 
-    def restart() -> None:
+    def stop() -> None:
         state["proc"].terminate()
         state["proc"].wait(timeout=60)
+
+    def start() -> None:
         state["proc"] = _start_chroma(tmp_path / "chroma-server", port, tmp_path / "chroma.log")
 
-    state["restart"] = restart
+    def restart() -> None:
+        stop()
+        start()
+
+    state["restart"], state["stop"], state["start"] = restart, stop, start
     yield state
-    state["proc"].terminate()
-    state["proc"].wait(timeout=60)
+    if state["proc"].poll() is None:
+        state["proc"].terminate()
+        state["proc"].wait(timeout=60)
 
 
 def _pg_bin(name: str) -> str:
@@ -148,31 +155,65 @@ def _pg_bin(name: str) -> str:
     return found[-1]
 
 
+class _Postgres:
+    """A fresh PostgreSQL cluster (Debian's package) on 127.0.0.1, trust auth."""
+
+    def __init__(self) -> None:
+        import shutil
+        import subprocess
+        import tempfile
+
+        self.root = Path(tempfile.mkdtemp(prefix="inferscale-pg-"))
+        self.root.chmod(0o755)
+        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []  # initdb refuses root
+        if self.as_user:
+            shutil.chown(self.root, "postgres", "postgres")
+        self.data, self.port = self.root / "data", free_port()
+        subprocess.run([*self.as_user, _pg_bin("initdb"), "-D", str(self.data), "-U", "inferscale", "--auth=trust",
+                        "-E", "UTF8"], check=True, capture_output=True, timeout=300)
+        self.url = f"postgresql+psycopg://inferscale@127.0.0.1:{self.port}/postgres"
+        self.start()
+
+    def start(self) -> None:
+        import subprocess
+
+        subprocess.run([*self.as_user, _pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"), "-w",
+                        "-t", "120", "-o", f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1", "start"],
+                       check=True, capture_output=True, timeout=300)
+
+    def stop(self) -> None:
+        import subprocess
+
+        subprocess.run([*self.as_user, _pg_bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"],
+                       capture_output=True, timeout=120)
+
+    def delete(self) -> None:
+        import shutil
+
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def postgres_url():
     """A fresh PostgreSQL cluster (Debian's package) on 127.0.0.1, trust auth; its SQLAlchemy
     URL. Stopped and deleted afterwards."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="inferscale-pg-"))
-    root.chmod(0o755)
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []  # initdb refuses root
-    if as_user:
-        shutil.chown(root, "postgres", "postgres")
-    data, port = root / "data", free_port()
-    subprocess.run([*as_user, _pg_bin("initdb"), "-D", str(data), "-U", "inferscale", "--auth=trust", "-E", "UTF8"],
-                   check=True, capture_output=True, timeout=300)
-    subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-t", "120", "-o",
-                    f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"],
-                   check=True, capture_output=True, timeout=300)
+    pg = _Postgres()
     try:
-        yield f"postgresql+psycopg://inferscale@127.0.0.1:{port}/postgres"
+        yield pg.url
     finally:
-        subprocess.run([*as_user, _pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
-                       capture_output=True, timeout=120)
-        shutil.rmtree(root, ignore_errors=True)
+        pg.delete()
+
+
+@pytest.fixture
+def postgres():
+    """Like ``postgres_url``, for one test that stops and starts the server: ``.url``,
+    ``.stop()`` (fast shutdown: sessions are cut), ``.start()``."""
+    pg = _Postgres()
+    try:
+        yield pg
+    finally:
+        pg.delete()
 
 
 def _redis_bin() -> str:

@@ -59,6 +59,7 @@ class BackgroundEncoder:
         self.failures = 0
         self.last_error: str | None = None
         self._attempts: dict[int, int] = {}
+        self._outage = False  # the last batch failed because a dependency was down
         # stopped before the interpreter tears down, even when its Memory was collected while
         # the thread still ran (the thread keeps this object alive, so the weak reference holds)
         close_at_exit(self, first=True)
@@ -105,21 +106,37 @@ class BackgroundEncoder:
             if self._run(jobs):
                 continue
             time.sleep(self.retry_s)
+            if self._outage:  # a dependency is down, not a job bad: retry them all later
+                continue
             for job in jobs if len(jobs) > 1 else ():  # find the job that fails
                 self._run([job])
 
     def _run(self, jobs: Sequence[KVJob]) -> bool:
-        """Encode ``jobs``; on failure count an attempt per job and drop those out of attempts."""
+        """Encode ``jobs``; on failure count an attempt per job and drop those out of attempts.
+
+        A failure that says a dependency is down (PostgreSQL, Chroma:
+        :func:`inferscale.runtime.outages.Outages.dependency_of`) counts no attempt (the jobs
+        are fine, and stay queued until it is back) and logs one line per outage, not a
+        traceback per job."""
+        from inferscale.runtime.outages import OUTAGES
+
         try:
             self._run_batch(jobs)
             self.queue.done(jobs)
             self.batches += 1
             for job in jobs:
                 self._attempts.pop(job.job_id, None)
+            self._outage = False
+            OUTAGES.recheck()  # a dependency this batch needed may be back
             return True
         except Exception as exc:  # noqa: BLE001 - the thread must survive a bad batch; jobs stay queued
             self.failures += 1
             self.last_error = f"{jobs[0] if len(jobs) == 1 else f'{len(jobs)} jobs'}: {type(exc).__name__}: {exc}"
+            dependency = OUTAGES.dependency_of(exc)
+            self._outage = dependency is not None
+            if dependency is not None:
+                OUTAGES.failed(dependency, exc)
+                return False
             logger.exception("KV encoding of %d job(s) failed", len(jobs))
             if len(jobs) == 1:
                 n = self._attempts[jobs[0].job_id] = self._attempts.get(jobs[0].job_id, 0) + 1

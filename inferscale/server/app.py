@@ -33,7 +33,7 @@ from starlette.concurrency import run_in_threadpool
 
 from inferscale.memory import Memory
 from inferscale.server import memories, openai_routes, ops
-from inferscale.server.errors import error, install_error_handlers
+from inferscale.server.errors import error, install_error_handlers, install_outage_watch
 from inferscale.server.metrics import FrontMetrics
 from inferscale.server.upstream import Replicas
 
@@ -88,6 +88,8 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
                 return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                              "authentication_error")
         return await call_next(request)
+
+    install_outage_watch(app)
 
     @app.middleware("http")  # added last, so it runs outermost: 401 and 413 answers carry it too
     async def name_worker(request: Request, call_next):

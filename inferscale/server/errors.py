@@ -1,7 +1,9 @@
 """The front's errors: OpenAI's JSON shape, ``{"error": {"message", "type", "code"}}``, and
 the handlers that map exceptions to it: 400 for bad input (``ValueError`` / ``TypeError``),
 404 for an unknown memory, scope or route, 422 for a body that does not fit a route's
-schema (FastAPI's validation message), 503 when vLLM does not answer.
+schema (FastAPI's validation message), 503 with ``Retry-After`` when a dependency does not
+answer (vLLM, the Chroma server, PostgreSQL: :mod:`inferscale.runtime.outages`, which logs
+one line when an outage starts and one when it ends).
 """
 
 from __future__ import annotations
@@ -10,14 +12,33 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from inferscale.runtime.outages import NAMES, OUTAGES, RETRY_AFTER_S
 from inferscale.types import MemoryNotFoundError, UnknownScopeError
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     """An error response: ``{"error": {"message", "type", "code"}}`` with HTTP status ``status``."""
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def outage(exc: BaseException) -> JSONResponse | None:
+    """503 naming the dependency ``exc`` says is down, with ``Retry-After`` (``None``: not an outage)."""
+    dependency = OUTAGES.dependency_of(exc)
+    if dependency is None:
+        return None
+    OUTAGES.failed(dependency, exc)
+    hint = "; see /ready" if dependency == "vllm" else ""
+    response = error(503, f"{NAMES[dependency]} is not answering ({type(exc).__name__}); retry in {RETRY_AFTER_S} s"
+                          f"{hint}", "server_error")
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+#: Routes answered by vLLM: their success ends a vLLM outage.
+_VLLM_ROUTES = ("/v1/chat/", "/v1/completions")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -44,8 +65,30 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValueError)
     @app.exception_handler(TypeError)
     async def bad_input(request: Request, exc: Exception) -> JSONResponse:
-        return error(400, str(exc))
+        return outage(exc) or error(400, str(exc))  # chromadb says "could not connect" as a ValueError
 
     @app.exception_handler(httpx.HTTPError)
     async def upstream_down(request: Request, exc: httpx.HTTPError) -> JSONResponse:
-        return error(503, f"the model server is not answering ({type(exc).__name__}); see /ready", "server_error")
+        return outage(exc) or error(503, f"vLLM's server is not answering ({type(exc).__name__}); see /ready",
+                                    "server_error")
+
+    @app.exception_handler(Exception)
+    async def dependency_down(request: Request, exc: Exception) -> JSONResponse:
+        # anything else is a bug: 500, and Starlette re-raises it after this answer, so the
+        # server logs its traceback
+        return outage(exc) or error(500, f"internal error ({type(exc).__name__}); see the server log", "server_error")
+
+
+def install_outage_watch(app: FastAPI) -> None:
+    """After a request that succeeded while an outage lasts, probe the dependencies that are
+    down (:meth:`~inferscale.runtime.outages.Outages.recheck`); a chat answered ends a vLLM
+    outage. Each outage that ends logs one line."""
+
+    @app.middleware("http")
+    async def outages_end(request: Request, call_next):
+        response = await call_next(request)
+        if response.status_code < 400 and OUTAGES.down():
+            if request.url.path.startswith(_VLLM_ROUTES):
+                OUTAGES.ok("vllm")
+            await run_in_threadpool(OUTAGES.recheck)
+        return response

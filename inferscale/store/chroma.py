@@ -56,6 +56,9 @@ class ChromaServer:
         import chromadb
         from chromadb.config import Settings
 
+        from inferscale.runtime.outages import OUTAGES
+
+        OUTAGES.register("chroma", self.url)  # its connection errors read as a Chroma outage
         parts = urlsplit(self.url)
         settings = Settings(anonymized_telemetry=False)
         if self.auth_token:
@@ -93,7 +96,10 @@ class FactStore:
         self._server = server
         try:
             if server is not None:
+                from inferscale.runtime.outages import OUTAGES
+
                 self._client = server.client()
+                OUTAGES.register_probe("chroma", self._client.heartbeat)
             else:
                 path.mkdir(parents=True, exist_ok=True)
                 self._client = chromadb.PersistentClient(path=str(path), settings=Settings(anonymized_telemetry=False))

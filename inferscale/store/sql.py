@@ -43,7 +43,15 @@ class Database:
             self.engine = create_engine(parsed, connect_args={"timeout": 60})
             _sqlite_immediate(self.engine)
         else:
+            from inferscale.runtime.outages import OUTAGES
+
             self.engine = create_engine(parsed, pool_pre_ping=True, pool_size=8, max_overflow=16)
+            OUTAGES.register_probe("postgresql", self._ping)
+
+    def _ping(self) -> None:
+        """``SELECT 1`` (raises while the server is down: the outage probe)."""
+        with self.engine.connect() as connection:
+            connection.exec_driver_sql("SELECT 1")
 
     @classmethod
     def sqlite_file(cls, path: Path) -> "Database":
