@@ -332,6 +332,34 @@ def bench_throughput(
         context_window=context_window, max_tokens=max_tokens, dtype=dtype, fresh=fresh))
 
 
+@bench_app.command("tiers")
+def bench_tiers(
+    data: Optional[Path] = _DATA,
+    out: Path = typer.Option(Path("results/tiers"), help="Results folder."),
+    store: Optional[Path] = typer.Option(None, help="The replay's own store (a disk budget evicts there; default: <data dir>/bench-tiers)."),
+    users: int = typer.Option(12, min=1, help="Users (LoCoMo conversation i mod 10 each)."),
+    questions: int = typer.Option(300, min=2, help="Questions replayed per budget."),
+    warmup: int = typer.Option(100, min=0, help="First questions of each replay not counted (they fill the cache)."),
+    zipf: float = typer.Option(1.1, min=0.0, help="Zipf exponent of user popularity."),
+    k: int = typer.Option(10, min=1, help="Facts per question."),
+    budgets: str = typer.Option("1,0.5,0.25,0.1", help="Disk budgets as shares of the full pool, comma-separated, largest first (1: none)."),
+    context_window: int = typer.Option(0, min=0, help="w of the stored KV (budgets do not depend on it)."),
+    dtype: str = _DTYPE,
+) -> None:
+    """The KV pool under disk budgets: share of fact tokens served as KV, TTFT p50/p99 and re-encodes on a Zipf replay."""
+    from inferscale.bench.tiers import run
+    from inferscale.config import default_data_dir
+
+    data, _ = _bench_paths(data, store)
+    try:
+        shares = [float(b) for b in budgets.split(",") if b.strip()]
+    except ValueError:
+        _fail(f"--budgets takes shares of the full pool such as 1,0.5,0.25, got {budgets!r}")
+    _run_bench("tiers", out, lambda: run(data, out, store or default_data_dir() / "bench-tiers", users=users,
+                                         questions=questions, warmup=warmup, zipf=zipf, k=k, budgets=shares,
+                                         context_window=context_window, dtype=dtype))
+
+
 @bench_app.command("footprint")
 def bench_footprint(
     data: Optional[Path] = _DATA,

@@ -115,6 +115,7 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
         kv_jobs = KVJobQueue(data / "kv_jobs.sqlite")
         pool = KVPool.shared(kv_dir, device, config.device_kv_budget_bytes, config.host_kv_budget_bytes,
                              config.disk_kv_budget_bytes, config.kv_redis_url)
+        pool.enforce_budget()  # a budget lowered since the folder was filled holds from the start
     except (StoreError, ImportError):
         raise
     except Exception as exc:  # sqlite, chromadb and OS errors on a damaged store

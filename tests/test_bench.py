@@ -346,3 +346,27 @@ def test_retrieval_bench_compares_dense_and_hybrid_on_held_out_conversations(tmp
     assert held["recall_hybrid"]["100"] >= held["recall_dense"]["10"]
     assert set(result["latency_ms"]) == {"one conversation", "500 facts"}
     assert not (out / "retrieval-store").exists()  # its own store is deleted
+
+
+def test_tiers_replay_keeps_each_budget_and_serves_what_it_evicted_as_text(tmp_path, locomo_path):
+    """``inferscale bench tiers`` on one user: the unbounded pool serves every retrieved fact
+    as KV; at 25% of the pool the disk holds to its budget (plus one fact), some memories
+    come as text and are encoded again; the page and plot are written."""
+    from inferscale.bench.tiers import make_trace, run, user_weights
+
+    weights = user_weights(3, 1.0)
+    assert weights == pytest.approx([6 / 11, 3 / 11, 2 / 11])
+    trace = make_trace([5, 1, 2], 200, 1.0, seed=1)
+    assert all(q < [5, 1, 2][u] for u, q in trace) and make_trace([5, 1, 2], 200, 1.0, seed=1) == trace
+    assert sum(u == 0 for u, _ in trace) > sum(u == 2 for u, _ in trace)
+    with pytest.raises(ValueError, match="budgets are shares"):
+        run(locomo_path, tmp_path / "out", tmp_path / "store", budgets=(1.0, 0.0))
+    summary = run(locomo_path, tmp_path / "out", tmp_path / "store", users=1, questions=14, warmup=4,
+                  budgets=(1.0, 0.25))
+    unbounded, quarter = summary["cells"]
+    assert unbounded["budget_bytes"] is None and unbounded["kv_token_share"] == 1.0 and unbounded["reencodes"] == 0
+    assert quarter["budget_bytes"] == int(summary["full_pool_bytes"] * 0.25)
+    assert quarter["evicted_at_open"] > 0 and quarter["kv_token_share"] < 1.0 and quarter["reencodes"] > 0
+    largest = max(p.stat().st_size for p in (tmp_path / "store" / "kv").glob("*/*.safetensors"))
+    assert quarter["disk_bytes_end"] <= quarter["budget_bytes"] + largest
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"tiers.json", "tiers.md", "tiers.png"}

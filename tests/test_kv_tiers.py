@@ -167,14 +167,31 @@ def test_an_evicted_memory_comes_as_text_says_why_and_is_encoded_again_once(tmp_
         assert mem.kv_stats()["disk_evictions"] >= len(evicted)
         assert mem.kv_stats()["disk_bytes"] <= budget
         before = mem.kv_stats()["reencodes"]
-        for _ in range(3):  # three requests ask for the evicted KV before it is back
-            again = mem.inject("What is my dog called?", user_id="u", k=len(FACTS))
-            assert set(evicted) <= set(again.text_memory_ids)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as requests:  # eight concurrent requests ask for it before it is back
+            again = list(requests.map(lambda _: mem.inject("What is my dog called?", user_id="u", k=len(FACTS)),
+                                      range(8)))
+        assert all(set(evicted) <= set(a.text_memory_ids) for a in again)
         assert mem.pending_kv() == len(evicted)  # queued once each
         mem.components.kv.background.resume()
         assert mem.wait_for_kv(timeout=600)
-        assert mem.kv_stats()["reencodes"] - before == len(evicted)  # encoded again once, not three times
+        assert mem.kv_stats()["reencodes"] - before == len(evicted)  # encoded again once, not eight times
         final = mem.inject("What is my dog called?", user_id="u", k=len(FACTS))
         assert all(final.kv_sources[i] in ("device", "disk") for i in evicted)  # the newest now, so kept
     finally:
         mem.close()
+
+
+def test_a_lowered_budget_evicts_at_once_least_recently_used_first(tmp_path, keys):
+    pool = KVPool(tmp_path, "cpu", 1 << 30)
+    for i, key in enumerate(keys):
+        pool.put(key, kv(tokens=600, seed=i))  # ~0.6 MiB a file
+    age(pool, keys)
+    one = file_size(pool, keys[0])
+    assert pool.set_disk_budget(None) == 0
+    evicted = pool.set_disk_budget(int(4.5 * one))  # down to 90% of it: four files stay
+    assert evicted == 4 and [pool.tier(k) for k in keys] == [None] * 4 + ["device"] * 4
+    assert pool.disk.size() <= int(4.5 * one) and pool.stats["disk_evictions"] == 4
+    with pytest.raises(ValueError, match="at least 1 MiB"):
+        pool.set_disk_budget(1000)

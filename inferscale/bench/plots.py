@@ -86,3 +86,23 @@ def plot_footprint(summary: dict, path: Path) -> None:
     ax.tick_params(axis="x", rotation=30)
     ax.grid(alpha=0.3, axis="y")
     _save(fig, path)
+
+
+def plot_tiers(summary: dict, path: Path) -> None:
+    """Per disk budget (share of the full pool): fact tokens served as KV, and TTFT p50 / p99."""
+    cells = summary["cells"]
+    labels = [f"{c['share']:.0%}" for c in cells]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    bars = left.bar(labels, [100 * c["kv_token_share"] for c in cells], color="tab:blue")
+    for bar, c in zip(bars, cells):
+        left.annotate(f"{c['kv_token_share']:.0%}\n{c['reencodes']} re-enc.", (bar.get_x() + bar.get_width() / 2,
+                      bar.get_height()), ha="center", va="bottom", fontsize=8)
+    left.set(xlabel="disk budget (share of the full pool)", ylabel="retrieved fact tokens served as KV (%)",
+             ylim=(0, 110), title=f"Zipf replay, {summary['users']} users, k={summary['k']}")
+    right.plot(labels, [1e3 * c["ttft_p50_s"] for c in cells], "o-", label="p50")
+    right.plot(labels, [1e3 * c["ttft_p99_s"] for c in cells], "s-", label="p99")
+    right.set(xlabel="disk budget (share of the full pool)", ylabel="TTFT (ms)", title="TTFT per budget")
+    right.legend()
+    for ax in (left, right):
+        ax.grid(alpha=0.3, axis="y")
+    _save(fig, path)

@@ -191,6 +191,28 @@ class KVPool:
         if self.disk.over_budget():
             self._evict_disk(protect=key)
 
+    def set_disk_budget(self, budget_bytes: int | None) -> int:
+        """Change the disk tier's budget now (``None``: no limit), evicting down to it at once
+        (an operator resizing a live pool; the replay benchmark); returns entries evicted.
+
+        Raises:
+            ValueError: a budget under 1 MiB (as ``disk_kv_budget_bytes`` refuses).
+        """
+        if budget_bytes is not None and budget_bytes < 1 << 20:
+            raise ValueError(f"a disk budget must be at least 1 MiB, got {budget_bytes} bytes")
+        with self._lock:
+            self.disk_budget_bytes = self.disk.budget_bytes = None if budget_bytes is None else int(budget_bytes)
+        return self.enforce_budget()
+
+    def enforce_budget(self) -> int:
+        """Evict past the disk budget now, as a write would (a writer opening a folder that
+        holds more than its budget: a lowered setting); returns how many entries went."""
+        if not self.disk.over_budget():
+            return 0
+        before = self.stats["disk_evictions"]
+        self._evict_disk(protect="")
+        return self.stats["disk_evictions"] - before
+
     def _evict_disk(self, protect: str) -> None:
         with self._lock:
             pinned = set(self._pins)

@@ -1,0 +1,185 @@
+"""The KV pool under a disk budget: a Zipf replay of LoCoMo users (issue 31).
+
+Users are LoCoMo's ten conversations, repeated into more users (user ``i`` holds
+conversation ``i mod 10``'s facts under a scope of its own, as the memory-ops benchmark
+repeats facts), every fact's KV encoded once into a store of its own (``<data
+dir>/bench-tiers``: a disk budget evicts, so no other benchmark's KV is put at risk).
+Questions arrive with Zipf-distributed user popularity (user ``r`` asked with probability
+``∝ 1 / r^s``), each one of that user's LoCoMo questions, and are served in inject mode with
+``k`` facts, one after another, on one engine.
+
+The same trace is replayed at disk budgets of 100% (no budget: the unbounded pool), 50%,
+25% and 10% of the full pool's bytes, in that order, on the same store: each lower budget
+evicts down to it at once (least recently used first:
+:meth:`inferscale.kv.pool.KVPool.set_disk_budget`), and from then on a memory whose KV was
+evicted comes as text and is encoded again in the background, evicting what was used least
+recently. The first ``warmup`` questions of each replay fill the cache and are not
+counted. Per budget the page reports:
+
+- the share of retrieved fact tokens served as KV (the rest were prefilled as text), and
+  the share of retrieved memories;
+- TTFT p50 / p99 (seconds, in the engine), against the unbounded pool's;
+- re-encodes (KV written again after this process evicted it) and disk evictions;
+- the disk tier's bytes at the end (never above the budget plus one fact).
+
+Reproduce: ``inferscale bench tiers --out docs/results/tiers``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Sequence
+
+from tqdm import tqdm
+
+from inferscale.bench.common import machine, markdown_table, percentile, write_outputs
+from inferscale.bench.plots import plot_tiers
+from inferscale.datasets.locomo import load_locomo, store_conversation
+from inferscale.memory import Memory
+
+NAME = "tiers"
+MIB = 2**20
+
+
+def user_weights(users: int, s: float) -> list[float]:
+    """Zipf popularity of users ranked 1..``users``: ``1 / r^s``, normalised to sum to 1."""
+    if users < 1 or s < 0:
+        raise ValueError(f"need users >= 1 and a Zipf exponent >= 0, got {users} and {s}")
+    raw = [1.0 / (r ** s) for r in range(1, users + 1)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def make_trace(question_counts: Sequence[int], n: int, s: float, seed: int = 0) -> list[tuple[int, int]]:
+    """``n`` (user, question index) pairs: users drawn by Zipf(``s``) popularity (user 0 the
+    most popular), each question uniform among that user's ``question_counts[user]``."""
+    rng = random.Random(seed)
+    weights = user_weights(len(question_counts), s)
+    users = rng.choices(range(len(question_counts)), weights=weights, k=n)
+    return [(u, rng.randrange(question_counts[u])) for u in users]
+
+
+def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, questions: int = 300, warmup: int = 100,
+        zipf: float = 1.1, k: int = 10, budgets: Sequence[float] = (1.0, 0.5, 0.25, 0.1), context_window: int = 0,
+        dtype: str = "auto", seed: int = 0) -> dict:
+    """Build the store (once), replay the trace at each budget; writes ``tiers.{json,md,png}``.
+
+    Args:
+        users: users (conversation ``i mod 10`` each). questions: replayed per budget, of
+            which the first ``warmup`` are not counted. zipf: the popularity exponent ``s``.
+        k: facts per question. budgets: shares of the full pool's bytes (1.0: no budget),
+            replayed in the order given (largest first, so each run evicts from the last).
+        context_window: w of the stored KV (0 by default: the budget and eviction do not
+            depend on w, and w = 0 encodes thousands of facts in minutes on 2 cores).
+
+    Returns:
+        The summary written to ``tiers.json``.
+
+    Raises:
+        ValueError: bad settings.
+    """
+    if users < 1 or k < 1 or not 0 <= warmup < questions:
+        raise ValueError(f"need users >= 1, k >= 1 and 0 <= warmup < questions, got {users}, {k}, {warmup}, "
+                         f"{questions}")
+    if not budgets or any(not 0 < b <= 1 for b in budgets):
+        raise ValueError(f"budgets are shares of the full pool in (0, 1], got {list(budgets)}")
+    convs = load_locomo(data)
+    scopes = [f"tiers-{i}" for i in range(users)]
+    asked = [[q.question for q in convs[i % len(convs)].qa if q.category in (1, 2, 3, 4)] for i in range(users)]
+    trace = make_trace([len(a) for a in asked], questions, zipf, seed)
+    settings = dict(dtype=dtype, context_window=context_window, top_k=k)
+
+    with Memory(data_dir=store_dir, precompute_kv=True, **settings) as mem:
+        mem.components.pool.set_disk_budget(None)  # a budget left by an interrupted run
+        for i, scope in enumerate(tqdm(scopes, desc="store users", unit="user")):
+            store_conversation(mem, convs[i % len(convs)], scope)
+        mem.wait_for_kv()
+        for scope in scopes:  # the preamble's KV, and every fact's encoded before any budget
+            mem.inject("warm", user_id=scope, k=1, wait_for_kv=True)
+        full = _fact_bytes(store_dir / "kv")
+        facts = sum(mem.count(user_id=s) for s in scopes)
+        dtype_used = mem.config.resolved_dtype
+        cells = []
+        for share in budgets:
+            budget = None if share >= 1 else max(int(full * share), 1 << 20)
+            evicted = mem.components.pool.set_disk_budget(budget)  # least recently used out first, now
+            cells.append(_replay(mem, share, budget, evicted, trace, asked, scopes, warmup, k))
+        mem.components.pool.set_disk_budget(None)
+    base_cell = cells[0]
+    for cell in cells:
+        cell["ttft_p99_vs_first"] = cell["ttft_p99_s"] / base_cell["ttft_p99_s"]
+        cell["ttft_p50_vs_first"] = cell["ttft_p50_s"] / base_cell["ttft_p50_s"]
+    summary = {"name": NAME, "users": users, "facts": facts, "questions": questions, "warmup": warmup, "zipf": zipf,
+               "k": k, "context_window": context_window, "dtype": dtype_used,
+               "full_pool_bytes": full, "cells": cells, "machine": machine()}
+    write_outputs(out_dir, NAME, summary, to_markdown(summary))
+    plot_tiers(summary, Path(out_dir) / f"{NAME}.png")
+    return summary
+
+
+def _fact_bytes(kv_dir: Path) -> int:
+    """Bytes of the fact KV files (the preamble's excluded: never evicted)."""
+    return sum(p.stat().st_size for p in kv_dir.glob("*/*.safetensors") if not p.parent.name.startswith("_"))
+
+
+def _replay(mem: Memory, share: float, budget: int | None, evicted_at_open: int, trace, asked, scopes,
+            warmup: int, k: int) -> dict:
+    stats0 = None
+    ttft, kv_tokens, text_tokens, kv_memories, all_memories = [], 0, 0, 0, 0
+    tokens: dict[str, int] = {}
+    t0 = time.perf_counter()
+    for n, (u, qi) in enumerate(tqdm(trace, desc=f"replay {share:.0%}", unit="question")):
+        if n == warmup:
+            stats0 = dict(mem.kv_stats())
+        g = mem.generate(asked[u][qi], user_id=scopes[u], k=k, mode="inject", max_tokens=1)
+        if n < warmup:
+            continue
+        ttft.append(g.ttft_s)
+        kv = set(g.kv_memory_ids)
+        for m in g.memories:
+            t = tokens.get(m["memory"])
+            if t is None:
+                t = tokens[m["memory"]] = mem.fact_tokens(m["memory"])
+            if m["id"] in kv:
+                kv_tokens += t
+                kv_memories += 1
+            else:
+                text_tokens += t
+            all_memories += 1
+    mem.wait_for_kv()
+    stats = mem.kv_stats()
+    return {"share": share, "budget_bytes": budget, "counted": len(ttft),
+            "kv_token_share": kv_tokens / max(kv_tokens + text_tokens, 1),
+            "kv_memory_share": kv_memories / max(all_memories, 1),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "reencodes": stats["reencodes"] - stats0["reencodes"],
+            "disk_evictions": stats["disk_evictions"] - stats0["disk_evictions"],
+            "evicted_at_open": evicted_at_open, "disk_bytes_end": _fact_bytes(mem.kv_dir),
+            "seconds": time.perf_counter() - t0}
+
+
+def to_markdown(summary: dict) -> str:
+    m = summary["machine"]
+    rows = []
+    for c in summary["cells"]:
+        budget = "none (unbounded)" if c["budget_bytes"] is None else f"{c['budget_bytes'] / MIB:,.0f} MiB"
+        rows.append([f"{c['share']:.0%}", budget, f"{c['kv_token_share']:.1%}", f"{c['kv_memory_share']:.1%}",
+                     f"{c['ttft_p50_s'] * 1e3:.1f}", f"{c['ttft_p99_s'] * 1e3:.1f} ({c['ttft_p99_vs_first']:.2f}x)",
+                     c["reencodes"], c["disk_evictions"], f"{c['disk_bytes_end'] / MIB:,.0f}"])
+    table = markdown_table(["disk budget", "bytes", "fact tokens as KV", "memories as KV", "TTFT p50 (ms)",
+                            "TTFT p99 (ms, vs unbounded)", "re-encodes", "evictions", "disk at end (MiB)"], rows)
+    return f"""# The KV pool under a disk budget: Zipf replay
+
+{summary['users']} users (LoCoMo's conversations repeated into more users), {summary['facts']:,} facts,
+full pool {summary['full_pool_bytes'] / MIB:,.0f} MiB of fact KV ({summary['dtype']}, w = {summary['context_window']});
+{summary['questions']} questions a budget with Zipf user popularity (s = {summary['zipf']}), k = {summary['k']}, the first
+{summary['warmup']} not counted (they fill the cache); one engine, questions one after another, misses
+re-encoded in the background meanwhile. Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores; commit {m.get('commit', '?')}.
+
+{table}
+
+Reproduce: `inferscale bench tiers --out docs/results/tiers` (module docstring of
+`inferscale/bench/tiers.py` for the method).
+"""
