@@ -344,6 +344,7 @@ def bench_tiers(
     k: int = typer.Option(10, min=1, help="Facts per question."),
     budgets: str = typer.Option("1,0.5,0.25,0.1", help="Disk budgets as shares of the full pool, comma-separated, largest first (1: none)."),
     context_window: int = typer.Option(0, min=0, help="w of the stored KV (budgets do not depend on it)."),
+    touch_interval: float = typer.Option(1.0, min=0.0, help="Seconds between renewals of an entry's recency on disk (the pool's 60 s, scaled to the time-compressed trace)."),
     dtype: str = _DTYPE,
 ) -> None:
     """The KV pool under disk budgets: share of fact tokens served as KV, TTFT p50/p99 and re-encodes on a Zipf replay."""
@@ -357,7 +358,8 @@ def bench_tiers(
         _fail(f"--budgets takes shares of the full pool such as 1,0.5,0.25, got {budgets!r}")
     _run_bench("tiers", out, lambda: run(data, out, store or default_data_dir() / "bench-tiers", users=users,
                                          questions=questions, warmup=warmup, zipf=zipf, k=k, budgets=shares,
-                                         context_window=context_window, dtype=dtype))
+                                         context_window=context_window, dtype=dtype,
+                                         touch_interval_s=touch_interval))
 
 
 @bench_app.command("footprint")
