@@ -255,7 +255,8 @@ class InferScaleStore(BaseStore):
         wanted = op.offset + op.limit
         hits = []
         for scope in self._scopes_under(op.namespace_prefix):
-            hits.extend(self.backend.search(op.query or _ANY_QUERY, scope, filters, wanted))
+            # without a query every match is read, so the oldest come first whatever "item" ranks
+            hits.extend(self.backend.search(op.query or _ANY_QUERY, scope, filters, wanted if op.query else MAX_RESULTS))
         if op.query:  # best first across scopes; within one scope the hybrid rank is kept
             if len({_scope_key(_memory_scope(h)) for h in hits}) > 1:
                 hits.sort(key=lambda h: -h.get("score", 0.0))
