@@ -21,6 +21,7 @@ import argparse
 import tempfile
 import uuid
 from dataclasses import dataclass
+from typing import Annotated
 
 from langchain.agents import create_agent
 from langchain.agents.middleware import ModelRequest, ModelResponse, wrap_model_call
@@ -28,6 +29,7 @@ from langchain.tools import ToolRuntime
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_inferscale import ChatInferScale, InferScaleStore
+from pydantic import Field
 
 from inferscale import Memory
 
@@ -41,7 +43,7 @@ class UserContext:
 
 
 @tool
-def save_memory(fact: str, runtime: ToolRuntime[UserContext]) -> str:
+def save_memory(fact: Annotated[str, Field(min_length=3, max_length=60)], runtime: ToolRuntime[UserContext]) -> str:
     """Save a fact about the user for later conversations."""
     runtime.store.put(("users", runtime.context.user_id, "memories"), uuid.uuid4().hex, {"content": fact})
     return f"Saved: {fact}"
@@ -73,7 +75,7 @@ def run(memory: Memory, store: InferScaleStore, user: str = "alice") -> tuple[di
     Returns:
         The two runs' final states (``{"messages": [...]}``).
     """
-    agent = build_agent(memory, store, k=5, max_tokens=32)
+    agent = build_agent(memory, store, k=5, max_tokens=64)  # the forced call's JSON fits (the fact is <= 60 chars)
     first = agent.invoke({"messages": [HumanMessage("Please remember this: I live in Lisbon.")]},
                          context=UserContext(user, save=True))
     memory.wait_for_kv()  # the saved memory's KV, encoded in the background
