@@ -23,7 +23,8 @@ def test_docs_site_builds_strict_with_the_api_reference(tmp_path):
                  "inferscale.AsyncMemory",
                  "inferscale.types.Generation", "inferscale.types.GenerationChunk", "inferscale.sessions.ChatSessions",
                  "langchain_inferscale.ChatInferScale", "langchain_inferscale.InferScaleChatMessageHistory",
-                 "langchain_inferscale.InferScaleRetriever", "llama_index.llms.inferscale.InferScaleLLM",
+                 "langchain_inferscale.InferScaleRetriever", "langchain_inferscale.InferScaleStore",
+                 "llama_index.llms.inferscale.InferScaleLLM",
                  "llama_index.storage.chat_store.inferscale.InferScaleChatStore",
                  "llama_index.memory.inferscale.InferScaleMemoryBlock", "inferscale.server.chat.MemoryOptions"):
         assert f'id="{name}"' in api, f"{name} missing from the API reference"

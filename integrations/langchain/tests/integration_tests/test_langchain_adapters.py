@@ -42,7 +42,7 @@ def agent(memory):
 
 def test_public_names():
     assert sorted(langchain_inferscale.__all__) == ["ChatInferScale", "InferScaleChatMessageHistory",
-                                                   "InferScaleRetriever"]
+                                                   "InferScaleRetriever", "InferScaleStore"]
 
 
 def test_fact_told_in_one_session_is_injected_in_the_next(memory, agent, user):

@@ -1,0 +1,475 @@
+"""``InferScaleStore``: a LangGraph ``BaseStore`` whose items are InferScale memories.
+
+The mapping (decided in docs/adapters.md, "LangGraph store"):
+
+- a namespace ``("users", X, ...)`` is stored in the scope ``user_id=X``, ``("agents", X, ...)``
+  in ``agent_id=X``, ``("runs", X, ...)`` in ``run_id=X``; every other namespace in the
+  store's own scope ``agent_id=<store_id>`` (default ``"langgraph"``);
+- an item is one memory: its text is the value's ``content`` / ``text`` / ``memory`` string
+  (the ``index`` fields when the put names them; else the value as compact JSON), and its
+  metadata keeps the namespace, the key and the value whole (``metadata["langgraph"]``),
+  so ``get`` / ``search`` give the value back as written (as JSON gives it back);
+- the scopes the store has written to are recorded as memories of one more scope
+  (``agent_id=<store_id>:scopes``), so ``list_namespaces`` and searches under a prefix
+  that names no scope find them.
+
+Memories written here are memories like any other: ``ChatInferScale(user_id="alice")``
+(or an OpenAI client through ``inferscale serve``) injects the KV of the items of
+``("users", "alice", ...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+import httpx
+from langgraph.store.base import (
+    BaseStore,
+    GetOp,
+    Item,
+    ListNamespacesOp,
+    MatchCondition,
+    Op,
+    PutOp,
+    Result,
+    SearchItem,
+    SearchOp,
+)
+from langgraph.store.base import validate_op_namespace
+from langgraph.store.base.embed import get_text_at_path, tokenize_path
+
+from inferscale import Memory
+
+#: namespace heads that name an InferScale scope field: ``("users", "alice")`` -> ``user_id="alice"``
+SCOPE_HEADS = {"users": "user_id", "agents": "agent_id", "runs": "run_id"}
+#: most results one InferScale search returns (the server's bound)
+MAX_RESULTS = 10_000
+#: value fields whose string becomes the memory's text, first present wins
+TEXT_FIELDS = ("content", "text", "memory")
+_OPS = {"$eq": "eq", "$ne": "ne", "$gt": "gt", "$gte": "gte", "$lt": "lt", "$lte": "lte"}
+_ANY_QUERY = "item"  # a search needs a query; with filters only, every matching memory is returned
+
+
+class InferScaleStore(BaseStore):
+    """A LangGraph store over an InferScale memory, in-process (``memory=``) or over
+    ``inferscale serve`` (``url=``).
+
+    Items are memories (see the module docstring for the namespace -> scope mapping):
+    ``put`` adds or updates one (``value=None`` deletes it), ``get`` reads it back,
+    ``search`` runs InferScale's hybrid search (``query``) with the namespace prefix and the
+    value ``filter`` as metadata filters, ``list_namespaces`` lists the namespaces that hold
+    items. A batch reads first (one lookup per scope for all its gets and puts, one search
+    per scope a search covers), then writes (one add, update or delete per put, the last
+    put of a key winning), as ``InMemoryStore`` does. ``abatch`` runs the same code in a
+    worker thread.
+
+    Not supported: TTL (``ttl=`` is refused), ``index=False`` (every item is embedded, so
+    it stays searchable), ``$ne`` on a field an item lacks (InferScale never matches a
+    missing field; ``InMemoryStore`` does), two items with the same text in one scope
+    (InferScale keeps one memory per text and scope: the second put raises).
+
+    Args:
+        memory: the InferScale :class:`~inferscale.Memory` (in-process); or
+        url: the base URL of ``inferscale serve`` (``http://127.0.0.1:8000``), with
+        api_key: its key (``INFERSCALE_API_KEY``), if it has one;
+        timeout: seconds an HTTP call may take (default 60).
+        store_id: names the scope of namespaces that name no user, agent or run
+            (``agent_id=store_id``) and the registry of scopes (``agent_id=store_id + ":scopes"``).
+        text_fields: value fields whose string is the memory's text, first present wins.
+
+    Raises:
+        TypeError / ValueError: (constructor) neither or both of ``memory`` and ``url``, or
+            an argument of the wrong type. ``put`` / ``batch``: a value that is not a dict,
+            a ``ttl``, a namespace whose scope id is invalid, a text another item of the
+            scope holds, a malformed filter, ``offset + limit`` over 10,000 (nothing of that
+            op is written). Over HTTP: ``PermissionError`` (wrong key), ``ConnectionError``
+            (no server), ``RuntimeError`` (a 5xx answer).
+
+    Example:
+        >>> store = InferScaleStore(memory)            # or InferScaleStore(url="http://127.0.0.1:8000", api_key=key)
+        >>> store.put(("users", "alice", "prefs"), "food", {"content": "I am allergic to peanuts."})
+        >>> store.search(("users", "alice"), query="what can't I eat?")[0].value
+        {'content': 'I am allergic to peanuts.'}
+    """
+
+    supports_ttl = False
+
+    def __init__(self, memory: Memory | None = None, *, url: str | None = None, api_key: str | None = None,
+                 timeout: float = 60.0, store_id: str = "langgraph", text_fields: Iterable[str] = TEXT_FIELDS) -> None:
+        if (memory is None) == (url is None):
+            raise ValueError("give either memory= (an inferscale.Memory, in-process) or url= (inferscale serve), "
+                             "not both or neither")
+        if memory is not None and not isinstance(memory, Memory):
+            raise TypeError(f"memory must be an inferscale.Memory, got {type(memory).__name__}")
+        if not isinstance(store_id, str) or not store_id.strip() or len(store_id) > 100:
+            raise ValueError(f"store_id must be a non-empty string of at most 100 characters, got {store_id!r}")
+        fields = tuple(text_fields) if not isinstance(text_fields, str) else None
+        if not fields or not all(isinstance(f, str) and f for f in fields):
+            raise TypeError(f"text_fields must be a list of field names, got {text_fields!r}")
+        self.backend = _Local(memory) if memory is not None else _Http(url, api_key, timeout)
+        self.store_id = store_id
+        self.text_fields = fields
+        self.default_scope = {"agent_id": store_id}
+        self.registry_scope = {"agent_id": f"{store_id}:scopes"}
+        self._registered: set[str] = set()
+
+    # ------------------------------------------------------------------ the mapping
+
+    def scope_of(self, namespace: tuple[str, ...]) -> dict[str, str]:
+        """The InferScale scope a namespace's items are stored in (``("users", "alice", ...)``
+        -> ``{"user_id": "alice"}``; the store's own scope for other namespaces)."""
+        if len(namespace) >= 2 and namespace[0] in SCOPE_HEADS:
+            return {SCOPE_HEADS[namespace[0]]: namespace[1]}
+        return dict(self.default_scope)
+
+    def text_of(self, value: dict, index: list[str] | None = None) -> str:
+        """The memory text of a value: the strings at the ``index`` paths, joined by spaces,
+        when given and present; else the first string of ``text_fields``; else compact JSON."""
+        if index:
+            texts = [t for path in index for t in get_text_at_path(value, tokenize_path(path)) if t.strip()]
+            if texts:
+                return " ".join(texts)
+        for name in self.text_fields:
+            text = value.get(name)
+            if isinstance(text, str) and text.strip():
+                return text
+        return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+    # ------------------------------------------------------------------ batches
+
+    def batch(self, ops: Iterable[Op]) -> list[Result]:
+        """Run ``ops`` in order of reads then writes, as ``InMemoryStore`` does: every get,
+        search and list sees the store as it was before the batch's puts.
+
+        Raises:
+            TypeError / ValueError / NotImplementedError: an op is malformed (a non-dict
+                value, a ``ttl``, a bad filter or limit); checked before anything is read
+                or written. Over HTTP, as the class says.
+        """
+        ops = list(ops)
+        for op in ops:
+            self._check(op)
+        puts = {(op.namespace, op.key): op for op in ops if isinstance(op, PutOp)}  # the last put of a key wins
+        addressed = [(op.namespace, op.key) for op in ops if isinstance(op, GetOp)] + list(puts)
+        texts = {address: self.text_of(op.value, op.index or None) for address, op in puts.items()
+                 if op.value is not None}
+        found, holders = self._lookup(addressed, texts)
+        self._check_texts(texts, holders, set(puts))
+        everything: dict[str, list[dict]] = {}  # scope -> its items, shared by the batch's list ops
+        results: list[Result] = []
+        for op in ops:
+            if isinstance(op, GetOp):
+                results.append(_item(found.get((op.namespace, op.key))))
+            elif isinstance(op, SearchOp):
+                results.append(self._search(op))
+            elif isinstance(op, ListNamespacesOp):
+                results.append(self._list_namespaces(op, everything))
+            else:
+                results.append(None)
+        # deletes, then updates, then adds: a text freed in this batch can be taken in it
+        order = sorted(puts, key=lambda a: 0 if puts[a].value is None else 1 if a in found else 2)
+        for address in order:
+            self._write(puts[address], found.get(address), texts.get(address))
+        return results
+
+    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
+        """:meth:`batch` in a worker thread (the event loop keeps running)."""
+        return await asyncio.to_thread(self.batch, list(ops))
+
+    def _check(self, op: Op) -> None:
+        if not isinstance(op, (GetOp, SearchOp, ListNamespacesOp, PutOp)):
+            raise TypeError(f"unknown store operation {type(op).__name__}")
+        validate_op_namespace(op)
+        if isinstance(op, PutOp):
+            if op.value is not None and not isinstance(op.value, dict):
+                raise TypeError(f"the value of {op.namespace}/{op.key} must be a dict, got {type(op.value).__name__}")
+            if op.ttl is not None:
+                raise NotImplementedError("InferScaleStore does not support TTL: put without ttl= (delete the item "
+                                          "yourself when it expires)")
+            if op.index is not False and op.index is not None and not isinstance(op.index, list):
+                raise TypeError(f"index must be False or a list of field paths, got {op.index!r}")
+            self._check_scope(op.namespace)
+        if isinstance(op, SearchOp):
+            if op.limit < 0 or op.offset < 0 or op.offset + op.limit > MAX_RESULTS:
+                raise ValueError(f"search limit and offset must be >= 0 with offset + limit <= {MAX_RESULTS}, got "
+                                 f"limit={op.limit}, offset={op.offset}")
+            _value_filters(op.filter or {})  # a malformed filter is refused before anything runs
+        if isinstance(op, ListNamespacesOp) and (op.limit < 0 or op.offset < 0):
+            raise ValueError(f"limit and offset must be >= 0, got limit={op.limit}, offset={op.offset}")
+
+    def _check_scope(self, namespace: tuple[str, ...]) -> None:
+        scope = self.scope_of(namespace)
+        if scope == self.registry_scope:
+            raise ValueError(f"namespace {namespace} maps to the store's registry scope {scope}: use another name")
+        (name, value), = scope.items()
+        if len(value) > 128 or not value.strip() or any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError(f"namespace {namespace} names {name}={value!r}: a scope id is 1-128 characters without "
+                             "control characters")
+
+    # ------------------------------------------------------------------ reads
+
+    def _lookup(self, addresses: list[tuple[tuple[str, ...], str]], texts: dict) -> tuple[dict, dict]:
+        """The stored memory of each address that has one, and the stored items holding each
+        of ``texts`` (address -> the text a put gives it): one search per scope."""
+        by_scope: dict[str, tuple[dict, set[str], set[str]]] = {}
+        for namespace, key in addresses:
+            scope = self.scope_of(namespace)
+            entry = by_scope.setdefault(_scope_key(scope), (scope, set(), set()))
+            entry[1].add(_address(namespace, key))
+            if (namespace, key) in texts:
+                entry[2].add(texts[(namespace, key)])
+        found, holders = {}, {}
+        for key, (scope, wanted, wanted_texts) in by_scope.items():
+            filters = {"lg_item": {"in": sorted(wanted)}}
+            if wanted_texts:
+                filters = {"OR": [filters, {"lg_text": {"in": sorted(wanted_texts)}}]}
+            for memory in self.backend.search(_ANY_QUERY, scope, filters, MAX_RESULTS):
+                stored = memory["metadata"]["langgraph"]
+                address = (tuple(stored["namespace"]), stored["key"])
+                if memory["metadata"]["lg_item"] in wanted:
+                    found[address] = memory
+                holders[(key, memory["metadata"]["lg_text"])] = address
+        return found, holders
+
+    def _scopes_under(self, prefix: tuple[str, ...]) -> list[dict]:
+        """The scopes that may hold namespaces starting with ``prefix`` (``*`` matches any label)."""
+        head = prefix[0] if prefix else "*"
+        if head in SCOPE_HEADS and len(prefix) >= 2 and prefix[1] != "*":
+            return [self.scope_of(prefix)]
+        if head not in SCOPE_HEADS and head != "*":
+            return [dict(self.default_scope)]
+        return self._all_scopes()
+
+    def _all_scopes(self) -> list[dict]:
+        found = self.backend.search(_ANY_QUERY, self.registry_scope, None, MAX_RESULTS)
+        scopes = [m["metadata"]["langgraph_scope"] for m in found if "langgraph_scope" in m["metadata"]]
+        self._registered.update(_scope_key(s) for s in scopes)
+        return sorted(scopes, key=_scope_key)
+
+    def _search(self, op: SearchOp) -> list[SearchItem]:
+        filters = {"lg_item": "*", **_namespace_filters(op.namespace_prefix), **_value_filters(op.filter or {})}
+        wanted = op.offset + op.limit
+        hits = []
+        for scope in self._scopes_under(op.namespace_prefix):
+            # without a query every match is read, so the oldest come first whatever "item" ranks
+            hits.extend(self.backend.search(op.query or _ANY_QUERY, scope, filters, wanted if op.query else MAX_RESULTS))
+        if op.query:  # best first across scopes; within one scope the hybrid rank is kept
+            if len({_scope_key(_memory_scope(h)) for h in hits}) > 1:
+                hits.sort(key=lambda h: -h.get("score", 0.0))
+        else:  # no query: oldest first, as InMemoryStore lists items
+            hits.sort(key=lambda h: (h["created_at"], h["id"]))
+        return [_item(h, search=True, score=h.get("score") if op.query else None) for h in hits[op.offset:wanted]]
+
+    def _list_namespaces(self, op: ListNamespacesOp, everything: dict[str, list[dict]]) -> list[tuple[str, ...]]:
+        prefix = next((c.path for c in op.match_conditions or () if c.match_type == "prefix"), ())
+        namespaces = set()
+        for scope in self._scopes_under(tuple(prefix)):
+            key = _scope_key(scope)
+            if key not in everything:
+                everything[key] = self.backend.search(_ANY_QUERY, scope, {"lg_item": "*"}, MAX_RESULTS)
+            namespaces.update(tuple(m["metadata"]["langgraph"]["namespace"]) for m in everything[key])
+        kept = [ns for ns in namespaces if all(_matches(c, ns) for c in op.match_conditions or ())]
+        if op.max_depth is not None:
+            kept = {ns[:op.max_depth] for ns in kept}
+        return sorted(kept)[op.offset:op.offset + op.limit]
+
+    # ------------------------------------------------------------------ writes
+
+    def _check_texts(self, texts: dict, holders: dict, written: set) -> None:
+        """Refuse puts that would give two items of one scope the same text (before any write);
+        an item the batch deletes or rewrites frees its text (deletes and updates run first)."""
+        taken: dict[tuple[str, str], tuple] = {}
+        for address, text in texts.items():
+            slot = (_scope_key(self.scope_of(address[0])), text)
+            if slot in taken:
+                raise ValueError(f"items {taken[slot]} and {address} would both have the text {text!r:.80} in "
+                                 f"{slot[0]}: InferScale keeps one memory per text and scope")
+            taken[slot] = address
+        for slot, address in taken.items():
+            holder = holders.get(slot)
+            if holder is not None and holder != address and holder not in written:
+                raise ValueError(f"item {holder} already has the text {slot[1]!r:.80} in {slot[0]}: InferScale keeps "
+                                 f"one memory per text and scope; give {address} another text (or delete that item)")
+
+    def _write(self, op: PutOp, stored: dict | None, text: str | None) -> None:
+        scope = self.scope_of(op.namespace)
+        if op.value is None:
+            if stored is not None:
+                self.backend.delete(stored["id"], scope)
+            return
+        metadata = _metadata(op.namespace, op.key, op.value, text)
+        if stored is not None:
+            self.backend.update(stored["id"], text, metadata, scope)
+            return
+        self._register(scope)
+        event = self.backend.add(text, scope, metadata)
+        if event["event"] != "ADD":
+            raise ValueError(f"a memory of {scope} not written through this store already has the text {text!r:.80}: "
+                             f"InferScale keeps one memory per text and scope; give {op.namespace}/{op.key} another text")
+
+    def _register(self, scope: dict) -> None:
+        key = _scope_key(scope)
+        if key in self._registered:
+            return
+        if key not in {_scope_key(s) for s in self._all_scopes()}:
+            self.backend.add(key, self.registry_scope, {"langgraph_scope": scope})  # a repeat is a NOOP
+        self._registered.add(key)
+
+
+# ---------------------------------------------------------------------- backends
+
+
+class _Local:
+    """The store's calls on an in-process :class:`~inferscale.Memory`."""
+
+    def __init__(self, memory: Memory) -> None:
+        self.memory = memory
+
+    def add(self, text: str, scope: dict, metadata: dict) -> dict:
+        return self.memory.add(text, metadata=metadata, infer=False, **scope)["results"][0]
+
+    def update(self, memory_id: str, text: str, metadata: dict, scope: dict) -> None:
+        self.memory.update(memory_id, text, metadata=metadata, **scope)
+
+    def delete(self, memory_id: str, scope: dict) -> None:
+        self.memory.delete(memory_id, **scope)
+
+    def search(self, query: str, scope: dict, filters: dict | None, limit: int) -> list[dict]:
+        return self.memory.search(query, limit=limit, filters=filters, **scope)["results"]
+
+
+class _Http:
+    """The same calls on ``inferscale serve``'s memory routes."""
+
+    def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be the server's base URL, e.g. 'http://127.0.0.1:8000', got {url!r}")
+        if api_key is not None and not isinstance(api_key, str):
+            raise TypeError(f"api_key must be a string, got {type(api_key).__name__}")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"inferscale serve at {self.client.base_url} did not answer: {exc}") from None
+        if response.status_code < 400:
+            return response.json()
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:300]
+        if response.status_code == 401:
+            raise PermissionError(f"inferscale serve refused the API key: {message}")
+        if response.status_code in (400, 404, 413, 422):
+            raise ValueError(message)
+        raise RuntimeError(f"inferscale serve answered {response.status_code}: {message}")
+
+    def add(self, text: str, scope: dict, metadata: dict) -> dict:
+        body = {"messages": text, "metadata": metadata, "infer": False, **scope}
+        return self._call("POST", "/memories", json=body)["results"][0]
+
+    def update(self, memory_id: str, text: str, metadata: dict, scope: dict) -> None:
+        self._call("PUT", f"/memories/{memory_id}", params=scope, json={"text": text, "metadata": metadata})
+
+    def delete(self, memory_id: str, scope: dict) -> None:
+        self._call("DELETE", f"/memories/{memory_id}", params=scope)
+
+    def search(self, query: str, scope: dict, filters: dict | None, limit: int) -> list[dict]:
+        body = {"query": query, "limit": max(limit, 1), "filters": filters, **scope}
+        return self._call("POST", "/search", json=body)["results"][:limit]
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _address(namespace: tuple[str, ...], key: str) -> str:
+    return json.dumps([*namespace, key], ensure_ascii=False)
+
+
+def _scope_key(scope: dict) -> str:
+    return json.dumps(scope, sort_keys=True)
+
+
+def _memory_scope(memory: dict) -> dict:
+    return {k: memory[k] for k in ("user_id", "agent_id", "run_id") if memory.get(k)}
+
+
+def _metadata(namespace: tuple[str, ...], key: str, value: dict, text: str) -> dict:
+    """What a memory keeps of an item: the item whole, its address, its namespace labels
+    (``lg_ns_<i>``, for prefix filters) and every dict path of the value (``lg_v:<path>``)."""
+    value = json.loads(json.dumps(value))  # as JSON gives it back (tuples as lists); refuses what JSON cannot hold
+    meta = {"langgraph": {"namespace": list(namespace), "key": key, "value": value},
+            "lg_item": _address(namespace, key), "lg_text": text, "lg_ns_depth": len(namespace)}
+    meta.update({f"lg_ns_{i}": label for i, label in enumerate(namespace)})
+
+    def flatten(node: dict, path: list[str]) -> None:
+        for k, v in node.items():
+            meta[_value_field([*path, k])] = v
+            if isinstance(v, dict):
+                flatten(v, [*path, k])
+
+    flatten(value, [])
+    return meta
+
+
+def _value_field(path: list[str]) -> str:
+    return "lg_v:" + json.dumps(path, ensure_ascii=False)
+
+
+def _namespace_filters(prefix: tuple[str, ...]) -> dict:
+    return {f"lg_ns_{i}": label for i, label in enumerate(prefix)}
+
+
+def _value_filters(filters: dict, path: tuple[str, ...] = ()) -> dict:
+    """A LangGraph value filter (``{"field": value}``, ``{"field": {"$gt": 2}}``, nested dicts
+    matched field by field) as InferScale metadata filters on the ``lg_v:`` fields.
+
+    Raises:
+        TypeError / ValueError: not a dict, or an operator other than ``$eq``, ``$ne``,
+            ``$gt``, ``$gte``, ``$lt``, ``$lte``.
+    """
+    if not isinstance(filters, dict):
+        raise TypeError(f"filter must be a dict such as {{'category': 'food'}}, got {type(filters).__name__}")
+    out: dict = {}
+    for key, cond in filters.items():
+        if not isinstance(key, str):
+            raise TypeError(f"filter fields are strings, got {key!r}")
+        field = [*path, key]
+        if isinstance(cond, dict) and any(str(k).startswith("$") for k in cond):
+            bad = sorted(str(k) for k in cond if k not in _OPS)
+            if bad:
+                raise ValueError(f"unsupported filter operator(s) {bad} on {key!r}: use {sorted(_OPS)}")
+            out[_value_field(field)] = {_OPS[k]: _json(v) for k, v in cond.items()}
+        elif isinstance(cond, dict):
+            out.update(_value_filters(cond, tuple(field)))
+        else:
+            out[_value_field(field)] = {"eq": _json(cond)}
+    return out
+
+
+def _json(value: Any) -> Any:
+    return json.loads(json.dumps(value)) if isinstance(value, (list, tuple, dict)) else value
+
+
+def _matches(condition: MatchCondition, namespace: tuple[str, ...]) -> bool:
+    path = tuple(condition.path)
+    if len(namespace) < len(path):
+        return False
+    part = namespace[:len(path)] if condition.match_type == "prefix" else namespace[len(namespace) - len(path):]
+    return all(p == "*" or p == n for p, n in zip(path, part))
+
+
+def _item(memory: dict | None, *, search: bool = False, score: float | None = None) -> Item | None:
+    if memory is None:
+        return None
+    stored = memory["metadata"]["langgraph"]
+    fields = dict(value=stored["value"], key=stored["key"], namespace=tuple(stored["namespace"]),
+                  created_at=datetime.fromisoformat(memory["created_at"]),
+                  updated_at=datetime.fromisoformat(memory["updated_at"]))
+    return SearchItem(**fields, score=score) if search else Item(**fields)
