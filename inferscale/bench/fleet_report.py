@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from inferscale.bench.fleet import (GIB, LOCOMO_FACT_COUNTS, STORAGE_DTYPES, TIB, TIER_NAMES, TOKENS_PER_FACT,
-                                    Analytic, EncodeCost, KVShape, Served, Tiers, Workload, analytic_served)
+                                    Analytic, EncodeCost, KVShape, Served, Tiers, Workload, analytic_served,
+                                    served_from_hits)
 from inferscale.bench.fleet_exact import validate
 
 NAME = "fleet"
@@ -94,8 +95,10 @@ def analytic_cell(model: Analytic, tiers: Tiers, dtype: str, *, shape: KVShape =
         prev = fill
     target_time = model.time_for_hit(target)
     need = fact_bytes * model.occupancy(target_time)
-    planned = Tiers(tiers.machines, tiers.device_bytes, tiers.host_bytes, need / tiers.machines, need)
-    target_served = analytic_served(model, planned.depths(), fact_bytes)
+    d_device, d_host = depths[:2]  # the plan keeps these; disk and Redis reach max(d_host, need)
+    memory_hits = [model.hit_at(d, fact_bytes) if d > 0 else 0.0 for d in (d_device, d_host)]
+    below = model.hit(target_time) if need > d_host else memory_hits[1]
+    target_served = served_from_hits([*memory_hits, below, below])
     return Cell(w.users, w.k, w.user_zipf, dtype, tiers.machines, fact_bytes, footprint, tiers.budgets(), tuple(held),
                 served, misses, misses * gpu_s_per_miss, deepest / w.requests_per_hour, target, need, target_served,
                 refs_per_hour * target_served.miss_share * gpu_s_per_miss, target_time / w.requests_per_hour)
