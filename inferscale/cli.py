@@ -408,7 +408,8 @@ def bench_fleet(
     k: str = typer.Option("10,50", help="Facts retrieved per request, comma-separated."),
     user_zipf: str = typer.Option("0.8,0.6,1.0", help="Zipf exponents of user activity, comma-separated "
                                   "(the first leads; the others form the sensitivity table)."),
-    fact_zipf: float = typer.Option(0.5, help="Zipf exponent of retrieval over one user's facts."),
+    fact_zipf: str = typer.Option("0.5,0.3,0.8", help="Zipf exponents of retrieval over one user's facts, "
+                                  "comma-separated (the first leads; the others form a sensitivity table)."),
     questions_per_day: float = typer.Option(5.0, help="Questions a user asks a day, on average."),
     users_per_machine: int = typer.Option(100_000, help="Users one serving machine (one H200) takes."),
     device_gib: float = typer.Option(32.0, help="Fact KV on each machine's GPU (GiB)."),
@@ -438,7 +439,7 @@ def bench_fleet(
         counts = LOCOMO_FACT_COUNTS if source is None else locomo_fact_counts(source)
         settings = FleetSettings(
             users=tuple(_counts(users, "users")), dtypes=tuple(_words(dtypes)), ks=tuple(_counts(k, "k")),
-            user_zipfs=tuple(_floats(user_zipf, "user-zipf")), fact_zipf=fact_zipf,
+            user_zipfs=tuple(_floats(user_zipf, "user-zipf")), fact_zipfs=tuple(_floats(fact_zipf, "fact-zipf")),
             requests_per_user_day=questions_per_day, users_per_machine=users_per_machine,
             device_bytes=device_gib * GIB, host_bytes=host_gib * GIB, disk_bytes=disk_gib * GIB,
             redis_bytes=redis_gib * GIB, target=target, memory_counts=counts,

@@ -101,7 +101,8 @@ def test_fact_bytes_are_the_pools_bytes_for_each_storage_dtype():
         for tokens in (1, 17, 30, 31, 50):
             assert shape.fact_bytes(tokens, dtype) == quant.nbytes(32, tokens, 8, 128, stored), (dtype, tokens)
     # a mean token count gives the mean bytes (affine in tokens)
-    assert shape.fact_bytes(30.5, "int4") == pytest.approx((shape.fact_bytes(30, "int4") + shape.fact_bytes(31, "int4")) / 2)
+    halfway = (shape.fact_bytes(30, "int4") + shape.fact_bytes(31, "int4")) / 2
+    assert shape.fact_bytes(30.5, "int4") == pytest.approx(halfway)
 
 
 def test_the_trace_draws_users_by_zipf_and_k_facts_a_request():
@@ -163,6 +164,7 @@ def test_bytes_for_the_target_scale_with_the_storage_dtype_and_gpu_time_with_k()
     (lambda: request_trace(Workload(users=3), 0), "requests must be"),
     (lambda: FleetSettings(dtypes=("fp16",)), "storage dtypes must be among"),
     (lambda: FleetSettings(users=()), "users must list"),
+    (lambda: FleetSettings(fact_zipfs=()), "fact_zipfs must list"),
     (lambda: FleetSettings(target=1.0), "target must be"),
     (lambda: analytic_cell(Analytic(Workload(users=5)), Tiers(1, 1, 1, 1), "int8", target=0), "target must be"),
 ])
@@ -174,16 +176,19 @@ def test_bad_parameters_are_refused_with_a_message_naming_them(make, message):
 def test_the_command_writes_json_markdown_and_plot(tmp_path):
     out = tmp_path / "fleet"
     done = CliRunner().invoke(app, ["bench", "fleet", "--out", str(out), "--users", "1e3,2e3", "--k", "10",
-                                    "--user-zipf", "0.8,1.0", "--dtypes", "bfloat16,int4", "--validate-users", "300",
-                                    "--validate-requests", "20000"])
+                                    "--user-zipf", "0.8,1.0", "--fact-zipf", "0.5,0.8", "--dtypes", "bfloat16,int4",
+                                    "--validate-users", "300", "--validate-requests", "20000"])
     assert done.exit_code == 0, done.output
     assert sorted(p.name for p in out.iterdir()) == ["fleet.json", "fleet.md", "fleet.png"]
     summary = json.loads((out / "fleet.json").read_text())
-    assert len(summary["cells"]) == 2 * 1 * 2 * 2
+    # (0.8, 0.5) leads; (1.0, 0.5) and (0.8, 0.8) vary one exponent each: 3 pairs x 2 users x 1 k x 2 dtypes
+    assert len(summary["cells"]) == 3 * 2 * 1 * 2
+    assert {(c["user_zipf"], c["fact_zipf"]) for c in summary["cells"]} == {(0.8, 0.5), (1.0, 0.5), (0.8, 0.8)}
     assert summary["validation"]["users"] == 300 and summary["validation"]["max_gap"] < 0.05
     page = (out / "fleet.md").read_text()
     assert "inferscale bench fleet --out" in page and "--users 1e3,2e3" in page
     assert "Analytic vs exact LRU" in page and "Sensitivity to user popularity" in page
+    assert "Sensitivity to retrieval over a user's facts" in page
     assert (out / "fleet.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -192,6 +197,7 @@ def test_the_command_writes_json_markdown_and_plot(tmp_path):
     (["--users", "2.5"], "--users must be whole numbers"),
     (["--users", "inf"], "--users must be whole numbers"),
     (["--dtypes", "fp8"], "storage dtypes must be among"),
+    (["--fact-zipf", "-0.5"], "fact_zipf must be"),
     (["--target", "1.2"], "target must be"),
     (["--device-gib", "-1"], "device_bytes must be"),
 ])

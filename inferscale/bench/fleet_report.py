@@ -30,7 +30,7 @@ class Cell:
     """One workload, storage dtype and fleet: what the analytic engine says.
 
     Attributes:
-        users, k, user_zipf, dtype: the cell's settings.
+        users, k, user_zipf, fact_zipf, dtype: the cell's settings.
         machines: serving machines.
         fact_bytes: mean bytes of one fact's KV.
         footprint_bytes: KV of every fact of every user.
@@ -49,6 +49,7 @@ class Cell:
     users: int
     k: int
     user_zipf: float
+    fact_zipf: float
     dtype: str
     machines: int
     fact_bytes: float
@@ -99,8 +100,9 @@ def analytic_cell(model: Analytic, tiers: Tiers, dtype: str, *, shape: KVShape =
     memory_hits = [model.hit_at(d, fact_bytes) if d > 0 else 0.0 for d in (d_device, d_host)]
     below = model.hit(target_time) if need > d_host else memory_hits[1]
     target_served = served_from_hits([*memory_hits, below, below])
-    return Cell(w.users, w.k, w.user_zipf, dtype, tiers.machines, fact_bytes, footprint, tiers.budgets(), tuple(held),
-                served, misses, misses * gpu_s_per_miss, deepest / w.requests_per_hour, target, need, target_served,
+    return Cell(w.users, w.k, w.user_zipf, w.fact_zipf, dtype, tiers.machines, fact_bytes, footprint,
+                tiers.budgets(), tuple(held), served, misses, misses * gpu_s_per_miss,
+                deepest / w.requests_per_hour, target, need, target_served,
                 refs_per_hour * target_served.miss_share * gpu_s_per_miss, target_time / w.requests_per_hour)
 
 
@@ -112,7 +114,7 @@ class FleetSettings:
     dtypes: tuple[str, ...] = STORAGE_DTYPES
     ks: tuple[int, ...] = (10, 50)
     user_zipfs: tuple[float, ...] = (0.8, 0.6, 1.0)
-    fact_zipf: float = 0.5
+    fact_zipfs: tuple[float, ...] = (0.5, 0.3, 0.8)
     requests_per_user_day: float = 5.0
     users_per_machine: int = 100_000
     device_bytes: float = 32 * GIB
@@ -129,7 +131,7 @@ class FleetSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("users", "dtypes", "ks", "user_zipfs"):
+        for name in ("users", "dtypes", "ks", "user_zipfs", "fact_zipfs"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must list at least one value")
         bad = [d for d in self.dtypes if d not in STORAGE_DTYPES]
@@ -144,13 +146,19 @@ class FleetSettings:
             raise ValueError("validate_users must be >= 0 and validate_requests >= 1")
         for users in self.users:
             for k in self.ks:
-                for s in self.user_zipfs:
-                    self.workload(users, k, s)  # raises on a bad value
+                for s, f in self.popularities():
+                    self.workload(users, k, s, f)  # raises on a bad value
         self.tiers(max(self.users))
 
-    def workload(self, users: int, k: int, user_zipf: float) -> Workload:
+    def popularities(self) -> list[tuple[float, float]]:
+        """The (user Zipf, fact Zipf) pairs simulated: the first of each (the headline), then each
+        other value of one with the first of the other (the sensitivity tables)."""
+        s0, f0 = self.user_zipfs[0], self.fact_zipfs[0]
+        return [(s0, f0)] + [(s, f0) for s in self.user_zipfs[1:]] + [(s0, f) for f in self.fact_zipfs[1:]]
+
+    def workload(self, users: int, k: int, user_zipf: float, fact_zipf: float) -> Workload:
         """The workload of one cell."""
-        return Workload(users=users, user_zipf=user_zipf, fact_zipf=self.fact_zipf, memory_counts=self.memory_counts,
+        return Workload(users=users, user_zipf=user_zipf, fact_zipf=fact_zipf, memory_counts=self.memory_counts,
                         k=k, tokens_per_fact=self.tokens_per_fact, requests_per_user_day=self.requests_per_user_day,
                         seed=self.seed)
 
@@ -161,7 +169,7 @@ class FleetSettings:
 
 
 def run(out_dir: Path, settings: FleetSettings = FleetSettings(), *, command: str = "inferscale bench fleet") -> dict:
-    """Simulate every (users, k, user Zipf, dtype) cell; write ``fleet.{json,md,png}`` into ``out_dir``.
+    """Simulate every (users, k, popularity pair, dtype) cell; write ``fleet.{json,md,png}`` into ``out_dir``.
 
     Returns:
         The summary written to ``fleet.json``.
@@ -170,20 +178,21 @@ def run(out_dir: Path, settings: FleetSettings = FleetSettings(), *, command: st
     from inferscale.bench.plots import plot_fleet
 
     cells, curves = [], []
-    for s in settings.user_zipfs:
+    s0, f0, k0 = settings.user_zipfs[0], settings.fact_zipfs[0], settings.ks[0]
+    for s, f in settings.popularities():
         for k in settings.ks:
             for users in settings.users:
-                model = Analytic(settings.workload(users, k, s))
+                model = Analytic(settings.workload(users, k, s, f))
                 tiers = settings.tiers(users)
                 for dtype in settings.dtypes:
                     cells.append(analytic_cell(model, tiers, dtype, cost=settings.cost, target=settings.target))
-                if s == settings.user_zipfs[0] and k == settings.ks[0] and users == _headline_users(settings):
+                if (s, f, k, users) == (s0, f0, k0, _headline_users(settings)):
                     curves = _curve(model, settings)
     checked = None
     if settings.validate_users:
-        checked = validate(settings.workload(settings.validate_users, settings.ks[0], settings.user_zipfs[0]),
+        checked = validate(settings.workload(settings.validate_users, k0, s0, f0),
                            requests=settings.validate_requests, seed=settings.seed + 1)
-    headline = {"users": _headline_users(settings), "k": settings.ks[0], "user_zipf": settings.user_zipfs[0]}
+    headline = {"users": _headline_users(settings), "k": k0, "user_zipf": s0, "fact_zipf": f0}
     summary = {"date": datetime.date.today().isoformat(), "command": command, "settings": _jsonable(settings),
                "headline": headline, "cells": [_jsonable(c) for c in cells], "curve": curves,
                "validation": None if checked is None else _jsonable(checked)}
@@ -239,7 +248,7 @@ def to_markdown(summary: dict) -> str:
     from inferscale.bench.common import markdown_table
 
     st, cells, m = summary["settings"], summary["cells"], summary["machine"]
-    s0, k0 = st["user_zipfs"][0], st["ks"][0]
+    s0, f0, k0 = st["user_zipfs"][0], st["fact_zipfs"][0], st["ks"][0]
     cost = st["cost"]
     lines = [
         "# Fleet KV sizing by simulation",
@@ -262,7 +271,8 @@ def to_markdown(summary: dict) -> str:
                                f"(LoCoMo's conversations; {st['memory_counts_source']})"],
             ["tokens per fact", st["tokens_per_fact"]],
             ["facts retrieved per request (k)", ", ".join(map(str, st["ks"]))],
-            ["retrieval over a user's facts", f"Zipf {st['fact_zipf']}, Poisson sampling of k on average"],
+            ["retrieval over a user's facts", f"Zipf {', '.join(str(f) for f in st['fact_zipfs'])} (first: "
+                                              "headline), Poisson sampling of k facts on average"],
             ["KV shape", "Llama-3.1-8B: 32 layers x 8 KV heads x 128, K and V"],
             ["users per machine", f"{st['users_per_machine']:,}"],
             ["per machine: device / host / disk", f"{_size(st['device_bytes'])} / {_size(st['host_bytes'])} / "
@@ -280,38 +290,33 @@ def to_markdown(summary: dict) -> str:
                 for name, e, a in zip(v["exact"]["tiers"], v["exact"]["shares"], v["analytic"]["shares"])]
         rows.append(["all tiers (KV)", _pct(v["exact"]["kv_share"]), _pct(v["analytic"]["kv_share"]),
                      f"{100 * (v['analytic']['kv_share'] - v['exact']['kv_share']):+.2f}"])
-        lines += ["", f"## Analytic vs exact LRU ({v['users']:,} users, k={k0}, Zipf {s0})", "",
+        lines += ["", f"## Analytic vs exact LRU ({v['users']:,} users, k={k0}, user Zipf {s0}, fact Zipf {f0})", "",
                   f"{v['requests']:,} requests ({v['references']:,} fact references, the first {v['warmup']:,} warm "
                   f"the caches); each fact {v['tokens_range'][0]}-{v['tokens_range'][1]} tokens (drawn), bf16; "
                   f"stack depths at {', '.join(_pct(x) for x in v['depth_shares'])} of all facts' bytes "
                   f"({', '.join(_size(d) for d in v['depths_bytes'])}). Shares of retrieved fact tokens:",
                   "", markdown_table(["tier", "exact", "analytic", "gap (points)"], rows), "",
                   f"Largest gap: **{100 * v['max_gap']:.2f} percentage points**."]
-    for s in st["user_zipfs"][:1]:
-        lines += ["", f"## Bytes for >= {_pct(st['target'])} of fact tokens as KV (user Zipf {s})", "",
-                  "Device and host at their budgets; the disk of each machine (or the shared Redis alone) "
-                  "holds the stack depth needed. GPU-s/h: re-encode GPU seconds per hour. Hours: how long an "
-                  "unused fact stays in that LRU.", ""]
-        rows = []
-        for c in cells:
-            if c["user_zipf"] != s:
-                continue
-            t = c["target_served"]
-            rows.append([f"{c['users']:,}", c["k"], c["dtype"], _size(c["footprint_bytes"]),
-                         _size(c["target_depth_bytes"]), _pct(c["target_depth_bytes"] / c["footprint_bytes"]),
-                         c["machines"], _size(c["target_depth_bytes"] / c["machines"]),
-                         " / ".join(_pct(x) for x in t["shares"][:3]), f"{c['target_gpu_s_per_hour']:,.0f}",
-                         f"{c['target_hours']:.3g}"])
-        lines.append(markdown_table(["users", "k", "dtype", "all facts' KV", "needed (fleet)", "of all",
-                                     "machines", "disk per machine", "served: device / host / disk",
-                                     "GPU-s/h", "hours"], rows))
-    lines += ["", f"## At the budgets (user Zipf {s0})", "",
+    head = [c for c in cells if (c["user_zipf"], c["fact_zipf"]) == (s0, f0)]
+    lines += ["", f"## Bytes for >= {_pct(st['target'])} of fact tokens as KV", "",
+              "Device and host at their budgets; the disk of each machine (or the shared Redis alone) holds the "
+              "LRU stack depth needed. GPU-s/h: re-encode GPU seconds per hour. Hours: how long an unused fact "
+              "stays in that LRU.", ""]
+    rows = []
+    for c in head:
+        t = c["target_served"]
+        rows.append([f"{c['users']:,}", c["k"], c["dtype"], _size(c["footprint_bytes"]),
+                     _size(c["target_depth_bytes"]), _pct(c["target_depth_bytes"] / c["footprint_bytes"]),
+                     c["machines"], _size(c["target_depth_bytes"] / c["machines"]),
+                     " / ".join(_pct(x) for x in t["shares"][:3]), f"{c['target_gpu_s_per_hour']:,.0f}",
+                     f"{c['target_hours']:.3g}"])
+    lines.append(markdown_table(["users", "k", "dtype", "all facts' KV", "needed (fleet)", "of all", "machines",
+                                 "disk per machine", "served: device / host / disk", "GPU-s/h", "hours"], rows))
+    lines += ["", "## At the budgets", "",
               "Shares of retrieved fact tokens served per tier; hit rate of a tier = what it serves of what "
               "reaches it (-: nothing reaches it). Hours: how long an unused fact stays in the deepest tier.", ""]
     rows = []
-    for c in cells:
-        if c["user_zipf"] != s0:
-            continue
+    for c in head:
         sv = c["served"]
         rows.append([f"{c['users']:,}", c["k"], c["dtype"], " / ".join(_pct(x) for x in sv["shares"]),
                      _pct(sv["kv_share"]), " / ".join("-" if x is None else _pct(x) for x in sv["hit_rates"]),
@@ -319,15 +324,21 @@ def to_markdown(summary: dict) -> str:
                      "all fit" if c["lru_hours"] is None else f"{c['lru_hours']:.3g}"])
     lines.append(markdown_table(["users", "k", "dtype", "served: device / host / disk / Redis", "KV",
                                  "hit rate per tier", "misses/h", "GPU-s/h", "hours"], rows))
-    if len(st["user_zipfs"]) > 1:
-        lines += ["", f"## Sensitivity to user popularity: bytes for >= {_pct(st['target'])} (fleet total)", ""]
-        header = ["users", "k", "dtype"] + [f"Zipf {s}" for s in st["user_zipfs"]]
+    for label, key, values, fixed in (("user popularity", "user_zipf", st["user_zipfs"], ("fact_zipf", f0)),
+                                      ("retrieval over a user's facts", "fact_zipf", st["fact_zipfs"],
+                                       ("user_zipf", s0))):
+        if len(values) < 2:
+            continue
+        lines += ["", f"## Sensitivity to {label}: bytes for >= {_pct(st['target'])} (fleet total, k={k0})", "",
+                  f"{fixed[0].replace('_', ' ')} {fixed[1]}; in brackets, the share of all facts' KV.", ""]
         rows = []
-        for c in cells:
-            if c["user_zipf"] != s0:
+        for c in head:
+            if c["k"] != k0:
                 continue
-            same = [next(x for x in cells if x["user_zipf"] == s and x["users"] == c["users"] and x["k"] == c["k"]
-                         and x["dtype"] == c["dtype"]) for s in st["user_zipfs"]]
-            rows.append([f"{c['users']:,}", c["k"], c["dtype"]] + [_size(x["target_depth_bytes"]) for x in same])
-        lines.append(markdown_table(header, rows))
+            same = [next(x for x in cells if x[key] == v and x[fixed[0]] == fixed[1] and x["users"] == c["users"]
+                         and x["k"] == k0 and x["dtype"] == c["dtype"]) for v in values]
+            rows.append([f"{c['users']:,}", c["dtype"]] + [
+                f"{_size(x['target_depth_bytes'])} ({_pct(x['target_depth_bytes'] / x['footprint_bytes'])})"
+                for x in same])
+        lines.append(markdown_table(["users", "dtype"] + [f"{key.replace('_', ' ')} {v}" for v in values], rows))
     return "\n".join(lines) + "\n"

@@ -121,15 +121,17 @@ def plot_fleet(summary: dict, path: Path) -> None:
     ax1.axhline(100 * st["target"], color="grey", linestyle=":", label=f"target {100 * st['target']:.0f}%")
     head = summary.get("headline", {})
     ax1.set(xlabel="fleet KV cache, all tiers (PiB)", ylabel="fact tokens served as KV (%)",
-            title=f"{head.get('users', 0):,} users, k={head.get('k')}, user Zipf {head.get('user_zipf')}")
-    s0 = st["user_zipfs"][0]
+            title=f"{head.get('users', 0):,} users, k={head.get('k')}, Zipf users {head.get('user_zipf')}, "
+                  f"facts {head.get('fact_zipf')}")
+    s0, f0 = st["user_zipfs"][0], st["fact_zipfs"][0]
     for dtype in st["dtypes"]:
         for k, style in zip(st["ks"], ("-", "--", ":", "-.")):
-            cs = [c for c in summary["cells"] if c["dtype"] == dtype and c["k"] == k and c["user_zipf"] == s0]
+            cs = [c for c in summary["cells"] if c["dtype"] == dtype and c["k"] == k and c["user_zipf"] == s0
+                  and c["fact_zipf"] == f0]
             ax2.plot([c["users"] for c in cs], [c["target_depth_bytes"] / 2**40 for c in cs], marker="o",
                      linestyle=style, color=colors.get(dtype), label=f"{dtype}, k={k}")
     ax2.set(xlabel="users", ylabel="TiB (fleet total)", xscale="log", yscale="log",
-            title=f"KV for {100 * st['target']:.0f}% of fact tokens (user Zipf {s0})")
+            title=f"KV for {100 * st['target']:.0f}% of fact tokens")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
