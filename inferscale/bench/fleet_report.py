@@ -255,7 +255,8 @@ def to_markdown(summary: dict) -> str:
         "",
         f"**Run**: {summary['date']}, {m['cpu']} ({m['cores']} cores), CPU only and model-free: "
         f"sizes and costs are parameters; commit {m['commit']}. The analytic engine (Che's approximation) "
-        "gives every cell; the exact LRU simulation checks it below. How to read it: docs/sizing.md.",
+        "gives every cell; the exact LRU simulation checks it below. How to read it: "
+        "[Sizing a fleet](../../sizing.md).",
         "",
         "```bash",
         summary["command"],
@@ -272,7 +273,8 @@ def to_markdown(summary: dict) -> str:
             ["tokens per fact", st["tokens_per_fact"]],
             ["facts retrieved per request (k)", ", ".join(map(str, st["ks"]))],
             ["retrieval over a user's facts", f"Zipf {', '.join(str(f) for f in st['fact_zipfs'])} (first: "
-                                              "headline), Poisson sampling of k facts on average"],
+                                              "headline; [fit to LoCoMo](fact_popularity.md)), Poisson "
+                                              "sampling of k facts on average"],
             ["KV shape", "Llama-3.1-8B: 32 layers x 8 KV heads x 128, K and V"],
             ["users per machine", f"{st['users_per_machine']:,}"],
             ["per machine: device / host / disk", f"{_size(st['device_bytes'])} / {_size(st['host_bytes'])} / "
