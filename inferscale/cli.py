@@ -420,7 +420,8 @@ def bench_fleet(
     tokens_per_fact: float = typer.Option(30.1, help="Mean tokens of a fact's KV."),
     context_window: int = typer.Option(5, help="w: turns re-encoded with a missed fact."),
     tokens_per_turn: float = typer.Option(37.1, help="Tokens of one rendered turn."),
-    us_per_token: float = typer.Option(46.5e3 / 1584, help="GPU microseconds per prefilled token (H200, bf16)."),
+    us_per_token: float = typer.Option(46.5e3 / 1584, show_default="29.36: 46.5 ms / 1,584 tokens",
+                                       help="GPU microseconds per prefilled token (H200, bf16)."),
     data: Optional[Path] = typer.Option(None, help="locomo10.json for the facts per user (default: ../shared/"
                                         "data/locomo/locomo10.json when there, else LoCoMo's counts built in)."),
     validate_users: int = typer.Option(10_000, help="Users of the exact-vs-analytic check (0: skip)."),
@@ -438,7 +439,8 @@ def bench_fleet(
     try:
         counts = LOCOMO_FACT_COUNTS if source is None else locomo_fact_counts(source)
         settings = FleetSettings(
-            users=tuple(_counts(users, "users")), dtypes=tuple(_words(dtypes)), ks=tuple(_counts(k, "k")),
+            users=tuple(_counts(users, "users", "1e4,1e6")), dtypes=tuple(_words(dtypes)),
+            ks=tuple(_counts(k, "k", "10,50")),
             user_zipfs=tuple(_floats(user_zipf, "user-zipf")), fact_zipfs=tuple(_floats(fact_zipf, "fact-zipf")),
             requests_per_user_day=questions_per_day, users_per_machine=users_per_machine,
             device_bytes=device_gib * GIB, host_bytes=host_gib * GIB, disk_bytes=disk_gib * GIB,
@@ -455,11 +457,11 @@ def bench_fleet(
     _run_bench("fleet", out, lambda: run(out, settings, command=command))
 
 
-def _counts(text: str, name: str) -> list[int]:
+def _counts(text: str, name: str, example: str) -> list[int]:
     """Comma-separated whole numbers, ``1e6`` allowed."""
     values = _floats(text, name)
     if any(not math.isfinite(v) or v != int(v) or v < 1 for v in values):
-        _fail(f"--{name} must be whole numbers >= 1 like 1e4,1e6, got {text!r}")
+        _fail(f"--{name} must be whole numbers >= 1 like {example}, got {text!r}")
     return [int(v) for v in values]
 
 

@@ -161,6 +161,7 @@ def test_bytes_for_the_target_scale_with_the_storage_dtype_and_gpu_time_with_k()
     (lambda: simulate_lru([0, 1], [1, 1], [2, 1]), "non-decreasing"),
     (lambda: simulate_lru([0, 5], [1, 1], [2]), "item ids"),
     (lambda: simulate_lru([0, 1], [1, 1], [2], warmup=2), "warmup"),
+    (lambda: simulate_lru([0, 1], [1, 1], [2], tokens=[1]), "one count per item"),
     (lambda: request_trace(Workload(users=3), 0), "requests must be"),
     (lambda: FleetSettings(dtypes=("fp16",)), "storage dtypes must be among"),
     (lambda: FleetSettings(users=()), "users must list"),

@@ -38,10 +38,11 @@ Two engines
       independent reference model (Che, Tung and Wang, IEEE JSAC 20(7), 2002; Fricker,
       Robert and Roberts, ITC 2012): the cache of depth D has one time T with
       ``sum_i size_i (1 - exp(-lambda_i T)) = D``; item i is there with probability
-      ``1 - exp(-lambda_i T)``. Users are grouped into rate bins (one each for the top
-      1,000, then bins 2% wide in rank), crossed with the memory sizes and the fact ranks,
-      so 10^7 users are ~1.5 M rate groups. Fact sizes do not depend on popularity, so
-      only the mean size enters.
+      ``1 - exp(-lambda_i T)``. Users are grouped into rate groups (the top 1,000 alone,
+      then groups 2% wide in rank), crossed with the memory sizes and the fact ranks (the
+      top 50 alone, then 2% wide), so 10^7 users are ~0.65 M rate groups and a cell takes
+      a fraction of a second. Fact sizes do not depend on popularity, so only the mean
+      size enters.
 
 Costs (:class:`EncodeCost`)
     A miss re-encodes the fact with its context (the preamble and the ``w`` turns before
@@ -107,6 +108,9 @@ class KVShape:
         or a numpy array of counts; a mean token count gives the mean bytes. bf16: 131,072
         bytes a token at the default shape; int8 67,584 a token + 65,536 a fact; int4
         34,816 a token + 65,536 a fact.
+
+        Returns:
+            Bytes (float; an array for an array of token counts).
 
         Raises:
             ValueError: another dtype, or a token count <= 0.
@@ -277,8 +281,9 @@ class Analytic:
     request of one fact) held by ``counts[g]`` facts. A group is one memory size crossed
     with users of neighbouring popularity (the top 1,000 alone, then groups 2% wide in
     rank) and facts of neighbouring rank (the top 50 alone, then 2% wide), at the group's
-    mean rate: within a group rates differ by at most 2%, which moves the hit shares by
-    far less than the approximation's own error (the exact engine's check).
+    mean rate: within a group rates differ by at most 2% (for exponents up to 1), which
+    moves the hit shares by far less than the approximation's own error (the exact
+    engine's check).
 
     Args:
         workload: the users and their requests.
@@ -360,7 +365,7 @@ class Analytic:
 
     def _newton(self, target: float, value: int, slope: int) -> float:
         lo, hi = -80.0, 80.0
-        x = math.log(self.workload.users / max(self.refs_per_request, 1e-300))  # about a user's inter-request time
+        x = math.log(self.workload.users / max(self.refs_per_request, 1e-300))  # a start; the bracket does the rest
         for _ in range(200):
             at = self._at(math.exp(x))
             err = at[value] - target

@@ -41,7 +41,7 @@ def simulate_lru(refs: Sequence[int], sizes: Sequence[float], depths: Sequence[f
 
     Raises:
         ValueError: depths that decrease or are negative, an unknown item, a warmup not
-            shorter than the trace.
+            shorter than the trace, tokens or names of another length.
     """
     depths = [float(d) for d in depths]
     if any(d < 0 for d in depths) or any(b < a for a, b in zip(depths, depths[1:])):
@@ -54,6 +54,9 @@ def simulate_lru(refs: Sequence[int], sizes: Sequence[float], depths: Sequence[f
         raise ValueError(f"warmup ({warmup}) must be >= 0 and shorter than the trace ({refs.size} references)")
     weight = [1.0] * len(sizes_list) if tokens is None else [float(t) for t in tokens]
     names = tuple(tiers) if tiers is not None else tuple(f"tier{i}" for i in range(len(depths)))
+    if len(weight) != len(sizes_list) or len(names) != len(depths):
+        raise ValueError(f"tokens must give one count per item ({len(sizes_list)}) and tiers one name per depth "
+                         f"({len(depths)}), got {len(weight)} and {len(names)}")
     caps = sorted(set(depths))
     serves = [depths.index(cap) for cap in caps]  # the first tier reaching a depth serves what it holds
     caches = [_LRU(cap, sizes_list) for cap in caps]

@@ -108,7 +108,34 @@ def analytic_cell(model: Analytic, tiers: Tiers, dtype: str, *, shape: KVShape =
 
 @dataclass(frozen=True)
 class FleetSettings:
-    """Everything one ``inferscale bench fleet`` run depends on (see :func:`run`)."""
+    """Everything one ``inferscale bench fleet`` run depends on (see :func:`run`); docs/sizing.md
+    gives each default's source.
+
+    Args:
+        users: fleet sizes (users).
+        dtypes: KV storage dtypes (``bfloat16``, ``int8``, ``int4``).
+        ks: facts retrieved per request, on average.
+        user_zipfs: Zipf exponents of user activity; the first leads (0.8: the upper end of
+            the web's measured 0.64-0.83, Breslau et al. 1999), the others vary it.
+        fact_zipfs: Zipf exponents of retrieval over a user's facts; the first leads (0.5:
+            fitted to LoCoMo's dense top-k retrieval counts, scripts/fleet_fact_popularity.py).
+        requests_per_user_day: questions a user asks a day (5: ChatGPT's reported prompts
+            per weekly user).
+        users_per_machine: users one serving machine (one H200) takes (assumed).
+        device_bytes, host_bytes, disk_bytes: per machine, bytes of fact KV on the GPU
+            (32 GiB), in pinned host memory (128 GiB) and on disk (3,576 GiB: one 3.84 TB
+            NVMe drive, as a DGX H200 has one a GPU).
+        redis_bytes: the shared Redis tier (1 TiB).
+        target: share of retrieved fact tokens to serve as KV when sizing (0.9, the issue's).
+        memory_counts, memory_counts_source: facts per user (LoCoMo's) and where they were read.
+        tokens_per_fact: mean tokens of a fact (30.1, LoCoMo with SmolLM2's tokenizer).
+        cost: the GPU time of a re-encode (:class:`~inferscale.bench.fleet.EncodeCost`).
+        validate_users, validate_requests: the exact-vs-analytic check (0 users: none).
+        seed: draws each user's memory size.
+
+    Raises:
+        ValueError: a value out of range (the message names it).
+    """
 
     users: tuple[int, ...] = (10_000, 100_000, 1_000_000, 10_000_000)
     dtypes: tuple[str, ...] = STORAGE_DTYPES
@@ -119,7 +146,7 @@ class FleetSettings:
     users_per_machine: int = 100_000
     device_bytes: float = 32 * GIB
     host_bytes: float = 128 * GIB
-    disk_bytes: float = 3.84e12
+    disk_bytes: float = 3576 * GIB
     redis_bytes: float = 1 * TIB
     target: float = 0.9
     memory_counts: tuple[int, ...] = LOCOMO_FACT_COUNTS
