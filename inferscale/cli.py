@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from pathlib import Path
@@ -396,6 +397,86 @@ def bench_report(
         _fail(str(exc))
 
 
+
+
+@bench_app.command("fleet")
+def bench_fleet(
+    ctx: typer.Context,
+    out: Path = typer.Option(Path("results/fleet"), help="Results folder (fleet.json, fleet.md, fleet.png)."),
+    users: str = typer.Option("1e4,1e5,1e6,1e7", help="Fleet sizes (users), comma-separated."),
+    dtypes: str = typer.Option("bfloat16,int8,int4", help="KV storage dtypes, comma-separated."),
+    k: str = typer.Option("10,50", help="Facts retrieved per request, comma-separated."),
+    user_zipf: str = typer.Option("0.8,0.6,1.0", help="Zipf exponents of user activity, comma-separated "
+                                  "(the first leads; the others form the sensitivity table)."),
+    fact_zipf: str = typer.Option("0.5,0.3,0.8", help="Zipf exponents of retrieval over one user's facts, "
+                                  "comma-separated (the first leads; the others form a sensitivity table)."),
+    questions_per_day: float = typer.Option(5.0, help="Questions a user asks a day, on average."),
+    users_per_machine: int = typer.Option(100_000, help="Users one serving machine (one H200) takes."),
+    device_gib: float = typer.Option(32.0, help="Fact KV on each machine's GPU (GiB)."),
+    host_gib: float = typer.Option(128.0, help="Fact KV in each machine's pinned host memory (GiB)."),
+    disk_gib: float = typer.Option(3576.0, help="Fact KV on each machine's disk (GiB; 3.84 TB)."),
+    redis_gib: float = typer.Option(1024.0, help="The shared Redis tier (GiB; 0: none)."),
+    target: float = typer.Option(0.9, help="Share of retrieved fact tokens to serve as KV when sizing."),
+    tokens_per_fact: float = typer.Option(30.1, help="Mean tokens of a fact's KV."),
+    context_window: int = typer.Option(5, help="w: turns re-encoded with a missed fact."),
+    tokens_per_turn: float = typer.Option(37.1, help="Tokens of one rendered turn."),
+    us_per_token: float = typer.Option(46.5e3 / 1584, show_default="29.36: 46.5 ms / 1,584 tokens",
+                                       help="GPU microseconds per prefilled token (H200, bf16)."),
+    data: Optional[Path] = typer.Option(None, help="locomo10.json for the facts per user (default: ../shared/"
+                                        "data/locomo/locomo10.json when there, else LoCoMo's counts built in)."),
+    validate_users: int = typer.Option(10_000, help="Users of the exact-vs-analytic check (0: skip)."),
+    validate_requests: int = typer.Option(1_500_000, help="Requests of that check's trace (two thirds warm up)."),
+) -> None:
+    """Fleet sizing by simulation (no model): KV bytes per tier, hit rates and re-encode GPU time per hour
+    for 10^4-10^7 users."""
+    from inferscale.bench.fleet import GIB, LOCOMO_FACT_COUNTS, EncodeCost, locomo_fact_counts
+    from inferscale.bench.fleet_report import FleetSettings, run
+
+    default_data = Path("../shared/data/locomo/locomo10.json")
+    if data is not None and not data.is_file():
+        _fail(f"--data {data} is not a file: give LoCoMo's locomo10.json, or leave it out")
+    source = data or (default_data if default_data.is_file() else None)
+    try:
+        counts = LOCOMO_FACT_COUNTS if source is None else locomo_fact_counts(source)
+        settings = FleetSettings(
+            users=tuple(_counts(users, "users", "1e4,1e6")), dtypes=tuple(_words(dtypes)),
+            ks=tuple(_counts(k, "k", "10,50")),
+            user_zipfs=tuple(_floats(user_zipf, "user-zipf")), fact_zipfs=tuple(_floats(fact_zipf, "fact-zipf")),
+            requests_per_user_day=questions_per_day, users_per_machine=users_per_machine,
+            device_bytes=device_gib * GIB, host_bytes=host_gib * GIB, disk_bytes=disk_gib * GIB,
+            redis_bytes=redis_gib * GIB, target=target, memory_counts=counts,
+            memory_counts_source="built-in" if source is None else str(source), tokens_per_fact=tokens_per_fact,
+            cost=EncodeCost(seconds_per_token=us_per_token * 1e-6, context_turns=context_window,
+                            tokens_per_turn=tokens_per_turn),
+            validate_users=validate_users, validate_requests=validate_requests)
+    except ValueError as exc:
+        _fail(str(exc))
+    command = " ".join(["inferscale bench fleet"] + [
+        f"--{p.name.replace('_', '-')} {ctx.params[p.name]}" for p in ctx.command.params
+        if p.name in ctx.params and ctx.params[p.name] != p.default])
+    _run_bench("fleet", out, lambda: run(out, settings, command=command))
+
+
+def _counts(text: str, name: str, example: str) -> list[int]:
+    """Comma-separated whole numbers, ``1e6`` allowed."""
+    values = _floats(text, name)
+    if any(not math.isfinite(v) or v != int(v) or v < 1 for v in values):
+        _fail(f"--{name} must be whole numbers >= 1 like {example}, got {text!r}")
+    return [int(v) for v in values]
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--{name} must be comma-separated numbers, got {text!r}")
+    if not values:
+        _fail(f"--{name} must list at least one number, got {text!r}")
+    return values
+
+
+def _words(text: str) -> list[str]:
+    return [w.strip() for w in text.split(",") if w.strip()]
 
 
 @app.command()

@@ -106,3 +106,33 @@ def plot_tiers(summary: dict, path: Path) -> None:
     for ax in (left, right):
         ax.grid(alpha=0.3, axis="y")
     _save(fig, path)
+
+
+def plot_fleet(summary: dict, path: Path) -> None:
+    """Left: share of fact tokens served as KV vs the fleet's LRU bytes, per storage dtype, at the
+    headline cell. Right: bytes needed for the target vs users, per dtype and user Zipf exponent."""
+    st = summary["settings"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {"bfloat16": "tab:blue", "int8": "tab:orange", "int4": "tab:green"}
+    curve = summary["curve"]
+    for dtype in st["dtypes"]:
+        ax1.plot([p["bytes"][dtype] / 2**50 for p in curve], [100 * p["kv_share"] for p in curve],
+                 color=colors.get(dtype), label=dtype)
+    ax1.axhline(100 * st["target"], color="grey", linestyle=":", label=f"target {100 * st['target']:.0f}%")
+    head = summary.get("headline", {})
+    ax1.set(xlabel="fleet KV cache, all tiers (PiB)", ylabel="fact tokens served as KV (%)",
+            title=f"{head.get('users', 0):,} users, k={head.get('k')}, Zipf users {head.get('user_zipf')}, "
+                  f"facts {head.get('fact_zipf')}")
+    f0, k0 = st["fact_zipfs"][0], st["ks"][0]
+    for dtype in st["dtypes"]:
+        for s, style in zip(st["user_zipfs"], ("-", "--", ":", "-.")):
+            cs = [c for c in summary["cells"] if c["dtype"] == dtype and c["k"] == k0 and c["user_zipf"] == s
+                  and c["fact_zipf"] == f0]
+            ax2.plot([c["users"] for c in cs], [c["target_depth_bytes"] / 2**40 for c in cs], marker="o",
+                     linestyle=style, color=colors.get(dtype), label=f"{dtype}, user Zipf {s}")
+    ax2.set(xlabel="users", ylabel="TiB (fleet total)", xscale="log", yscale="log",
+            title=f"KV for {100 * st['target']:.0f}% of fact tokens (k={k0}, fact Zipf {f0})")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    _save(fig, path)
