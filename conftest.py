@@ -264,3 +264,42 @@ def redis_server(tmp_path):
     if state["proc"].poll() is None:
         state["proc"].kill()
         state["proc"].wait(timeout=30)
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """A real three-node Redis Cluster (no replicas) on loopback: ``{"url"}`` of its first
+    node (clients find the others from it)."""
+    import subprocess
+    import time
+
+    ports, procs = [free_port() for _ in range(3)], []
+    try:
+        for port in ports:
+            folder = tmp_path / f"redis-{port}"
+            folder.mkdir()
+            procs.append(subprocess.Popen(
+                [_redis_bin(), "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", str(folder / "nodes.conf"), "--dir", str(folder), "--save", "",
+                 "--appendonly", "no", "--protected-mode", "no"],
+                stdout=(folder / "log").open("ab"), stderr=subprocess.STDOUT))
+        import shutil
+
+        cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+        deadline = time.monotonic() + 60
+        for port in ports:
+            while subprocess.run([cli, "-p", str(port), "ping"], capture_output=True, text=True).stdout.strip() != \
+                    "PONG" and time.monotonic() < deadline:
+                time.sleep(0.2)
+        done = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas",
+                               "0", "--cluster-yes"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        while "cluster_state:ok" not in subprocess.run([cli, "-p", str(ports[0]), "cluster", "info"],
+                                                       capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "the Redis cluster did not come up"
+            time.sleep(0.2)
+        yield {"url": f"redis://127.0.0.1:{ports[0]}/0", "ports": ports}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)

@@ -154,3 +154,29 @@ def test_two_machines_share_kv_through_one_redis_and_survive_it_going_away(postg
         assert set(answers[0].kv_sources.values()) == {"text: not encoded yet"}, answers[0].kv_sources
         assert second.kv_stats()["redis_up"] == 0
         assert sorted(r["memory"] for r in second.get_all(user_id="alice")["results"]) == sorted(FACTS)
+
+
+def test_a_redis_cluster_is_found_from_one_node_and_shares_entries(redis_cluster, tmp_path):
+    """Given any node's URL, the tier detects the cluster (``INFO cluster``) and uses
+    redis-py's ``RedisCluster``: entries spread over the nodes' slots, a fact's variants in one
+    slot (hash tag), lookups pipelined across nodes, deletes per owner."""
+    from redis.cluster import RedisCluster
+
+    url = redis_cluster["url"].replace("/0", "")  # a cluster has database 0 only
+    a = KVPool(tmp_path / "a" / "kv", "cpu", 1 << 30, redis_url=url)
+    b = KVPool(tmp_path / "b" / "kv", "cpu", 1 << 30, redis_url=url)
+    keys = [kv_key(f"fact{i}", n=j) for i in range(12) for j in range(2)]
+    for i, key in enumerate(keys):
+        a.put(key, fact(3, i))
+    assert isinstance(a.remote._client, RedisCluster)
+    assert b.tiers(keys) == ["redis"] * len(keys)
+    assert torch.equal(b.get(keys[5]).keys, fact(3, 5).keys)
+    client = RedisCluster.from_url(url)
+    slots = {client.keyslot(redis_key(k)) for k in keys}
+    nodes = {client.get_node_from_key(redis_key(k)).port for k in keys}
+    assert len(slots) == 12 and len(nodes) > 1  # one slot per fact, facts on several nodes
+    a.invalidate_owner("fact3")
+    assert b.tiers([kv_key("fact3", n=0), kv_key("fact3", n=1), kv_key("fact4", n=0)]) == [None, None, "redis"]
+    a.clear()
+    assert b.tiers(keys[6:]) == [None] * (len(keys) - 6)
+    assert b.tier(keys[5]) == "device"  # what b read stays in its memory (content-addressed: never stale)
