@@ -95,24 +95,31 @@ def free_port() -> int:
 
 
 def _start_chroma(path: Path, port: int, log: Path):
-    import socket
     import subprocess
     import sys
-    import time
 
     chroma = Path(sys.executable).with_name("chroma")
     proc = subprocess.Popen([str(chroma), "run", "--path", str(path), "--host", "127.0.0.1", "--port", str(port)],
                             stdout=log.open("ab"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
+    return _listening(proc, port, log, "chroma run", 120)
+
+
+def _listening(proc, port: int, log: Path, what: str, seconds: float):
+    """``proc`` once it accepts connections on 127.0.0.1:``port`` (killed, with its log's tail
+    in the error, if it dies or does not listen within ``seconds``)."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 return proc
         except OSError:
             assert proc.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.3)
+            time.sleep(0.1)
     proc.kill()
-    raise AssertionError(f"chroma run did not listen on {port}: {log.read_text()[-2000:]}")
+    raise AssertionError(f"{what} did not listen on {port}: {log.read_text()[-2000:]}")
 
 
 @pytest.fixture
@@ -225,24 +232,13 @@ def _redis_bin() -> str:
 
 
 def _start_redis(port: int, log: Path):
-    import socket
     import subprocess
-    import time
 
     # no persistence (a cache), LFU eviction under maxmemory, as docs/deployment.md says to run it
     proc = subprocess.Popen([_redis_bin(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lfu",
                              "--protected-mode", "no"], stdout=log.open("ab"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return proc
-        except OSError:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"redis-server did not listen on {port}: {log.read_text()[-2000:]}")
+    return _listening(proc, port, log, "redis-server", 60)
 
 
 @pytest.fixture
@@ -283,14 +279,11 @@ def redis_cluster(tmp_path):
                  "--cluster-config-file", str(folder / "nodes.conf"), "--dir", str(folder), "--save", "",
                  "--appendonly", "no", "--protected-mode", "no"],
                 stdout=(folder / "log").open("ab"), stderr=subprocess.STDOUT))
+            _listening(procs[-1], port, folder / "log", "a Redis cluster node", 60)
         import shutil
 
         cli = shutil.which("redis-cli") or "/usr/bin/redis-cli"
         deadline = time.monotonic() + 60
-        for port in ports:
-            while subprocess.run([cli, "-p", str(port), "ping"], capture_output=True, text=True).stdout.strip() != \
-                    "PONG" and time.monotonic() < deadline:
-                time.sleep(0.2)
         done = subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas",
                                "0", "--cluster-yes"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
