@@ -262,6 +262,28 @@ def redis_server(tmp_path):
         state["proc"].wait(timeout=30)
 
 
+def _cluster_port(taken: set[int]) -> int:
+    """A port for a Redis Cluster node: at most 55535 with it and its cluster bus port
+    (port + 10000, Redis's rule) both free now. The OS's ephemeral ports (``free_port``) run to
+    60999, which Redis refuses for a cluster node."""
+    import random
+    import socket
+
+    for _ in range(1000):
+        port = random.randint(20000, 55535)
+        if {port, port + 10000} & taken:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        taken |= {port, port + 10000}
+        return port
+    raise AssertionError("no free port pair (port, port + 10000) below 55536 for a Redis cluster node")
+
+
 @pytest.fixture
 def redis_cluster(tmp_path):
     """A real three-node Redis Cluster (no replicas) on loopback: ``{"url"}`` of its first
@@ -269,7 +291,8 @@ def redis_cluster(tmp_path):
     import subprocess
     import time
 
-    ports, procs = [free_port() for _ in range(3)], []
+    taken: set[int] = set()
+    ports, procs = [_cluster_port(taken) for _ in range(3)], []
     try:
         for port in ports:
             folder = tmp_path / f"redis-{port}"
