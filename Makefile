@@ -4,7 +4,8 @@ STAMP := $(VENV)/.inferscale-installed
 
 .PHONY: test demo install clean
 
-$(STAMP): pyproject.toml scripts/install.sh integrations/llama_index/examples/server-client-requirements.txt
+$(STAMP): pyproject.toml scripts/install.sh integrations/llama_index/examples/server-client-requirements.txt \
+        integrations/mem0/examples/client-requirements.txt
 	bash scripts/install.sh
 	touch $(STAMP)
 
@@ -17,4 +18,4 @@ demo: $(STAMP)
 	$(VENV)/bin/inferscale demo
 
 clean:
-	rm -rf $(VENV) .venv-llamaindex-client .pytest_cache
+	rm -rf $(VENV) .venv-llamaindex-client .venv-mem0-client .pytest_cache

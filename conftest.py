@@ -7,6 +7,7 @@ connector reads.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -92,6 +93,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def front_on_loopback(memory, api_key: str | None = None):
+    """``inferscale serve``'s front (its memory routes; no vLLM behind it) over ``memory``, on a
+    loopback port in a thread; yields its base URL."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from inferscale.server.app import create_app
+    from inferscale.server.upstream import Replicas
+
+    port = free_port()
+    app = create_app(memory, Replicas([f"http://127.0.0.1:{free_port()}"]), api_key=api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the front did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def loopback_front():
+    """:func:`front_on_loopback`, for tests outside this folder: ``with loopback_front(memory,
+    key) as url: ...``."""
+    return front_on_loopback
 
 
 def _start_chroma(path: Path, port: int, log: Path):

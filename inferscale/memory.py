@@ -323,6 +323,29 @@ class Memory(Answering):
             raise MemoryNotFoundError(f"memory {memory_id!r} not found for {scope.as_dict()}")
         return [e.to_dict() for e in events]
 
+    def owner_of(self, memory_id: str) -> dict[str, str]:
+        """The scope of a memory from its id alone (``{"user_id": "alice"}``), for APIs that
+        address memories by id (Mem0's Platform API); memory ids are uuid4s, unique across
+        scopes. A deleted memory keeps its owner (its history is still the scope's).
+
+        Raises:
+            inferscale.types.MemoryNotFoundError: no scope ever held this memory.
+        """
+        self._check_open()
+        check_id("memory_id", memory_id)
+        key = self.components.history_log.owner(memory_id)
+        if key is None:
+            raise MemoryNotFoundError(f"memory {memory_id!r} not found")
+        return Scope.from_key(key).as_dict()
+
+    def scopes(self) -> list[dict]:
+        """Every scope that holds memories, oldest first: ``[{"user_id" / "agent_id" /
+        "run_id" (those set), "memories" (count), "created_at" (its first write),
+        "updated_at" (its last write)}]``, from the history log (one query)."""
+        self._check_open()
+        return [{**Scope.from_key(key).as_dict(), "memories": n, "created_at": first, "updated_at": last}
+                for key, n, first, last in self.components.history_log.scopes()]
+
     def count(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> int:
         """How many memories the scope holds."""
         return self.components.facts.count(self._scope(user_id, agent_id, run_id))

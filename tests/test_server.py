@@ -420,6 +420,46 @@ def test_llamaindex_openailike_in_its_own_environment_through_the_server(server)
     assert "wrong API key" in bad.stderr  # the server's own message, not only the status
 
 
+MEM0_CLIENT = ROOT / ".venv-mem0-client" / "bin" / "python"
+
+
+def test_mem0s_own_client_in_its_own_environment_then_its_memories_as_kv(server):
+    """The documented Mem0 example (docs/server.md): Mem0's ``MemoryClient`` with only ``host``
+    changed makes every memory call, and a chat as that user gets the memories as injected KV."""
+    assert MEM0_CLIENT.exists(), "no .venv-mem0-client: run `bash scripts/install.sh`"
+    run = subprocess.run([str(MEM0_CLIENT), str(ROOT / "integrations/mem0/examples/mem0_client.py"),
+                          "--base-url", server.url, "--api-key", KEY, "--user", "mem0-user", "--json"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "MEM0_TELEMETRY": "False"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    cat, job = (r["id"] for r in out["add"]["results"])
+    assert [m["id"] for m in out["get_all"]["results"]] == [cat, job]
+    assert [h["id"] for h in out["search"]["results"]] == [cat]
+    assert out["get"]["memory"] == "I work as a lighthouse keeper."
+    assert out["update"]["memory"] == "I work as a ferry captain."
+    assert [e["event"] for e in out["history"]] == ["ADD", "UPDATE"]
+    assert ("user", "mem0-user") in {(e["type"], e["name"]) for e in out["users"]["results"]}
+    chat_report = out["chat"]["memory"]
+    assert chat_report["mode"] == "inject" and set(chat_report["kv_memory_ids"]) == {cat, job}
+    assert chat_report["kv_tokens"] > 0 and "Miso" in out["chat"]["text"]
+    assert [m["id"] for m in out["get_all_after_delete"]["results"]] == [cat]
+    assert out["get_all_at_end"]["results"] == []
+    # Mem0's default infer=True: the served LLM extracts the facts, and the answer is the Platform's
+    r = server.http("POST", "/v3/memories/add/", headers={"Authorization": f"Token {KEY}"},
+                    json={"messages": [{"role": "user", "content": "I am allergic to shellfish."}],
+                          "user_id": "mem0-infer"})
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "SUCCEEDED" and all(e["event"] == "ADD" for e in r.json()["results"])
+    stored = server.http("POST", "/v3/memories/", headers={"Authorization": f"Token {KEY}"},
+                         json={"filters": {"user_id": "mem0-infer"}}).json()["results"]
+    assert {m["id"] for m in stored} == {e["id"] for e in r.json()["results"]}
+    # a wrong key is the client's clear failure, not a traceback
+    bad = subprocess.run([str(MEM0_CLIENT), str(ROOT / "integrations/mem0/examples/mem0_client.py"),
+                          "--base-url", server.url, "--api-key", "wrong"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "MEM0_TELEMETRY": "False"})
+    assert bad.returncode == 1 and "wrong API key" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_sigkill_during_adds_then_restart_keeps_every_acknowledged_add(server):
     """Runs last: kills the module's server."""
     acked, stop = [], threading.Event()

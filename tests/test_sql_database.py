@@ -54,6 +54,14 @@ def test_memories_share_the_turn_log_and_history_through_postgres(postgres_url, 
     with Memory(data_dir=tmp_path / "b", **settings) as b:  # another data dir: the log and history are shared
         assert [t.turn_id for t in b.get_turns(user_id="alice")] == ["d1", "d2"]
         assert [e["event"] for e in b.history(mid, user_id="alice")] == ["ADD", "UPDATE"]
+        # a memory by its id alone, and every scope with its count (Mem0's Platform API), from PostgreSQL
+        assert b.owner_of(mid) == {"user_id": "alice"}
+        gone = b.add("I like tea.", agent_id="barista")["results"][0]["id"]
+        b.delete(gone, agent_id="barista")
+        b.add("Espresso, no sugar.", user_id="alice", agent_id="barista")
+        assert [(s.get("user_id"), s.get("agent_id"), s["memories"]) for s in b.scopes()] == [
+            ("alice", None, 1), ("alice", "barista", 1)]  # the agent's only memory was deleted
+        assert b.owner_of(gone) == {"agent_id": "barista"}  # a deleted memory keeps its owner (its history)
     assert not (tmp_path / "a" / "turns.sqlite").exists() and not (tmp_path / "a" / "history.sqlite").exists()
 
 

@@ -4,6 +4,8 @@ Routes:
     ``POST /v1/chat/completions``  chat with memory (:mod:`inferscale.server.chat`), streamed or not
     ``POST /v1/completions``, ``GET /v1/models``  vLLM's, passed through
     Mem0-style memory routes (:mod:`inferscale.server.memories`)
+    Mem0's Platform API for Mem0's own clients: ``/v1/ping/``, ``/v1/memories/``, ``/v3/memories/add/``
+    and the rest (:mod:`inferscale.server.mem0_platform`)
     ``GET /health``  the front is up (no key needed); ``GET /ready``  vLLM answers too
     ``GET /metrics``  vLLM's Prometheus metrics (the connector's ``vllm:inferscale_*``
     counters among them; with several replicas, labelled ``replica``) followed by the
@@ -14,7 +16,8 @@ Every response carries ``X-InferScale-Worker`` (the front process's pid); chat a
 completion responses carry ``X-InferScale-Replica`` (the index of the vLLM replica that
 answered: a scope's requests go to one replica, :mod:`inferscale.server.upstream`).
 
-Errors are JSON ``{"error": {"message", "type", "code"}}`` (OpenAI's shape): 400 for bad
+Errors are JSON ``{"error": {"message", "type", "code"}, "detail"}`` (OpenAI's shape, and Mem0's
+``detail`` holding the same message): 400 for bad
 input, 401 for a missing or wrong API key, 404 for an unknown memory or route, 422 for a
 body that does not fit a route's schema (FastAPI's validation message); vLLM's own
 errors pass through with its status.
@@ -32,7 +35,7 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from inferscale.memory import Memory
-from inferscale.server import memories, openai_routes, ops
+from inferscale.server import mem0_platform, memories, openai_routes, ops
 from inferscale.server.errors import error, install_error_handlers, install_outage_watch
 from inferscale.server.metrics import FrontMetrics
 from inferscale.server.upstream import Replicas
@@ -52,7 +55,8 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
     Args:
         memory: the :class:`inferscale.Memory` whose data dir the replicas' connector reads.
         upstream: vLLM's OpenAI server(s).
-        api_key: when set, every route but ``/health`` requires ``Authorization: Bearer <key>``.
+        api_key: when set, every route but ``/health`` requires ``Authorization: Bearer <key>``
+            (or ``Token <key>``, as Mem0's clients send it).
         on_close: called when the app shuts down (after the replicas' clients are closed).
     """
 
@@ -83,10 +87,10 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
             return error(413, f"the request body is {int(length)} bytes; the most accepted is {MAX_BODY_BYTES}",
                          "invalid_request_error")
         if api_key and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                             "authentication_error")
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() not in ("bearer", "token") or not hmac.compare_digest(given.encode(), api_key.encode()):
+                return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or Mem0's "
+                             "'Authorization: Token <key>')", "authentication_error")
         return await call_next(request)
 
     install_outage_watch(app)
@@ -101,4 +105,5 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
     app.include_router(ops.router())
     app.include_router(openai_routes.router())
     app.include_router(memories.router())
+    app.include_router(mem0_platform.router())  # last: it answers every other /v1/, /v2/, /v3/ path
     return app

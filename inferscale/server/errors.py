@@ -1,5 +1,5 @@
 """The front's errors: OpenAI's JSON shape, ``{"error": {"message", "type", "code"}}``, and
-the handlers that map exceptions to it: 400 for bad input (``ValueError`` / ``TypeError``),
+the handlers that map exceptions to it (with ``detail``, the same message, for Mem0's clients): 400 for bad input (``ValueError`` / ``TypeError``),
 404 for an unknown memory, scope or route, 422 for a body that does not fit a route's
 schema (FastAPI's validation message), 503 with ``Retry-After`` when a dependency does not
 answer (vLLM, the Chroma server, PostgreSQL: :mod:`inferscale.runtime.outages`, which logs
@@ -20,8 +20,10 @@ from inferscale.types import MemoryNotFoundError, UnknownScopeError
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    """An error response: ``{"error": {"message", "type", "code"}}`` with HTTP status ``status``."""
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    """An error response: ``{"error": {"message", "type", "code"}, "detail": message}`` with HTTP
+    status ``status`` (OpenAI's shape; ``detail`` is where Mem0's clients read the message)."""
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}, "detail": message},
+                        status_code=status)
 
 
 def outage(exc: BaseException) -> JSONResponse | None:

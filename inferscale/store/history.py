@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import Column, Index, Integer, MetaData, String, Table, Text, delete, func, select, text
+from sqlalchemy import Column, Index, Integer, MetaData, String, Table, Text, case, delete, func, select, text
 
 from inferscale.store.sql import Database
 
@@ -17,6 +17,7 @@ HISTORY = Table(
     Column("memory_id", String, nullable=False), Column("event", String, nullable=False),
     Column("old_memory", Text), Column("new_memory", Text), Column("created_at", String, nullable=False),
     Index("history_memory", "scope", "memory_id"), Index("history_scope_seq", "scope", "seq"),
+    Index("history_memory_id", "memory_id"),  # owner(): a memory addressed by its id alone
     sqlite_autoincrement=True,  # seq is never reused, even after clear(): it versions scopes
 )
 
@@ -128,6 +129,26 @@ class HistoryLog:
                        HISTORY.c.created_at)
                 .where(HISTORY.c.scope == scope, HISTORY.c.memory_id == memory_id).order_by(HISTORY.c.seq)).all()
         return [HistoryEvent(*r) for r in rows]
+
+    def owner(self, memory_id: str) -> str | None:
+        """The scope key whose events name ``memory_id`` (ids are uuid4s, unique across scopes),
+        or ``None`` when no event does; one indexed query."""
+        with self.db.read() as con:
+            return con.execute(select(HISTORY.c.scope).where(HISTORY.c.memory_id == memory_id)
+                               .order_by(HISTORY.c.seq.desc()).limit(1)).scalar_one_or_none()
+
+    def scopes(self) -> list[tuple[str, int, str, str]]:
+        """Every scope that holds memories now: ``(scope key, live memories, time of its first
+        event, time of its last event)``, ISO 8601 UTC, in first-event order. A memory is live
+        when its last event is not a DELETE. One query over the whole log (a window per memory)."""
+        last = select(HISTORY.c.seq, HISTORY.c.scope, HISTORY.c.event, HISTORY.c.created_at,
+                      func.row_number().over(partition_by=(HISTORY.c.scope, HISTORY.c.memory_id),
+                                             order_by=HISTORY.c.seq.desc()).label("rn")).subquery()
+        live = func.sum(case(((last.c.rn == 1) & (last.c.event != "DELETE"), 1), else_=0))
+        query = (select(last.c.scope, live, func.min(last.c.created_at), func.max(last.c.created_at))
+                 .group_by(last.c.scope).order_by(func.min(last.c.seq)))
+        with self.db.read() as con:
+            return [(s, int(n), first, latest) for s, n, first, latest in con.execute(query).all() if n]
 
     def clear(self) -> None:
         """Delete every event."""

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import sys
-import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -38,26 +36,10 @@ def memory(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def front(memory):
+def front(memory, loopback_front):
     """``inferscale serve``'s front (its memory routes; no vLLM behind it) on a loopback port."""
-    import uvicorn
-
-    from inferscale.server.app import create_app
-    from inferscale.server.ports import free_port
-    from inferscale.server.upstream import Replicas
-
-    port = free_port()
-    app = create_app(memory, Replicas([f"http://127.0.0.1:{free_port()}"]), api_key=KEY)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the front did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with loopback_front(memory, KEY) as url:
+        yield url
 
 
 @pytest.fixture(params=["in-process", "http"])
