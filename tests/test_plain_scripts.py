@@ -48,6 +48,20 @@ def test_the_readmes_use_block_runs_as_a_plain_script(tmp_path):
     assert (tmp_path / "memory" / "chroma").is_dir()  # ./memory, relative to where it ran
 
 
+def test_the_readmes_in_process_one_liner_runs_as_a_plain_script(tmp_path):
+    """The last block of the README's "Switch in one line": Mem0's ``Memory`` API and
+    LangChain's chat model over it, in-process (the server blocks run in tests/test_server.py)."""
+    section = (ROOT / "README.md").read_text().split("\n## Switch in one line\n", 1)[1].split("\n## ", 1)[0]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[-1]
+    assert "from inferscale import Memory" in code and "127.0.0.1" not in code
+    script = tmp_path / "one_liner.py"
+    script.write_text(code)
+    proc = run(script, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    assert proc.stdout.strip()  # the answer
+    assert (tmp_path / "memory" / "chroma").is_dir()
+
+
 ADD_AND_UPDATE = """
     import sys
     from inferscale import Memory

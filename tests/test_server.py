@@ -460,6 +460,38 @@ def test_mem0s_own_client_in_its_own_environment_then_its_memories_as_kv(server)
     assert bad.returncode == 1 and "wrong API key" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def readme_one_liners() -> list[str]:
+    """The Python blocks under the README's ``## Switch in one line`` heading."""
+    section = (ROOT / "README.md").read_text().split("\n## Switch in one line\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def test_the_readmes_one_liners_run_as_written_against_the_server(server, tmp_path):
+    """Each server block of the README's "Switch in one line", in the environment its user has
+    (Mem0's SDK and LlamaIndex's client in their own), with the default address and ``<key>``
+    replaced by this server's; the in-process block runs in tests/test_plain_scripts.py."""
+    blocks = [b for b in readme_one_liners() if "127.0.0.1:8000" in b]
+    assert len(blocks) == 4, "the README's one-liners changed: update this test"
+    for i, block in enumerate(blocks):
+        python = MEM0_CLIENT if "from mem0" in block else LLAMAINDEX_CLIENT if "llama_index" in block else \
+            Path(sys.executable)
+        script = tmp_path / f"one_liner_{i}.py"
+        script.write_text(block.replace("http://127.0.0.1:8000", server.url).replace("<key>", KEY))
+        run = subprocess.run([str(python), str(script)], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "MEM0_TELEMETRY": "False"})
+        assert run.returncode == 0, (block, run.stderr[-3000:])
+        printed = run.stdout.strip()
+        if "MemoryClient" in block:
+            assert printed == "I am allergic to peanuts."
+        elif "InferScaleStore" in block:
+            assert printed == "{'avoid': 'peanuts'}"
+        else:  # a chat answer, with alice's memories (as KV, tests above check) behind it
+            assert printed, block
+    # the store's item is one of alice's memories, so the chats above had it too
+    assert any("avoid" in m["memory"] and "peanuts" in m["memory"]
+               for m in server.http("GET", "/memories", params={"user_id": "alice"}).json()["results"])
+
+
 def test_sigkill_during_adds_then_restart_keeps_every_acknowledged_add(server):
     """Runs last: kills the module's server."""
     acked, stop = [], threading.Event()
