@@ -231,7 +231,7 @@ def check_metadata(metadata: Any) -> dict:
 
     Raises:
         TypeError: not a dict, a non-string key, not JSON-serialisable. ValueError: NaN or
-            Infinity, too deep, a reserved key.
+            Infinity, not valid Unicode (a lone surrogate), too deep, a reserved key.
     """
     if metadata is None:
         return {}
@@ -241,7 +241,9 @@ def check_metadata(metadata: Any) -> dict:
     if bad_key is not None:  # JSON would turn it into a string, and could merge it with another key
         raise TypeError(f"metadata keys must be strings, got {type(bad_key).__name__} {bad_key!r}")
     try:
-        json.dumps(metadata, allow_nan=False)
+        json.dumps(metadata, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate: stored, it would break every read of the scope
+        raise ValueError(f"metadata is not valid Unicode ({exc.reason}): fix its encoding") from None
     except ValueError as exc:  # NaN / Infinity: not JSON, and a JSON reader would see null
         raise ValueError(f"metadata must be JSON: {exc} (NaN and Infinity have no JSON form)") from None
     except (TypeError, RecursionError) as exc:

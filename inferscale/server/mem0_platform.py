@@ -40,8 +40,10 @@ import json
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.responses import RedirectResponse
+from starlette.routing import Match
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from inferscale.server.deps import MemoryDep
 from inferscale.types import MemoryNotFoundError
@@ -58,6 +60,9 @@ SUPPORTED = ("GET /v1/ping/, POST /v1/memories/, POST /v3/memories/add/, GET /v1
              "GET /v1/memories/{id}/history/, DELETE /v1/memories/, GET /v1/entities/, "
              "DELETE /v2/entities/{type}/{id}/")
 DOCS = "docs/server.md, \"Mem0's own client\""
+#: The keys of a memory in the Platform's shape (:func:`platform_item`).
+ITEM_FIELDS = ("id", "memory", "user_id", "agent_id", "run_id", "app_id", "metadata", "categories", "created_at",
+               "updated_at", "expiration_date", "score")
 #: The organisation and project ``/v1/ping/`` names (one deployment is one Mem0 project).
 ORG_ID = PROJECT_ID = "inferscale"
 
@@ -81,6 +86,13 @@ class Mem0Body(BaseModel):
         if unknown:
             raise ValueError(f"field(s) {unknown} of Mem0's API are not supported by InferScale ({DOCS} lists "
                              "what is): remove them")
+        extra = self.model_extra or {}
+        for name, allowed in (("output_format", ("v1.0", "v1.1")), ("version", ("v1", "v2", "v3")),
+                              ("async_mode", (True, False)), ("show_expired", (True, False)),
+                              ("latest_only", (True, False))):
+            if name in extra and extra[name] is not None and not any(
+                    extra[name] is a or (type(a) is str and extra[name] == a) for a in allowed):
+                raise ValueError(f"{name}={extra[name]!r}: give one of {list(allowed)}")
         for name in ("project_id", "org_id"):
             given = (self.model_extra or {}).get(name)
             if given not in (None, PROJECT_ID):
@@ -107,10 +119,20 @@ class SearchBody(Mem0Body):
     query: str = Field(min_length=1)
     top_k: int | None = Field(default=None, ge=1, le=10_000, strict=True)
     limit: int | None = Field(default=None, ge=1, le=10_000, strict=True)
-    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0, strict=True)
     keyword_search: bool | None = Field(default=None, strict=True)
     rerank: bool | None = Field(default=None, strict=True)
     fields: list[str] | None = None
+
+
+    @model_validator(mode="after")
+    def _agree(self) -> "SearchBody":
+        if self.top_k is not None and self.limit is not None and self.top_k != self.limit:
+            raise ValueError(f"top_k={self.top_k} and limit={self.limit} disagree: give one")
+        unknown = sorted(set(self.fields or ()) - set(ITEM_FIELDS))
+        if unknown:
+            raise ValueError(f"fields {unknown} are not fields of a memory; they are {list(ITEM_FIELDS)}")
+        return self
 
 
 class UpdateBody(BaseModel):
@@ -122,12 +144,14 @@ class UpdateBody(BaseModel):
 
 def split_filters(body: Mem0Body) -> tuple[dict[str, str], dict | None]:
     """The scope and the metadata filters of a Mem0 body: entity ids from the top level, from
-    ``filters`` or from the dicts of a top-level ``AND`` in it; ``filters["metadata"]`` (Mem0's
-    metadata match) becomes plain metadata conditions.
+    ``filters`` or from the dicts of a top-level ``AND`` list in it (a clause that mixes an
+    entity id with metadata conditions is split); ``filters["metadata"]`` (Mem0's metadata
+    match) and, on v1 reads, the body's ``metadata`` become metadata conditions ANDed with the rest.
 
     Raises:
-        ValueError: ``app_id`` anywhere, an entity id in ``OR`` / ``NOT``, an entity id that is
-            not a string, two values for one id, or no scope.
+        ValueError: ``app_id`` anywhere, an entity id below the top level other than in a
+            top-level ``AND`` list, an entity id that is not a string or is Mem0's wildcard,
+            two values for one id, or no scope.
     """
     scope = {k: getattr(body, k) for k in SCOPE_KEYS if getattr(body, k) is not None}
     rest: dict[str, Any] = {}
@@ -135,29 +159,32 @@ def split_filters(body: Mem0Body) -> tuple[dict[str, str], dict | None]:
     for key, value in (body.filters or {}).items():
         if key in ("AND", "$and", "and") and isinstance(value, list):
             for clause in value:
-                if isinstance(clause, dict) and set(clause) <= {*SCOPE_KEYS, "app_id"}:
-                    _take_scope(scope, clause)
-                else:
-                    clauses.append(clause)
+                if isinstance(clause, dict) and set(clause) & {*SCOPE_KEYS, "app_id"}:
+                    _take_scope(scope, {k: v for k, v in clause.items() if k in (*SCOPE_KEYS, "app_id")})
+                    clause = {k: v for k, v in clause.items() if k not in (*SCOPE_KEYS, "app_id")}
+                    if not clause:
+                        continue
+                clauses.append(clause)
         elif key in SCOPE_KEYS or key == "app_id":
             _take_scope(scope, {key: value})
         elif key == "metadata" and isinstance(value, dict):
-            clauses.extend({k: v for k, v in [item]} for item in value.items())
+            clauses.extend({k: v} for k, v in value.items())
         else:
             rest[key] = value
     if body.app_id is not None:
         _take_scope(scope, {"app_id": body.app_id})
     nested = _scope_key_inside(rest)
     if nested:
-        raise ValueError(f"filters has {nested!r} inside OR / NOT: InferScale reads one scope per request; give it "
-                         f"at the top of filters ({{{nested!r}: ...}})")
+        raise ValueError(f"filters has {nested!r} below its top level (inside OR / NOT, or not in a top-level AND "
+                         f"list): InferScale reads one scope per request; give it at the top of filters "
+                         f"({{{nested!r}: ...}})")
     if not scope:
         raise ValueError("say whose memories: give user_id, agent_id or run_id (Mem0's v2/v3 style: "
                          "filters={'user_id': 'alice'})")
-    if clauses:
-        rest["AND"] = [*rest.get("AND", []), *clauses] if isinstance(rest.get("AND"), list) else clauses
     if body.metadata and not isinstance(body, AddBody):  # v1 search/get_all: metadata is a filter
-        rest.update(body.metadata)
+        clauses.extend({k: v} for k, v in body.metadata.items())
+    if clauses:
+        rest = {"AND": [rest, *clauses] if rest else clauses}
     return scope, rest or None
 
 
@@ -168,6 +195,8 @@ def _take_scope(scope: dict[str, str], clause: dict) -> None:
                              "use agent_id for an application's memories")
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"{key} must be a non-empty string, got {value!r} (operators apply to metadata only)")
+        if value == "*":
+            raise ValueError(f"{key}='*' (Mem0's wildcard) is not supported: InferScale reads one scope per request")
         if scope.get(key, value) != value:
             raise ValueError(f"{key} is given twice, as {scope[key]!r} and {value!r}: give it once")
         scope[key] = value
@@ -198,14 +227,28 @@ def platform_item(item: dict, fields: list[str] | None = None) -> dict:
     return out
 
 
-def _query_scope(request: Request) -> dict[str, str]:
+def check_query(request: Request, allowed: tuple[str, ...] = ()) -> None:
+    """Refuse query parameters the route does not read, and any given twice.
+
+    Raises:
+        ValueError: naming them.
+    """
+    params = request.query_params
+    allowed = (*allowed, "org_id", "project_id")  # older clients send the ping's on every call
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(f"query parameter(s) {unknown} are not read by {request.method} {request.url.path}"
+                         + (f" (it reads {list(allowed)})" if allowed else " (it reads none)") + f"; see {DOCS}")
+    twice = sorted(k for k in set(params) if len(params.getlist(k)) > 1)
+    if twice:
+        raise ValueError(f"query parameter(s) {twice} are given more than once: give each once")
+
+
+def _query_scope(request: Request, allowed: tuple[str, ...] = ()) -> dict[str, str]:
     """A scope from query parameters (``?user_id=alice``, or ``?filters=...`` as Mem0's client
     sends a dict: JSON or Python's repr)."""
+    check_query(request, (*SCOPE_KEYS, "app_id", "filters", *allowed))
     params = request.query_params
-    unknown = sorted(set(params) - {*SCOPE_KEYS, "app_id", "filters", "org_id", "project_id", "page", "page_size",
-                                    "limit", "delete_linked"})
-    if unknown:
-        raise ValueError(f"query parameter(s) {unknown} of Mem0's API are not supported by InferScale ({DOCS})")
     filters = None
     if "filters" in params:
         raw = params["filters"]
@@ -214,12 +257,16 @@ def _query_scope(request: Request) -> dict[str, str]:
         except ValueError:
             try:
                 filters = ast.literal_eval(raw)
-            except (ValueError, SyntaxError):
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
                 raise ValueError(f"filters={raw[:80]!r} is neither JSON nor a dict literal") from None
-        if not isinstance(filters, dict):
-            raise ValueError(f"filters must be an object like {{'user_id': 'alice'}}, got {raw[:80]!r}")
-    body = Mem0Body(filters=filters, **{k: params[k] for k in (*SCOPE_KEYS, "app_id", "org_id", "project_id")
-                                        if k in params})
+        if not isinstance(filters, dict) or not all(isinstance(k, str) for k in filters):
+            raise ValueError(f"filters must be an object with string keys like {{'user_id': 'alice'}}, "
+                             f"got {raw[:80]!r}")
+    try:
+        body = Mem0Body(filters=filters, **{k: params[k] for k in (*SCOPE_KEYS, "app_id", "org_id", "project_id")
+                                            if k in params})
+    except ValidationError as exc:  # pydantic's own text names its internals: the first message alone
+        raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
     scope, rest = split_filters(body)
     if rest:
         raise ValueError("this route takes a scope only (user_id / agent_id / run_id), not metadata filters")
@@ -232,11 +279,16 @@ def router() -> APIRouter:
     r = APIRouter(tags=["mem0 platform"])
 
     @r.get("/v1/ping/", summary="Mem0: check the API key")
-    def ping() -> dict:
+    def ping(request: Request) -> dict:
+        check_query(request)
         return {"status": "ok", "org_id": ORG_ID, "project_id": PROJECT_ID, "user_email": None}
 
-    def add(body: AddBody, memory) -> list[dict]:
-        scope, _ = split_filters(body)
+    def add(body: AddBody, request: Request, memory) -> list[dict]:
+        check_query(request)
+        scope, conditions = split_filters(body)
+        if conditions:
+            raise ValueError(f"filters on add name the scope only (user_id / agent_id / run_id); got conditions "
+                             f"{json.dumps(conditions)[:120]}: put metadata in 'metadata'")
         messages = body.messages
         if isinstance(messages, list):  # Mem0's messages may carry more keys (name, ...): role and content only
             messages = [{"role": m.get("role", "user"), "content": m.get("content")} for m in messages]
@@ -244,43 +296,55 @@ def router() -> APIRouter:
         return [e for e in written if e["event"] != "NOOP"]  # Mem0 reports changes only
 
     @r.post("/v3/memories/add/", summary="Mem0: add memories (v3)")
-    def add_v3(body: AddBody, memory: MemoryDep) -> dict:
-        events = add(body, memory)
+    def add_v3(body: AddBody, request: Request, memory: MemoryDep) -> dict:
+        events = add(body, request, memory)
         return {"message": f"{len(events)} memories written", "status": "SUCCEEDED", "event_id": str(uuid.uuid4()),
                 "results": [{"id": e["id"], "data": {"memory": e["memory"]}, "event": e["event"]} for e in events]}
 
     @r.post("/v1/memories/", summary="Mem0: add memories (v1)")
-    def add_v1(body: AddBody, memory: MemoryDep) -> Any:
+    def add_v1(body: AddBody, request: Request, memory: MemoryDep) -> Any:
         events = [{"id": e["id"], "memory": e["memory"], "event": e["event"], "data": {"memory": e["memory"]}}
-                  for e in add(body, memory)]
+                  for e in add(body, request, memory)]
         return events if body.wants_v1_list() else {"results": events, "relations": []}
 
     def listed(body: Mem0Body, memory) -> list[dict]:
         scope, filters = split_filters(body)
         return [platform_item(i) for i in memory.get_all(filters=filters, limit=100_000, **scope)["results"]]
 
+    def paged(items: list, page: int | None, size: int | None) -> list:
+        size = size or 100
+        return items[((page or 1) - 1) * size:][:size]
+
     @r.get("/v1/memories/", summary="Mem0: get all memories of a scope (v1)")
-    def get_all_v1(request: Request, memory: MemoryDep, limit: int = Query(default=100, ge=1, le=100_000)) -> list:
-        return listed(Mem0Body(**_query_scope(request)), memory)[:limit]
+    def get_all_v1(request: Request, memory: MemoryDep, page: int | None = Query(default=None, ge=1),
+                   page_size: int | None = Query(default=None, ge=1, le=10_000),
+                   limit: int | None = Query(default=None, ge=1, le=100_000)) -> list:
+        items = listed(Mem0Body(**_query_scope(request, ("page", "page_size", "limit"))), memory)
+        return paged(items, page, page_size)[:limit] if page or page_size else items[:limit or 100]
 
     @r.post("/v2/memories/", summary="Mem0: get all memories (v2)")
-    def get_all_v2(body: ListBody, memory: MemoryDep) -> list:
-        items = listed(body, memory)
-        size = body.page_size or 100
-        return items[((body.page or 1) - 1) * size:][:size]
+    def get_all_v2(body: ListBody, request: Request, memory: MemoryDep) -> list:
+        check_query(request)
+        return paged(listed(body, memory), body.page, body.page_size)
 
     @r.post("/v3/memories/", summary="Mem0: get all memories, paginated (v3)")
-    def get_all_v3(body: ListBody, request: Request, memory: MemoryDep, page: int = Query(default=1, ge=1),
-                   page_size: int = Query(default=100, ge=1, le=10_000)) -> dict:
-        page, size = body.page or page, body.page_size or page_size
+    def get_all_v3(body: ListBody, request: Request, memory: MemoryDep, page: int | None = Query(default=None, ge=1),
+                   page_size: int | None = Query(default=None, ge=1, le=10_000)) -> dict:
+        check_query(request, ("page", "page_size"))
+        for name, in_query, in_body in (("page", page, body.page), ("page_size", page_size, body.page_size)):
+            if in_query is not None and in_body is not None and in_query != in_body:
+                raise ValueError(f"{name} is {in_query} in the query and {in_body} in the body: give it once")
+        page, size = body.page or page or 1, body.page_size or page_size or 100
         items = listed(body, memory)
         base = str(request.url.remove_query_params(["page", "page_size"]))
+
         def link(n: int) -> str:
             return f"{base}?page={n}&page_size={size}"
         return {"count": len(items), "next": link(page + 1) if page * size < len(items) else None,
-                "previous": link(page - 1) if page > 1 else None, "results": items[(page - 1) * size:][:size]}
+                "previous": link(page - 1) if page > 1 else None, "results": paged(items, page, size)}
 
-    def search(body: SearchBody, memory) -> list[dict]:
+    def search(body: SearchBody, request: Request, memory) -> list[dict]:
+        check_query(request)
         if body.rerank:
             raise ValueError("rerank=True is not supported: InferScale ranks by cosine and BM25 fused (hybrid); "
                              "drop rerank")
@@ -291,24 +355,26 @@ def router() -> APIRouter:
         return [platform_item(h, body.fields) for h in hits]
 
     @r.post("/v1/memories/search/", summary="Mem0: search (v1)")
-    def search_v1(body: SearchBody, memory: MemoryDep) -> Any:
-        hits = search(body, memory)
+    def search_v1(body: SearchBody, request: Request, memory: MemoryDep) -> Any:
+        hits = search(body, request, memory)
         return hits if body.wants_v1_list() else {"results": hits}
 
     @r.post("/v2/memories/search/", summary="Mem0: search (v2)")
-    def search_v2(body: SearchBody, memory: MemoryDep) -> list:
-        return search(body, memory)
+    def search_v2(body: SearchBody, request: Request, memory: MemoryDep) -> list:
+        return search(body, request, memory)
 
     @r.post("/v3/memories/search/", summary="Mem0: search (v3)")
-    def search_v3(body: SearchBody, memory: MemoryDep) -> dict:
-        return {"results": search(body, memory)}
+    def search_v3(body: SearchBody, request: Request, memory: MemoryDep) -> dict:
+        return {"results": search(body, request, memory)}
 
     @r.get("/v1/memories/{memory_id}/", summary="Mem0: get a memory")
-    def get(memory_id: str, memory: MemoryDep) -> dict:
+    def get(memory_id: str, request: Request, memory: MemoryDep) -> dict:
+        check_query(request)
         return platform_item(memory.get(memory_id, **memory.owner_of(memory_id)))
 
     @r.put("/v1/memories/{memory_id}/", summary="Mem0: update a memory")
-    def update(memory_id: str, body: UpdateBody, memory: MemoryDep) -> dict:
+    def update(memory_id: str, body: UpdateBody, request: Request, memory: MemoryDep) -> dict:
+        check_query(request)
         scope = memory.owner_of(memory_id)
         if body.text is None and body.metadata is None:
             raise ValueError("give text and/or metadata to update (timestamp and expiration_date are not supported)")
@@ -317,12 +383,14 @@ def router() -> APIRouter:
         return platform_item(memory.get(memory_id, **scope))
 
     @r.delete("/v1/memories/{memory_id}/", summary="Mem0: delete a memory")
-    def delete(memory_id: str, memory: MemoryDep, delete_linked: bool = False) -> dict:
+    def delete(memory_id: str, request: Request, memory: MemoryDep, delete_linked: bool = False) -> dict:
+        check_query(request, ("delete_linked",))
         memory.delete(memory_id, **memory.owner_of(memory_id))  # InferScale links no memories: nothing cascades
         return {"message": "Memory deleted successfully!", "cascade_count": 0}
 
     @r.get("/v1/memories/{memory_id}/history/", summary="Mem0: a memory's history")
-    def history(memory_id: str, memory: MemoryDep) -> list[dict]:
+    def history(memory_id: str, request: Request, memory: MemoryDep) -> list[dict]:
+        check_query(request)
         scope = memory.owner_of(memory_id)
         return [{"id": f"{memory_id}:{n}", "memory_id": memory_id, "input": [], "old_memory": e["old_memory"],
                  "new_memory": e["new_memory"], "event": e["event"], "categories": [], "metadata": {},
@@ -331,11 +399,11 @@ def router() -> APIRouter:
 
     @r.delete("/v1/memories/", summary="Mem0: delete every memory of a scope")
     def delete_all(request: Request, memory: MemoryDep) -> dict:
-        memory.delete_all(**_query_scope(request))
-        return {"message": "Memories deleted successfully!"}
+        return memory.delete_all(**_query_scope(request))  # "<n> memories deleted successfully!"
 
     @r.get("/v1/entities/", summary="Mem0: users, agents and runs that hold memories")
-    def entities(memory: MemoryDep) -> dict:
+    def entities(request: Request, memory: MemoryDep) -> dict:
+        check_query(request)
         found: dict[tuple[str, str], dict] = {}
         for s in memory.scopes():
             for key in SCOPE_KEYS:
@@ -353,7 +421,8 @@ def router() -> APIRouter:
                 "total_apps": 0}
 
     @r.delete("/v2/entities/{entity_type}/{entity_id}/", summary="Mem0: delete a user's (agent's, run's) memories")
-    def delete_entity(entity_type: str, entity_id: str, memory: MemoryDep) -> dict:
+    def delete_entity(entity_type: str, entity_id: str, request: Request, memory: MemoryDep) -> dict:
+        check_query(request)
         if entity_type not in ("user", "agent", "run"):
             raise ValueError(f"entity type {entity_type!r}: InferScale has users, agents and runs (no apps)")
         key = f"{entity_type}_id"
@@ -371,9 +440,18 @@ def router() -> APIRouter:
 
     @r.api_route("/v{version:int}/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
                  include_in_schema=False)
-    def unsupported(version: int, rest: str, request: Request) -> dict:
-        raise MemoryNotFoundError(f"no route {request.method} {request.url.path}: InferScale serves these of Mem0's "
-                                  f"Platform API: {SUPPORTED}; and OpenAI's /v1/chat/completions, /v1/completions, "
-                                  f"/v1/models ({DOCS})")
+    def unsupported(version: int, rest: str, request: Request):
+        path = request.url.path
+        others = [route for route in request.app.routes if getattr(route, "endpoint", None) is not unsupported]
+        methods = sorted({m for route in others if route.matches({**request.scope, "path": path})[0] == Match.PARTIAL
+                          for m in getattr(route, "methods", ()) if m != "HEAD"})
+        if methods:
+            raise HTTPException(405, f"{request.method} {path}: this route takes {', '.join(methods)}")
+        if not path.endswith("/") and any(route.matches({**request.scope, "path": path + "/"})[0] != Match.NONE
+                                          for route in others):
+            return RedirectResponse(request.url.replace(path=path + "/"), status_code=307)  # Mem0's paths end in /
+        raise MemoryNotFoundError(f"no route {request.method} {path}: InferScale serves these of Mem0's Platform API: "
+                                  f"{SUPPORTED}; and OpenAI's POST /v1/chat/completions, POST /v1/completions, "
+                                  f"GET /v1/models ({DOCS})")
 
     return r

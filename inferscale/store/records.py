@@ -33,13 +33,16 @@ class Scope:
 
         Raises:
             TypeError: a field is not a string.
-            ValueError: no field is given, or one is empty.
+            ValueError: no field is given, or one is empty or not printable text.
         """
         for name, value in (("user_id", user_id), ("agent_id", agent_id), ("run_id", run_id)):
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a string, got {type(value).__name__} {value!r}")
             if value is not None and not value.strip():
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+            if value is not None and not value.isprintable():  # NUL, newlines, lone surrogates
+                raise ValueError(f"{name} must be printable text, got {value!r}: control characters and lone "
+                                 "surrogates cannot be stored")
         if not (user_id or agent_id or run_id):
             raise ValueError("one of user_id, agent_id or run_id is required, e.g. memory.add(..., user_id='alice')")
         return cls(user_id, agent_id, run_id)
