@@ -210,3 +210,17 @@ def test_a_mem0_path_without_its_slash_is_redirected_to_it(front):
     r = httpx.get(front + "/v1/ping", headers=TOKEN)
     assert r.status_code == 307 and r.headers["location"].endswith("/v1/ping/")
     assert httpx.get(front + "/v1/ping", headers=TOKEN, follow_redirects=True).json()["status"] == "ok"
+
+
+def test_a_body_sent_in_chunks_past_the_limit_is_413_before_it_is_parsed(front, memory):
+    from inferscale.server.app import MAX_BODY_BYTES
+
+    def chunks():  # no Content-Length: the size is known only as it arrives
+        for _ in range(MAX_BODY_BYTES // (1 << 20) + 2):
+            yield b" " * (1 << 20)
+
+    before = memory.scopes()
+    r = httpx.post(front + "/v3/memories/add/", content=chunks(), timeout=120,
+                   headers={**TOKEN, "Content-Type": "application/json"})
+    assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.json()["detail"]
+    assert memory.scopes() == before and http(front, "GET", "/v1/ping/").status_code == 200

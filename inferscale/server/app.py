@@ -46,6 +46,41 @@ MAX_BODY_BYTES = 16 << 20
 _OPEN_PATHS = frozenset({"/health"})
 
 
+class BodyLimit:
+    """ASGI middleware: reads a request's body before the app does and answers 413 once it
+    passes ``limit`` bytes, so a body sent in chunks (no ``Content-Length``, which the key
+    middleware checks up front) is cut off before any of it is parsed. The app then reads the
+    buffered body; later ``receive`` calls (disconnects, while streaming) go to the server."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.limit:
+                response = error(413, f"the request body is over {self.limit} bytes, the most accepted",
+                                 "invalid_request_error")
+                return await response(scope, receive, send)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
+
+
+def _replay(messages: list, receive):
+    """A ``receive`` that gives ``messages`` first, then the server's."""
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+    return replayed
+
+
 def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None,
                on_close: Callable[[], None] | None = None) -> FastAPI:
     """The front's FastAPI app: its state (the memory, the replicas, the counters), the key
@@ -94,6 +129,7 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
         return await call_next(request)
 
     install_outage_watch(app)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.middleware("http")  # added last, so it runs outermost: 401 and 413 answers carry it too
     async def name_worker(request: Request, call_next):
