@@ -487,7 +487,7 @@ def serve(
     vllm_url: Optional[List[str]] = typer.Option(None, help="Front a vLLM OpenAI server already running (docs/server.md) instead of starting one; repeat for replicas (a user's requests go to one of them)."),
     replicas: int = typer.Option(1, min=1, max=64, help="vLLM servers to start (replicas of the model; each user is routed to one, with failover)."),
     workers: int = typer.Option(1, min=1, max=64, help="Front processes on the port; more than 1 needs INFERSCALE_CHROMA_URL (docs/deployment.md)."),
-    api_key: Optional[str] = typer.Option(None, envvar="INFERSCALE_API_KEY", help="Require 'Authorization: Bearer <key>' on every route but /health (or set INFERSCALE_API_KEY)."),
+    api_key: Optional[str] = typer.Option(None, envvar="INFERSCALE_API_KEY", help="Require 'Authorization: Bearer <key>' (or Mem0's 'Token <key>') on every route but /health and /ready (or set INFERSCALE_API_KEY)."),
     served_model_name: Optional[str] = typer.Option(None, help="The 'model' name clients send (default: the model's)."),
     dtype: str = _DTYPE,
     kv_storage_dtype: Optional[str] = typer.Option(None, help="How fact KV is stored: auto (the model's dtype), int8 or int4 (default auto, or $INFERSCALE_KV_STORAGE_DTYPE; docs/configuration.md)."),

@@ -6,7 +6,7 @@ Routes:
     Mem0-style memory routes (:mod:`inferscale.server.memories`)
     Mem0's Platform API for Mem0's own clients: ``/v1/ping/``, ``/v1/memories/``, ``/v3/memories/add/``
     and the rest (:mod:`inferscale.server.mem0_platform`)
-    ``GET /health``  the front is up (no key needed); ``GET /ready``  vLLM answers too
+    ``GET /health``  the front is up; ``GET /ready``  vLLM answers too (neither needs the key)
     ``GET /metrics``  vLLM's Prometheus metrics (the connector's ``vllm:inferscale_*``
     counters among them; with several replicas, labelled ``replica``) followed by the
     front's ``inferscale_*`` ones
@@ -43,7 +43,7 @@ from inferscale.server.upstream import Replicas
 #: Largest request body accepted (bytes): 16 MiB, far above any prompt that fits a context.
 MAX_BODY_BYTES = 16 << 20
 #: routes answered without an API key (liveness probes carry no data)
-_OPEN_PATHS = frozenset({"/health"})
+_OPEN_PATHS = frozenset({"/health", "/ready"})  # a load balancer's probe sends no key
 
 
 class BodyLimit:
@@ -90,7 +90,7 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
     Args:
         memory: the :class:`inferscale.Memory` whose data dir the replicas' connector reads.
         upstream: vLLM's OpenAI server(s).
-        api_key: when set, every route but ``/health`` requires ``Authorization: Bearer <key>``
+        api_key: when set, every route but ``/health`` and ``/ready`` requires ``Authorization: Bearer <key>``
             (or ``Token <key>``, as Mem0's clients send it).
         on_close: called when the app shuts down (after the replicas' clients are closed).
     """

@@ -36,11 +36,12 @@ def run(base_url: str, api_key: str, user: str) -> dict:
     """Every call above; returns what each gave back."""
     client = MemoryClient(api_key=api_key, host=base_url)  # GET /v1/ping/ with 'Authorization: Token <key>'
     out: dict = {"project_id": client.project_id}
-    out["add"] = client.add([{"role": "user", "content": "My cat is called Miso."},
-                             {"role": "user", "content": "I work as a lighthouse keeper."}],
-                            user_id=user, infer=False, metadata={"source": "onboarding"})
-    ids = [r["id"] for r in out["add"]["results"]]
+    facts = ["My cat is called Miso.", "I work as a lighthouse keeper."]
+    out["add"] = client.add([{"role": "user", "content": f} for f in facts], user_id=user, infer=False,
+                            metadata={"source": "onboarding"})  # results: what was new (a rerun adds nothing)
     out["get_all"] = client.get_all(filters={"user_id": user})
+    by_text = {m["memory"]: m["id"] for m in out["get_all"]["results"]}
+    ids = [by_text[f] for f in facts]
     out["search"] = client.search("What is my cat called?", filters={"user_id": user}, top_k=1)
     out["get"] = client.get(ids[1])
     out["update"] = client.update(ids[1], text="I work as a ferry captain.")
