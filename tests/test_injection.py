@@ -80,15 +80,21 @@ def mixed_plan() -> tuple[InjectionPlan, dict]:
 def test_the_gpu_way_stages_the_same_kv_as_the_cpu_way(start):
     """Batched (one dequantization per storage dtype, one concatenation: the GPU way) and per
     segment (the CPU way) give bit-identical keys, values and positions, from any start."""
+    from inferscale.kv.quant import QuantizedRun
+
     plan, kvs = mixed_plan()
-    per_segment = stage(plan, start, kvs.get, batched=False)
+    per_segment = stage(plan, start, kvs.get, batched=False)  # fused: runs dequantized a layer at a time
+    unfused = stage(plan, start, kvs.get, batched=False, fused=False)  # each segment whole first
     batched = stage(plan, start, kvs.get, batched=True)
     assert len(batched.key_parts) == 1 and len(per_segment.key_parts) > 1
+    runs = [p for p in per_segment.key_parts if isinstance(p, QuantizedRun)]
+    assert runs and runs[-1].num_tokens == 7 and len(per_segment.key_parts) < len(unfused.key_parts)  # f3+f4: one run
     assert torch.equal(batched.positions, per_segment.positions)
     assert batched.positions.tolist() == list(range(start, plan.memory_end))
-    assert torch.equal(batched.keys, per_segment.keys) and torch.equal(batched.values, per_segment.values)
-    for layer in range(LAYERS):
-        assert all(torch.equal(a, b) for a, b in zip(batched.layer(layer), per_segment.layer(layer)))
+    for other in (per_segment, unfused):
+        assert torch.equal(batched.keys, other.keys) and torch.equal(batched.values, other.values)
+        for layer in range(LAYERS):
+            assert all(torch.equal(a, b) for a, b in zip(batched.layer(layer), other.layer(layer)))
     # and each fact's slice is its own dequantized KV
     seg = plan.segments[3]
     lo = max(seg.start, start) - start

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from inferscale.kv.pool import StoredKV, validate_key
-from inferscale.kv.quant import QuantizedKV, dequantize_many
+from inferscale.kv.quant import QuantizedKV, QuantizedRun, dequantize_many
 from inferscale.kv.rope import RopeRotator
 
 PARAMS_KEY = "inferscale"
@@ -157,14 +157,16 @@ class StagedKV:
     k=50 for SmolLM2), which stays in cache while it is rotated and written.
 
     Attributes:
-        key_parts: per segment, ``[num_layers, n_i, num_kv_heads, head_dim]`` pre-RoPE keys
-            (the ``n_i`` sum to ``N``), in prompt order.
+        key_parts: per segment (or run of quantized segments: a
+            :class:`~inferscale.kv.quant.QuantizedRun`, dequantized a layer at a time),
+            ``[num_layers, n_i, num_kv_heads, head_dim]`` pre-RoPE keys (the ``n_i`` sum to
+            ``N``), in prompt order.
         value_parts: same shapes as ``key_parts``.
         positions: ``[N]`` int64 prompt positions, on the parts' device.
     """
 
-    key_parts: tuple[torch.Tensor, ...]
-    value_parts: tuple[torch.Tensor, ...]
+    key_parts: tuple[torch.Tensor | QuantizedRun, ...]
+    value_parts: tuple[torch.Tensor | QuantizedRun, ...]
     positions: torch.Tensor
 
     @classmethod
@@ -185,24 +187,31 @@ class StagedKV:
     @property
     def keys(self) -> torch.Tensor:
         """All layers' keys, ``[num_layers, N, num_kv_heads, head_dim]`` (a copy; tests and tools)."""
-        return torch.cat(self.key_parts, dim=1)
+        return torch.cat([_whole(p) for p in self.key_parts], dim=1)
 
     @property
     def values(self) -> torch.Tensor:
         """All layers' values, like :attr:`keys`."""
-        return torch.cat(self.value_parts, dim=1)
+        return torch.cat([_whole(p) for p in self.value_parts], dim=1)
+
+
+def _whole(part: torch.Tensor | QuantizedRun) -> torch.Tensor:
+    return part.full() if isinstance(part, QuantizedRun) else part
 
 
 def stage(plan: InjectionPlan, start: int, fetch: Callable[[str], StoredKV | None], *,
-          batched: bool | None = None) -> StagedKV | None:
+          batched: bool | None = None, fused: bool | None = None) -> StagedKV | None:
     """Gather the planned KV from prompt position ``start`` (tokens before it are computed).
 
     Segments may mix storage dtypes: model-dtype KV is taken as it is, 8- and 4-bit KV is
     dequantized here (:mod:`inferscale.kv.quant`), before :func:`write_layers` rotates and
     writes it. How depends on where the pool's tier lives (docs/decisions.md):
 
-    - on the CPU, segment by segment (one vectorized pass each), and the parts stay apart:
-      each layer's concatenation then stays in cache while it is rotated and written;
+    - on the CPU, each run of consecutive quantized segments (one storage dtype) becomes a
+      :class:`~inferscale.kv.quant.QuantizedRun`, dequantized a layer at a time inside
+      :func:`write_layers` (``fused``), so the float KV of a layer is made, rotated and
+      written while it sits in cache; dense segments are taken as they are; the parts stay
+      apart and each layer's concatenation stays in cache too;
     - on a GPU, where kernel launches and Python indexing, not bytes, bound this work, the
       quantized segments of each storage dtype are dequantized together
       (:func:`~inferscale.kv.quant.dequantize_many`) and all parts are concatenated once,
@@ -214,6 +223,8 @@ def stage(plan: InjectionPlan, start: int, fetch: Callable[[str], StoredKV | Non
         fetch: the pool's ``get``.
         batched: the GPU way (``True``) or the CPU way (``False``); ``None``: by the device
             the first segment is on.
+        fused: on the CPU way, dequantize a layer at a time (``True``, the default) or each
+            segment whole first (``False``: the way before, for comparison).
 
     Returns:
         A :class:`StagedKV` of ``memory_end - start`` tokens, or ``None`` when nothing is left.
@@ -238,7 +249,7 @@ def stage(plan: InjectionPlan, start: int, fetch: Callable[[str], StoredKV | Non
     if batched is None:
         first = entries[0][0]
         batched = (first.k_codes if isinstance(first, QuantizedKV) else first.keys).device.type != "cpu"
-    parts_k, parts_v = _gather(entries, batched)
+    parts_k, parts_v = _runs(entries) if not batched and fused is not False else _gather(entries, batched)
     if batched:
         parts_k, parts_v = [torch.cat(parts_k, dim=1)], [torch.cat(parts_v, dim=1)]
     return StagedKV(tuple(parts_k), tuple(parts_v), torch.cat(positions).to(parts_k[0].device))
@@ -262,6 +273,33 @@ def _gather(entries: list[tuple[StoredKV, int]], batched: bool) -> tuple[list[to
         for i, k, v in zip(members, keys.split(sizes, dim=1), values.split(sizes, dim=1)):
             parts_k[i], parts_v[i] = k, v
     return parts_k, parts_v  # type: ignore[return-value]
+
+
+def _runs(entries: list[tuple[StoredKV, int]]) -> tuple[list, list]:
+    """The CPU's parts: dense entries as views, each run of consecutive quantized entries of
+    one storage dtype as one :class:`~inferscale.kv.quant.QuantizedRun` (keys and values)."""
+    parts_k: list = []
+    parts_v: list = []
+    run: list[tuple[QuantizedKV, int]] = []
+
+    def close() -> None:
+        if run:
+            parts_k.append(QuantizedRun(list(run), values=False))
+            parts_v.append(QuantizedRun(list(run), values=True))
+            run.clear()
+    for kv, lo in entries:
+        if isinstance(kv, QuantizedKV):
+            if run and (kv.dtype, kv.value_group, kv.out_dtype) != (run[0][0].dtype, run[0][0].value_group,
+                                                                    run[0][0].out_dtype):
+                close()
+            run.append((kv, lo))
+            continue
+        close()
+        keys, values = kv.keys, kv.values
+        parts_k.append(keys[:, lo:] if lo else keys)
+        parts_v.append(values[:, lo:] if lo else values)
+    close()
+    return parts_k, parts_v
 
 
 def slot_mapping(positions: torch.Tensor, block_ids: Sequence[int], block_size: int) -> torch.Tensor:

@@ -187,6 +187,69 @@ def dequantize_many(entries: list[tuple[QuantizedKV, int]]) -> tuple[torch.Tenso
     return dequantize_keys(many), dequantize_values(many)
 
 
+class QuantizedRun:
+    """Consecutive quantized facts (one storage dtype) of a request, dequantized one layer at a
+    time: the CPU's fused way. ``run[layer]`` is that layer's keys (or values), so the
+    dequantized ``[N, H, D]`` (~1.1 MiB in fp32 at k=50 for SmolLM2) is made, rotated and
+    written while it sits in cache, instead of every fact's every layer going through memory
+    in float first (docs/decisions.md). The codes are concatenated once per request (4 or 8
+    bits a value); key scales are repeated over each fact's tokens per layer, when used.
+
+    Args:
+        entries: ``(q, lo)`` pairs as :func:`dequantize_many` takes them.
+        values: the values (``True``) or the keys (``False``) of the run.
+
+    Raises:
+        ValueError: as :func:`dequantize_many`.
+    """
+
+    def __init__(self, entries: list[tuple[QuantizedKV, int]], values: bool) -> None:
+        if not entries:
+            raise ValueError("a QuantizedRun needs at least one entry")
+        first = entries[0][0]
+        if any((q.dtype, q.value_group, q.out_dtype) != (first.dtype, first.value_group, first.out_dtype)
+               for q, _ in entries):
+            raise ValueError("a QuantizedRun takes entries of one storage dtype, value group and output dtype")
+        self.dtype, self.out_dtype, self.values = first.dtype, first.out_dtype, values
+        self.head_dim, self.groups = first.head_dim, int(first.v_scales.shape[-1])
+        counts = [q.num_tokens - lo for q, lo in entries]
+        self.num_tokens = sum(counts)
+        if values:
+            self.codes = torch.cat([q.v_codes[:, lo:] for q, lo in entries], dim=1)
+            self.scales = torch.cat([q.v_scales[:, lo:] for q, lo in entries], dim=1).float()
+            self.repeats = None
+        else:
+            self.codes = torch.cat([q.k_codes[:, lo:] for q, lo in entries], dim=1)
+            self.scales = torch.cat([q.k_scales for q, _ in entries], dim=1).float()  # [L, F, H, D]
+            self.repeats = torch.tensor(counts, device=self.codes.device)
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[L, N, H, D]``, the dequantized run's shape."""
+        layers, tokens, heads, _ = self.codes.shape
+        return torch.Size((layers, tokens, heads, self.head_dim))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``: ``[N, H, D]`` in ``out_dtype``, equal to that layer of :func:`dequantize_many`."""
+        codes, scales = self.codes[layer], self.scales[layer]
+        if self.values:
+            tokens, heads, width = codes.shape
+            grouped = codes.reshape(tokens, heads, self.groups, width // self.groups)
+            out = _scaled(grouped, scales.unsqueeze(-1), self.dtype).reshape(tokens, heads, self.head_dim)
+        else:
+            out = _scaled(codes, torch.repeat_interleave(scales, self.repeats, dim=0, output_size=self.num_tokens),
+                          self.dtype)
+        return out.to(self.out_dtype)
+
+    def full(self) -> torch.Tensor:
+        """Every layer, ``[L, N, H, D]`` (a copy; tests and tools)."""
+        return torch.stack([self[i] for i in range(self.shape[0])])
+
+
 #: safetensors metadata ``layout`` of a quantized entry (:func:`to_tensors`).
 LAYOUT = ("k_codes,v_codes: layers,tokens,kv_heads,head_dim (int4: head_dim/2, two codes a byte, low nibble "
           "first, code+8); k_scales: layers,1,kv_heads,head_dim (per channel over tokens); v_scales: "
