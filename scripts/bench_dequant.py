@@ -1,10 +1,18 @@
-"""Staging 50 facts' KV for one request on the CPU: dense vs int8 vs int4, per segment vs batched.
+"""Injecting 50 facts' KV for one request on the CPU: dense vs int8 vs int4, three ways.
 
-What the connector's ``stage`` plus the per-layer concatenation cost for one request, at
-SmolLM2-135M's shapes (30 layers, 3 KV heads of 64) in fp32, with random KV of 20-40 tokens
-a fact, as the pool's device tier holds it (dense tensors, or 8- / 4-bit codes and scales).
+What the connector's work costs for one request, at SmolLM2-135M's shapes (30 layers, 3 KV
+heads of 64) in fp32, with random KV of 20-40 tokens a fact, as the pool's device tier holds
+it (dense tensors, or 8- / 4-bit codes and scales): ``stage``, then ``write_layers`` (each
+layer's keys rotated by SmolLM2's RoPE and written with the values into a paged cache by
+``index_copy_``, standing in for vLLM's cache update). The ways:
+
+- ``fused``: the CPU's way, runs of quantized facts dequantized a layer at a time inside
+  the write loop (:class:`inferscale.kv.quant.QuantizedRun`);
+- ``per segment``: each fact dequantized whole first (the CPU's way before 2026-12-04 evening);
+- ``batched``: the GPU's way (one dequantization per storage dtype, one concatenation).
+
 Each way is timed ``--repeats`` times, interleaved; the best time is printed (the machine is
-shared, so the minimum is the stable figure), with its ratio to dense.
+shared, so the minimum is the stable figure), with its ratio to dense fused.
 
     .venv/bin/python scripts/bench_dequant.py
 """
@@ -39,14 +47,32 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     plan = InjectionPlan.of([(k, s, n) for k, s, n in zip(dense, starts, lengths)])
 
-    def way(pool, batched):
+    from transformers import LlamaConfig
+
+    from inferscale.kv.injection import LayerWriter, slot_mapping, write_layers
+    from inferscale.kv.rope import RopeRotator
+
+    rotator = RopeRotator(LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=dim,
+                                      num_hidden_layers=layers, rope_theta=100000.0))  # SmolLM2-135M's RoPE
+    tokens = sum(lengths)
+    blocks = torch.randperm(tokens // 16 + 8, generator=g)[: (tokens + 15) // 16].tolist()
+    caches = [(torch.zeros((tokens // 16 + 8) * 16, heads, dim), torch.zeros((tokens // 16 + 8) * 16, heads, dim))
+              for _ in range(layers)]
+
+    def writer(i: int) -> LayerWriter:
+        def write(keys, values, slots):
+            caches[i][0].index_copy_(0, slots, keys)
+            caches[i][1].index_copy_(0, slots, values)
+        return LayerWriter(i, torch.device("cpu"), torch.float32, write)
+    writers = [writer(i) for i in range(layers)]
+
+    def way(pool, how):
         def run():
-            staged = stage(plan, 0, pool.get, batched=batched)
-            for layer in range(layers):
-                staged.layer(layer)
+            staged = stage(plan, 0, pool.get, batched=how == "batched", fused=how == "fused")
+            write_layers(staged, slot_mapping(staged.positions, blocks, 16), rotator, writers)
         return run
 
-    ways = {f"{name} {'batched' if b else 'per segment'}": way(pool, b) for b in (False, True)
+    ways = {f"{name} {how}": way(pool, how) for how in ("fused", "per segment", "batched")
             for name, pool in pools.items()}
     best = {name: float("inf") for name in ways}
     for fn in ways.values():
@@ -56,10 +82,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
-    base = best["dense per segment"]
+    base = best["dense fused"]
     print(f"{args.facts} facts, {sum(lengths)} tokens, {torch.get_num_threads()} threads, best of {args.repeats}:")
     for name, s in best.items():
-        print(f"  {name:22s} {s * 1e3:7.1f} ms  ({s / base:.2f}x of dense per segment)")
+        print(f"  {name:22s} {s * 1e3:7.1f} ms  ({s / base:.2f}x of dense)")
     return best
 
 
