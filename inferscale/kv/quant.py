@@ -152,6 +152,21 @@ def dequantize_values(q: QuantizedKV) -> torch.Tensor:
         q.out_dtype)
 
 
+def _one_kind(entries: list[tuple[QuantizedKV, int]], what: str) -> QuantizedKV:
+    """The first entry, once every entry is of its storage dtype, value group and output dtype.
+
+    Raises:
+        ValueError: no entries, or entries of different kinds.
+    """
+    if not entries:
+        raise ValueError(f"{what} needs at least one entry")
+    first = entries[0][0]
+    if any((q.dtype, q.value_group, q.out_dtype) != (first.dtype, first.value_group, first.out_dtype)
+           for q, _ in entries):
+        raise ValueError(f"{what} takes entries of one storage dtype, value group and output dtype")
+    return first
+
+
 def dequantize_many(entries: list[tuple[QuantizedKV, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of several facts, from token ``lo`` of each, in one pass over all of them.
 
@@ -171,12 +186,7 @@ def dequantize_many(entries: list[tuple[QuantizedKV, int]]) -> tuple[torch.Tenso
     Raises:
         ValueError: no entries, or entries of different dtypes, value groups or output dtypes.
     """
-    if not entries:
-        raise ValueError("dequantize_many needs at least one entry")
-    first = entries[0][0]
-    if any((q.dtype, q.value_group, q.out_dtype) != (first.dtype, first.value_group, first.out_dtype)
-           for q, _ in entries):
-        raise ValueError("dequantize_many takes entries of one storage dtype, value group and output dtype")
+    first = _one_kind(entries, "dequantize_many")
     counts = [q.num_tokens - lo for q, lo in entries]
     k_codes = torch.cat([q.k_codes[:, lo:] for q, lo in entries], dim=1)
     v_codes = torch.cat([q.v_codes[:, lo:] for q, lo in entries], dim=1)
@@ -204,12 +214,7 @@ class QuantizedRun:
     """
 
     def __init__(self, entries: list[tuple[QuantizedKV, int]], values: bool) -> None:
-        if not entries:
-            raise ValueError("a QuantizedRun needs at least one entry")
-        first = entries[0][0]
-        if any((q.dtype, q.value_group, q.out_dtype) != (first.dtype, first.value_group, first.out_dtype)
-               for q, _ in entries):
-            raise ValueError("a QuantizedRun takes entries of one storage dtype, value group and output dtype")
+        first = _one_kind(entries, "a QuantizedRun")
         self.dtype, self.out_dtype, self.values = first.dtype, first.out_dtype, values
         self.head_dim, self.groups = first.head_dim, int(first.v_scales.shape[-1])
         counts = [q.num_tokens - lo for q, lo in entries]
