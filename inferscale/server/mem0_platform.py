@@ -88,19 +88,21 @@ def router() -> APIRouter:
         return events if body.wants_v1_list() else {"results": events, "relations": []}
 
     def listed(body: Mem0Body, memory) -> list[dict]:
+        """The scope's memories as InferScale's items (shaped per page, by :func:`paged`)."""
         scope, filters = split_filters(body)
-        return [platform_item(i) for i in memory.get_all(filters=filters, limit=100_000, **scope)["results"]]
+        return memory.get_all(filters=filters, limit=100_000, **scope)["results"]
 
-    def paged(items: list, page: int | None, size: int | None) -> list:
+    def paged(items: list, page: int | None, size: int | None) -> list[dict]:
+        """One page of ``items``, in the Platform's shape."""
         size = size or 100
-        return items[((page or 1) - 1) * size:][:size]
+        return [platform_item(i) for i in items[((page or 1) - 1) * size:][:size]]
 
     @r.get("/v1/memories/", summary="Mem0: get all memories of a scope (v1)")
     def get_all_v1(request: Request, memory: MemoryDep, page: int | None = Query(default=None, ge=1),
                    page_size: int | None = Query(default=None, ge=1, le=10_000),
                    limit: int | None = Query(default=None, ge=1, le=100_000)) -> list:
         items = listed(Mem0Body(**query_scope(request, ("page", "page_size", "limit"))), memory)
-        return paged(items, page, page_size)[:limit] if page or page_size else items[:limit or 100]
+        return paged(items, page, page_size)[:limit] if page or page_size else paged(items, 1, limit or 100)
 
     @r.post("/v2/memories/", summary="Mem0: get all memories (v2)")
     def get_all_v2(body: ListBody, request: Request, memory: MemoryDep) -> list:
