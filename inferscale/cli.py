@@ -346,6 +346,8 @@ def bench_tiers(
     budgets: str = typer.Option("1,0.5,0.25,0.1", help="Disk budgets as shares of the full pool, comma-separated, largest first (1: none)."),
     context_window: int = typer.Option(0, min=0, help="w of the stored KV (budgets do not depend on it)."),
     touch_interval: float = typer.Option(1.0, min=0.0, help="Seconds between renewals of an entry's recency on disk (the pool's 60 s, scaled to the time-compressed trace)."),
+    half_life: float = typer.Option(60.0, min=0.001, help="Seconds in which a use's weight halves under the lrfu policy (the pool's hour, scaled as the touch interval is)."),
+    policies: str = typer.Option("lru,lrfu", help="Eviction policies to replay, comma-separated: lru, lrfu."),
     dtype: str = _DTYPE,
 ) -> None:
     """The KV pool under disk budgets: share of fact tokens served as KV, TTFT p50/p99 and re-encodes on a Zipf replay."""
@@ -360,7 +362,8 @@ def bench_tiers(
     _run_bench("tiers", out, lambda: run(data, out, store or default_data_dir() / "bench-tiers", users=users,
                                          questions=questions, warmup=warmup, zipf=zipf, k=k, budgets=shares,
                                          context_window=context_window, dtype=dtype,
-                                         touch_interval_s=touch_interval))
+                                         touch_interval_s=touch_interval, half_life_s=half_life,
+                                         policies=[p.strip() for p in policies.split(",") if p.strip()]))
 
 
 @bench_app.command("footprint")

@@ -361,12 +361,20 @@ def test_tiers_replay_keeps_each_budget_and_serves_what_it_evicted_as_text(tmp_p
     assert sum(u == 0 for u, _ in trace) > sum(u == 2 for u, _ in trace)
     with pytest.raises(ValueError, match="budgets are shares"):
         run(locomo_path, tmp_path / "out", tmp_path / "store", budgets=(1.0, 0.0))
+    with pytest.raises(ValueError, match="policies are some of"):
+        run(locomo_path, tmp_path / "out", tmp_path / "store", policies=("fifo",))
     summary = run(locomo_path, tmp_path / "out", tmp_path / "store", users=1, questions=14, warmup=4,
                   budgets=(1.0, 0.25))
-    unbounded, quarter = summary["cells"]
-    assert unbounded["budget_bytes"] is None and unbounded["kv_token_share"] == 1.0 and unbounded["reencodes"] == 0
-    assert quarter["budget_bytes"] == int(summary["full_pool_bytes"] * 0.25)
-    assert quarter["evicted_at_open"] > 0 and quarter["kv_token_share"] < 1.0 and quarter["reencodes"] > 0
+    assert [(c["policy"], c["share"]) for c in summary["cells"]] == [("lru", 1.0), ("lru", 0.25), ("lrfu", 1.0),
+                                                                      ("lrfu", 0.25)]
     largest = max(p.stat().st_size for p in (tmp_path / "store" / "kv").glob("*/*.safetensors"))
-    assert quarter["disk_bytes_end"] <= quarter["budget_bytes"] + largest
+    ceiling = summary["clairvoyant_kv_token_share"]
+    assert ceiling["1"] == 1.0 and 0 < ceiling["0.25"] < 1.0
+    for unbounded, quarter in (summary["cells"][:2], summary["cells"][2:]):
+        assert unbounded["budget_bytes"] is None and unbounded["kv_token_share"] == 1.0
+        assert unbounded["reencodes"] == 0
+        assert quarter["budget_bytes"] == int(summary["full_pool_bytes"] * 0.25)
+        assert quarter["evicted_at_open"] > 0 and quarter["kv_token_share"] < 1.0 and quarter["reencodes"] > 0
+        assert quarter["disk_bytes_end"] <= quarter["budget_bytes"] + largest
+    assert "clairvoyant (Belady)" in (tmp_path / "out" / "tiers.md").read_text()
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"tiers.json", "tiers.md", "tiers.png"}

@@ -207,3 +207,23 @@ def test_the_command_refuses_bad_options_with_one_line_and_status_2(tmp_path, ar
     assert done.exit_code == 2, done.output
     assert message in done.output and "Traceback" not in done.output
     assert not (tmp_path / "f").exists()
+
+
+def test_belady_keeps_what_is_used_soonest_counted_by_hand():
+    """a b a c a b, room for two, starting warm (a and b, first used soonest): c is never used
+    again, so it is not kept: 5 hits of 6 (LRU would evict b for c and miss b at the end).
+    Tokens weigh hits: with b worth 3 tokens, 9 of 10."""
+    from inferscale.bench.clairvoyant import belady_token_share
+
+    refs = [["a"], ["b"], ["a"], ["c"], ["a"], ["b"]]
+    ones = {"a": 1, "b": 1, "c": 1}
+    assert belady_token_share(refs, ones, ones, budget_bytes=2) == pytest.approx(5 / 6)
+    assert belady_token_share(refs, {"a": 1, "b": 3, "c": 1}, ones, budget_bytes=2) == pytest.approx(9 / 10)
+    assert belady_token_share(refs, ones, ones, budget_bytes=2, warmup=3) == pytest.approx(2 / 3)  # c, a, b
+    # room for one: a is kept (used again sooner than b each time b comes): a a a hit, b b c miss
+    assert belady_token_share(refs, ones, ones, budget_bytes=1) == pytest.approx(3 / 6)
+    # a never fits, and nothing is given up for it: b and c stay, and hit
+    assert belady_token_share(refs, ones, {"a": 5, "b": 1, "c": 1}, budget_bytes=2) == pytest.approx(3 / 6)
+    assert belady_token_share(refs, ones, ones, budget_bytes=3) == 1.0  # everything fits: all hit
+    with pytest.raises(ValueError, match="budget_bytes >= 0"):
+        belady_token_share(refs, ones, ones, budget_bytes=-1)

@@ -1,15 +1,17 @@
-"""The KV pool as a bounded cache (issue 31, first step): a byte budget per tier, least
-recently used out first, pinned KV never evicted, eviction remembered for provenance, a
+"""The KV pool as a bounded cache (issue 31): a byte budget per tier, the disk's eviction
+order by decayed use counts (LRFU), the memory tiers' least recently used out first, pinned KV never evicted, eviction remembered for provenance, a
 second write after an eviction counted as a re-encode."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
 import pytest
 import torch
 
+from inferscale.kv.disk import DiskTier, used_priority
 from inferscale.kv.pool import FactKV, KVPool, kv_key, to_storage
 from inferscale.kv.tiers import MemoryTier
 
@@ -132,6 +134,45 @@ def test_a_use_renews_recency_at_most_once_a_minute_per_entry(tmp_path, keys):
     pool.disk._touched.clear()
     pool.use([keys[0]])
     assert pool._path(keys[0]).stat().st_mtime > old + 500
+
+
+def uses(pool: KVPool, key: str, n: int) -> None:
+    """``n`` uses of ``key`` counted (each as if a minute apart: the per-minute throttle cleared)."""
+    for _ in range(n):
+        pool.disk._touched.clear()
+        pool.use([key])
+
+
+@pytest.mark.parametrize("half_life_s", [3600.0, None])
+def test_eviction_keeps_the_frequently_used_entry_over_the_last_used_one_lru_does_not(tmp_path, keys, half_life_s,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(DiskTier, "HALF_LIFE_S", half_life_s)
+    pool = KVPool(tmp_path, "cpu", 1 << 30)
+    for i, key in enumerate(keys[:3]):
+        pool.put(key, kv(tokens=1200, seed=i))  # ~1.2 MiB a file
+    age(pool, keys[:3])
+    uses(pool, keys[0], 3)  # used often, a while ago ...
+    time.sleep(0.02)
+    uses(pool, keys[1], 1)  # ... then another one, once
+    evicted = pool.set_disk_budget(int(1.5 * file_size(pool, keys[0])))  # room for one
+    assert evicted == 2
+    kept = [k for k in keys[:3] if pool.tier(k) is not None]
+    assert kept == ([keys[0]] if half_life_s else [keys[1]])
+
+
+def test_a_uses_weight_halves_every_half_life():
+    h, now = 3600.0, 1_000_000.0
+    assert used_priority(now, now, h) == pytest.approx(now + h)  # a second use at once: count 2
+    p = now
+    for _ in range(3):
+        p = used_priority(p, now, h)
+    assert p == pytest.approx(now + h * math.log2(4))  # four uses: count 4
+    later = now + 10 * h  # ten half-lives on, the four uses weigh 4 / 1024 ...
+    assert used_priority(p, later, h) == pytest.approx(later + h * math.log2(1 + 4 / 1024))
+    assert used_priority(p, later, h) < used_priority(later, later, h)  # ... less than two uses now
+    assert used_priority(1e300, 0.0, h) == 1e300  # no overflow
+    with pytest.raises(ValueError, match="positive"):
+        used_priority(now, now, 0)
 
 
 # ---------------------------------------------------------------- through Memory (real SmolLM2 KV)

@@ -89,20 +89,34 @@ def plot_footprint(summary: dict, path: Path) -> None:
 
 
 def plot_tiers(summary: dict, path: Path) -> None:
-    """Per disk budget (share of the full pool): fact tokens served as KV, and TTFT p50 / p99."""
+    """Per disk budget (share of the full pool) and eviction policy: fact tokens served as KV
+    (with the clairvoyant ceiling), and TTFT p50 / p99."""
     cells = summary["cells"]
-    labels = [f"{c['share']:.0%}" for c in cells]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    bars = left.bar(labels, [100 * c["kv_token_share"] for c in cells], color="tab:blue")
-    for bar, c in zip(bars, cells):
-        left.annotate(f"{c['kv_token_share']:.0%}\n{c['reencodes']} re-enc.", (bar.get_x() + bar.get_width() / 2,
-                      bar.get_height()), ha="center", va="bottom", fontsize=8)
+    policies = list(dict.fromkeys(c.get("policy", "lru") for c in cells))
+    shares = list(dict.fromkeys(c["share"] for c in cells))
+    labels = [f"{s:.0%}" for s in shares]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / (len(policies) + 1)
+    ceilings = summary.get("clairvoyant_kv_token_share", {})
+    for i, policy in enumerate(policies):
+        by_share = {c["share"]: c for c in cells if c.get("policy", "lru") == policy}
+        xs = [j + i * width for j in range(len(shares))]
+        bars = left.bar(xs, [100 * by_share[s]["kv_token_share"] for s in shares], width, label=policy)
+        for bar, s in zip(bars, shares):
+            left.annotate(f"{by_share[s]['kv_token_share']:.0%}", (bar.get_x() + bar.get_width() / 2,
+                          bar.get_height()), ha="center", va="bottom", fontsize=7)
+        right.plot(labels, [1e3 * by_share[s]["ttft_p50_s"] for s in shares], "o-", label=f"{policy} p50")
+        right.plot(labels, [1e3 * by_share[s]["ttft_p99_s"] for s in shares], "s--", label=f"{policy} p99")
+    if ceilings:
+        xs = [j + len(policies) * width for j in range(len(shares))]
+        left.bar(xs, [100 * ceilings.get(f"{s:g}", 0) for s in shares], width, color="lightgrey",
+                 label="clairvoyant (Belady)")
+    left.set_xticks([j + width * len(policies) / 2 for j in range(len(shares))], labels)
     left.set(xlabel="disk budget (share of the full pool)", ylabel="retrieved fact tokens served as KV (%)",
              ylim=(0, 110), title=f"Zipf replay, {summary['users']} users, k={summary['k']}")
-    right.plot(labels, [1e3 * c["ttft_p50_s"] for c in cells], "o-", label="p50")
-    right.plot(labels, [1e3 * c["ttft_p99_s"] for c in cells], "s-", label="p99")
+    left.legend(fontsize=8, loc="lower left")
     right.set(xlabel="disk budget (share of the full pool)", ylabel="TTFT (ms)", title="TTFT per budget")
-    right.legend()
+    right.legend(fontsize=8)
     for ax in (left, right):
         ax.grid(alpha=0.3, axis="y")
     _save(fig, path)

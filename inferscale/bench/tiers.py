@@ -9,18 +9,23 @@ Questions arrive with Zipf-distributed user popularity (user ``r`` asked with pr
 ``k`` facts, one after another, on one engine.
 
 The same trace is replayed at disk budgets of 100% (no budget: the unbounded pool), 50%,
-25% and 10% of the full pool's bytes, in that order, on the same store: each lower budget
-evicts down to it at once (least recently used first:
-:meth:`inferscale.kv.pool.KVPool.set_disk_budget`), and from then on a memory whose KV was
-evicted comes as text and is encoded again in the background, evicting what was used least
-recently. The first ``warmup`` questions of each replay fill the cache and are not
-counted. Per budget the page reports:
+25% and 10% of the full pool's bytes, in that order, on the same store, once per eviction
+policy: ``lru`` (least recently used) and ``lrfu`` (decayed use counts, the pool's default:
+:mod:`inferscale.kv.disk`). Each policy starts from the full pool with every entry's
+priority reset to one value; each lower budget evicts down to it at once
+(:meth:`inferscale.kv.pool.KVPool.set_disk_budget`), and from then on a memory whose KV was
+evicted comes as text and is encoded again in the background, evicting by the policy. The
+first ``warmup`` questions of each replay fill the cache and are not counted. Per policy and
+budget the page reports:
 
 - the share of retrieved fact tokens served as KV (the rest were prefilled as text), and
   the share of retrieved memories;
 - TTFT p50 / p99 (seconds, in the engine), against the unbounded pool's;
 - re-encodes (KV written again after this process evicted it) and disk evictions;
-- the disk tier's bytes at the end (never above the budget plus one fact).
+- the disk tier's bytes at the end (never above the budget plus one fact);
+- beside them, what a clairvoyant cache (Belady's MIN, :mod:`inferscale.bench.clairvoyant`)
+  would serve on the same reference string (the facts the unbounded replay retrieved, in
+  order) at each budget: the ceiling of any policy.
 
 Reproduce: ``inferscale bench tiers --out docs/results/tiers``.
 """
@@ -34,6 +39,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
+from inferscale.bench.clairvoyant import belady_token_share
 from inferscale.bench.common import machine, markdown_table, percentile, write_outputs
 from inferscale.bench.plots import plot_tiers
 from inferscale.datasets.locomo import load_locomo, store_conversation
@@ -41,6 +47,8 @@ from inferscale.memory import Memory
 
 NAME = "tiers"
 MIB = 2**20
+#: eviction policies replayed: name -> the disk tier's half-life (``None``: least recently used)
+POLICIES = ("lru", "lrfu")
 
 
 def user_weights(users: int, s: float) -> list[float]:
@@ -63,7 +71,8 @@ def make_trace(question_counts: Sequence[int], n: int, s: float, seed: int = 0) 
 
 def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, questions: int = 300, warmup: int = 100,
         zipf: float = 1.1, k: int = 10, budgets: Sequence[float] = (1.0, 0.5, 0.25, 0.1), context_window: int = 0,
-        dtype: str = "auto", seed: int = 0, touch_interval_s: float = 1.0) -> dict:
+        dtype: str = "auto", seed: int = 0, touch_interval_s: float = 1.0, half_life_s: float = 60.0,
+        policies: Sequence[str] = POLICIES) -> dict:
     """Build the store (once), replay the trace at each budget; writes ``tiers.{json,md,png}``.
 
     Args:
@@ -77,6 +86,10 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
             pool renews it at most once a minute (:attr:`inferscale.kv.disk.DiskTier.TOUCH_INTERVAL_S`),
             a tiny share of the hours a production working set spans; the replay runs a
             trace in minutes, so the interval is scaled down with it (default 1 s).
+        half_life_s: the ``lrfu`` policy's half-life (seconds): the pool's hour
+            (:attr:`inferscale.kv.disk.DiskTier.HALF_LIFE_S`) scaled as the touch interval is
+            (default 60 s).
+        policies: eviction policies to replay, from :data:`POLICIES`.
 
     Returns:
         The summary written to ``tiers.json``.
@@ -89,6 +102,9 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
                          f"{questions}")
     if not budgets or any(not 0 < b <= 1 for b in budgets):
         raise ValueError(f"budgets are shares of the full pool in (0, 1], got {list(budgets)}")
+    if not policies or any(p not in POLICIES for p in policies) or not half_life_s > 0:
+        raise ValueError(f"policies are some of {list(POLICIES)} and the half-life a positive number of seconds, "
+                         f"got {list(policies)} and {half_life_s}")
     convs = load_locomo(data)
     scopes = [f"tiers-{i}" for i in range(users)]
     asked = [[q.question for q in convs[i % len(convs)].qa if q.category in (1, 2, 3, 4)] for i in range(users)]
@@ -100,24 +116,41 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
         for i, scope in enumerate(tqdm(scopes, desc="store users", unit="user")):
             store_conversation(mem, convs[i % len(convs)], scope)
         mem.wait_for_kv()
-        _encode_all(mem, scopes, context_window)  # also what an earlier run's budgets evicted
-        mem.components.pool.disk.TOUCH_INTERVAL_S = touch_interval_s  # the trace is time-compressed
-        full = _fact_bytes(store_dir / "kv")
+        pool = mem.components.pool
+        pool.disk.TOUCH_INTERVAL_S = touch_interval_s  # the trace is time-compressed
         facts = sum(mem.count(user_id=s) for s in scopes)
         dtype_used = mem.config.resolved_dtype
-        cells = []
-        for share in budgets:
-            budget = None if share >= 1 else max(int(full * share), 1 << 20)
-            evicted = mem.components.pool.set_disk_budget(budget)  # least recently used out first, now
-            cells.append(_replay(mem, share, budget, evicted, trace, asked, scopes, warmup, k))
-        mem.components.pool.set_disk_budget(None)
-    base_cell = cells[0]
+        cells, refs, tokens = [], None, {}
+        for policy in policies:
+            pool.set_disk_budget(None)
+            _encode_all(mem, scopes, context_window)  # what the last policy's (or run's) budgets evicted
+            _reset_priorities(mem.kv_dir)  # every policy starts from the same order
+            pool.disk.HALF_LIFE_S = half_life_s if policy == "lrfu" else None
+            full = _fact_bytes(mem.kv_dir)
+            for share in budgets:
+                budget = None if share >= 1 else max(int(full * share), 1 << 20)
+                evicted = pool.set_disk_budget(budget)  # lowest priority out first, now
+                record = [] if refs is None and budget is None else None
+                cell = _replay(mem, share, budget, evicted, trace, asked, scopes, warmup, k, tokens, record)
+                cells.append({"policy": policy, **cell})
+                if record is not None:
+                    refs, sizes = record, _owner_bytes(mem.kv_dir)
+        pool.set_disk_budget(None)
+    by_policy: dict[str, dict] = {}
     for cell in cells:
-        cell["ttft_p99_vs_first"] = cell["ttft_p99_s"] / base_cell["ttft_p99_s"]
-        cell["ttft_p50_vs_first"] = cell["ttft_p50_s"] / base_cell["ttft_p50_s"]
+        base = by_policy.setdefault(cell["policy"], cell)  # the policy's first (largest) budget
+        cell["ttft_p99_vs_first"] = cell["ttft_p99_s"] / base["ttft_p99_s"]
+        cell["ttft_p50_vs_first"] = cell["ttft_p50_s"] / base["ttft_p50_s"]
+    ceilings = {}
+    if refs is not None:
+        for share in budgets:
+            budget = full if share >= 1 else max(int(full * share), 1 << 20)
+            ceilings[f"{share:g}"] = belady_token_share(refs, tokens, sizes, budget, warmup)
     summary = {"name": NAME, "users": users, "facts": facts, "questions": questions, "warmup": warmup, "zipf": zipf,
                "k": k, "context_window": context_window, "dtype": dtype_used,
-               "full_pool_bytes": full, "touch_interval_s": touch_interval_s, "cells": cells, "machine": machine()}
+               "full_pool_bytes": full, "touch_interval_s": touch_interval_s, "half_life_s": half_life_s,
+               "policies": list(policies), "clairvoyant_kv_token_share": ceilings, "cells": cells,
+               "machine": machine()}
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
     plot_tiers(summary, Path(out_dir) / f"{NAME}.png")
     return summary
@@ -141,24 +174,49 @@ def _fact_bytes(kv_dir: Path) -> int:
     return sum(p.stat().st_size for p in kv_dir.glob("*/*.safetensors") if not p.parent.name.startswith("_"))
 
 
+def _reset_priorities(kv_dir: Path) -> None:
+    """Give every fact KV file one modification time (an hour ago): no order carried over."""
+    import os
+
+    t = time.time() - 3600
+    for p in kv_dir.glob("*/*.safetensors"):
+        if not p.parent.name.startswith("_"):
+            os.utime(p, (t, t))
+
+
+def _owner_bytes(kv_dir: Path) -> dict[str, int]:
+    """Bytes of each fact's KV files, by fact (memory) id."""
+    out: dict[str, int] = {}
+    for p in kv_dir.glob("*/*.safetensors"):
+        if not p.parent.name.startswith("_"):
+            out[p.parent.name] = out.get(p.parent.name, 0) + p.stat().st_size
+    return out
+
+
 def _replay(mem: Memory, share: float, budget: int | None, evicted_at_open: int, trace, asked, scopes,
-            warmup: int, k: int) -> dict:
+            warmup: int, k: int, tokens: dict[str, int], record: list | None) -> dict:
+    """One replay of ``trace``; fills ``tokens`` (fact id -> tokens) and, when given, appends
+    each question's retrieved fact ids to ``record``."""
     stats0 = None
     ttft, kv_tokens, text_tokens, kv_memories, all_memories = [], 0, 0, 0, 0
-    tokens: dict[str, int] = {}
     t0 = time.perf_counter()
     for n, (u, qi) in enumerate(tqdm(trace, desc=f"replay {share:.0%}", unit="question")):
         if n == warmup:
             stats0 = dict(mem.kv_stats())
         g = mem.generate(asked[u][qi], user_id=scopes[u], k=k, mode="inject", max_tokens=1)
+        if record is not None:
+            record.append([m["id"] for m in g.memories])
+            for m in g.memories:
+                if m["id"] not in tokens:
+                    tokens[m["id"]] = mem.fact_tokens(m["memory"])
         if n < warmup:
             continue
         ttft.append(g.ttft_s)
         kv = set(g.kv_memory_ids)
         for m in g.memories:
-            t = tokens.get(m["memory"])
+            t = tokens.get(m["id"])
             if t is None:
-                t = tokens[m["memory"]] = mem.fact_tokens(m["memory"])
+                t = tokens[m["id"]] = mem.fact_tokens(m["memory"])
             if m["id"] in kv:
                 kv_tokens += t
                 kv_memories += 1
@@ -179,14 +237,19 @@ def _replay(mem: Memory, share: float, budget: int | None, evicted_at_open: int,
 
 def to_markdown(summary: dict) -> str:
     m = summary["machine"]
+    ceilings = summary.get("clairvoyant_kv_token_share", {})
     rows = []
     for c in summary["cells"]:
         budget = "none (unbounded)" if c["budget_bytes"] is None else f"{c['budget_bytes'] / MIB:,.0f} MiB"
-        rows.append([f"{c['share']:.0%}", budget, f"{c['kv_token_share']:.1%}", f"{c['kv_memory_share']:.1%}",
+        ceiling = ceilings.get(f"{c['share']:g}")
+        rows.append([c.get("policy", "lru"), f"{c['share']:.0%}", budget, f"{c['kv_token_share']:.1%}",
+                     "" if ceiling is None else f"{ceiling:.1%}", f"{c['kv_memory_share']:.1%}",
                      f"{c['ttft_p50_s'] * 1e3:.1f}", f"{c['ttft_p99_s'] * 1e3:.1f} ({c['ttft_p99_vs_first']:.2f}x)",
                      c["reencodes"], c["disk_evictions"], f"{c['disk_bytes_end'] / MIB:,.0f}"])
-    table = markdown_table(["disk budget", "bytes", "fact tokens as KV", "memories as KV", "TTFT p50 (ms)",
-                            "TTFT p99 (ms, vs unbounded)", "re-encodes", "evictions", "disk at end (MiB)"], rows)
+    table = markdown_table(["policy", "disk budget", "bytes", "fact tokens as KV", "clairvoyant (Belady)",
+                            "memories as KV", "TTFT p50 (ms)", "TTFT p99 (ms, vs unbounded)", "re-encodes",
+                            "evictions", "disk at end (MiB)"], rows)
+    half_life = summary.get("half_life_s")
     return f"""# The KV pool under a disk budget: Zipf replay
 
 {summary['users']} users (LoCoMo's conversations repeated into more users), {summary['facts']:,} facts,
@@ -194,7 +257,12 @@ full pool {summary['full_pool_bytes'] / MIB:,.0f} MiB of fact KV ({summary['dtyp
 {summary['questions']} questions a budget with Zipf user popularity (s = {summary['zipf']}), k = {summary['k']}, the first
 {summary['warmup']} not counted (they fill the cache); one engine, questions one after another, misses
 re-encoded in the background meanwhile; recency on disk renewed at most every {summary['touch_interval_s']:g} s
-(the pool's 60 s scaled to the time-compressed trace). Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores; commit {m.get('commit', '?')}.
+(the pool's 60 s scaled to the time-compressed trace){'' if half_life is None else f", lrfu's half-life {half_life:g} s (the pool's hour, scaled alike)"}.
+Each policy replays every budget, largest first, from the full pool with every entry's priority
+reset. "Clairvoyant" is Belady's MIN on the same reference string (the facts the unbounded replay
+retrieved, in order): what a cache that knows the future would serve, the ceiling of any policy.
+TTFT p99 is compared with the same policy's unbounded replay.
+Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores; commit {m.get('commit', '?')}.
 
 {table}
 
