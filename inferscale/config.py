@@ -131,8 +131,9 @@ class MemoryConfig(BaseSettings):
         host_kv_budget_bytes: bytes of fact KV kept in pinned host memory between a CUDA
             device tier and disk (ignored on a CPU device, whose tier is host memory).
         disk_kv_budget_bytes: bytes of fact KV files kept in ``data_dir/kv`` (default
-            ``None``: no limit); past it the least recently used files no request is using
-            are evicted, and a memory whose KV was evicted is served as text while its KV
+            ``None``: no limit); past it the files with the fewest recent uses
+            (:mod:`inferscale.kv.disk`: LRFU, a use's weight halving every hour) that no
+            request is using are evicted, and a memory whose KV was evicted is served as text while its KV
             is encoded again (:mod:`inferscale.kv.pool`).
         kv_redis_url: a Redis (or Valkey) server shared by every deployment that names it,
             standalone or any node of a cluster (``redis://[:password@]host:6379/0``; ``pip

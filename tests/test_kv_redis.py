@@ -33,6 +33,11 @@ def test_an_entry_written_on_one_machine_is_read_on_another(redis_server, tmp_pa
     a.put(qkey, q)
     assert b.tier(key) == "redis" and b.contains(key) and not (tmp_path / "b" / "kv" / "f1").exists()
     assert b.tiers([key, kv_key("f2", n=1), qkey]) == ["redis", None, "redis"]
+    lookups = []
+    b.remote.present = lambda keys, real=b.remote.present: lookups.append(list(keys)) or real(lookups[-1])
+    assert b.present([key, kv_key("f2", n=1), qkey]) == {key, qkey} and len(lookups) == 1  # one round trip
+    assert a.present([key, kv_key("f2", n=1)]) == {key}  # on its own disk
+    del b.remote.present
     assert b.token_ids(key) == dense.token_ids
     got = b.get(key)
     assert torch.equal(got.keys, dense.keys) and torch.equal(got.values, dense.values)

@@ -236,3 +236,44 @@ def test_a_lowered_budget_evicts_at_once_least_recently_used_first(tmp_path, key
     assert pool.disk.size() <= int(4.5 * one) and pool.stats["disk_evictions"] == 4
     with pytest.raises(ValueError, match="at least 1 MiB"):
         pool.set_disk_budget(1000)
+
+
+@pytest.mark.parametrize("asgi", ["2.4", "2.0"])
+def test_a_streamed_answer_releases_its_pins_when_the_client_goes_before_the_first_byte(tmp_path, keys, asgi):
+    """The server's relay of a streamed chat (``openai_routes.Relay``) holds the request's
+    pins; a client gone before the first byte (the send fails under ASGI 2.4; under 2.0 the
+    disconnect arrives at once) means the body never starts, and the pins must still go."""
+    import asyncio
+    from contextlib import ExitStack
+
+    from inferscale.server.openai_routes import Relay
+
+    pool = KVPool(tmp_path, "cpu", 1 << 30)
+    pool.put(keys[0], kv())
+    stack = ExitStack()
+    stack.enter_context(pool.pinned([keys[0]]))
+    started, finished = [], []
+
+    async def body():
+        started.append(True)
+        yield "data: {}\n"
+
+    async def finish():
+        finished.append(True)
+        stack.close()
+
+    async def send(message):
+        if asgi == "2.4":
+            raise OSError("client gone")
+        await asyncio.sleep(1)  # never gets far: the disconnect comes first
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    relay = Relay(body(), finish, media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"spec_version": asgi}}
+    try:
+        asyncio.run(relay(scope, receive, send))
+    except Exception:  # ASGI 2.4: Starlette's ClientDisconnect, as a server would see it
+        assert asgi == "2.4"
+    assert not started and finished == [True] and pool._pins == {}

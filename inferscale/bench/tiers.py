@@ -47,7 +47,7 @@ from inferscale.memory import Memory
 
 NAME = "tiers"
 MIB = 2**20
-#: eviction policies replayed: name -> the disk tier's half-life (``None``: least recently used)
+#: eviction policies the replay compares (``lru``: the disk tier with no half-life)
 POLICIES = ("lru", "lrfu")
 
 

@@ -221,10 +221,12 @@ class KVManager:
         Returns:
             How many spans were stored (encoded or quantized).
         """
-        if all(self.pool.contains(s.key) for s in spans):
+        have = self.pool.present(s.key for s in spans)
+        if all(s.key in have for s in spans):
             return 0  # the common case on the serve path: never wait for an encode in flight
         with self._encode_lock:
-            missing = {s.key: s for s in spans if not self.pool.contains(s.key)}
+            have = self.pool.present(s.key for s in spans)
+            missing = {s.key: s for s in spans if s.key not in have}
             if not missing:
                 return 0
             quantized = self.quantize_stored(list(missing.values()))
@@ -238,9 +240,10 @@ class KVManager:
         (milliseconds a fact: done on the request path, so a storage switch never serves
         text for KV it has); returns the keys stored. Takes no lock: an entry is content-
         addressed, so two writers of a key write the same codes."""
-        done = set()
+        done: set[str] = set()
+        have = self.pool.present(s.key for s in spans if s.model_key is not None)
         for span in spans:
-            if span.model_key is None or self.pool.contains(span.key):
+            if span.model_key is None or span.key in have:
                 continue
             dense = self.pool.get(span.model_key)
             if dense is not None and dense.token_ids == span.item.span_ids:

@@ -5,7 +5,8 @@
 - **host** (CUDA only, ``host_budget_bytes``): pinned host memory between the device and
   disk; what the device tier lets go lands here, and a host hit moves back up;
 - **disk** (:class:`~inferscale.kv.disk.DiskTier`, ``disk_budget_bytes``): the files every
-  process over the data dir shares; least recently used files are evicted past the budget;
+  process over the data dir shares; past the budget the files with the fewest recent uses
+  are evicted (LRFU: decayed use counts, kept in each file's modification time);
 - **redis** (:class:`~inferscale.kv.remote.RedisTier`, ``redis_url``; optional): shared by
   every machine that names it. Writes go through to it; a read that misses every local tier
   asks it, and a hit is kept in the device tier (not written to the local disk: Redis is
@@ -171,7 +172,7 @@ class KVPool:
     def put(self, key: str, kv: StoredKV) -> None:
         """Store ``kv`` under ``key`` on disk (atomically) and in the device tier, as it is
         (dense, or the codes of a :class:`~inferscale.kv.quant.QuantizedKV`); past the disk
-        budget, evict the least recently used files that no request pins.
+        budget, evict the lowest-priority files (fewest recent uses) that no request pins.
 
         Raises:
             ValueError: ``key`` is malformed, or ``kv.token_ids`` has another length than the KV.
@@ -281,9 +282,21 @@ class KVPool:
         Those are the tiers the connector in vLLM's process reads, so an entry counts as
         stored only there; an entry evicted from disk is dropped from this process's memory
         tiers at once, so the two agree."""
-        if self._path(key).exists():
-            return True
-        return self.remote is not None and key in self.remote.present([key])
+        return key in self.present([key])
+
+    def present(self, keys: Iterable[str]) -> set[str]:
+        """The ``keys`` that :meth:`contains` holds, with one Redis round trip for all those
+        not on disk (none without Redis)."""
+        found: set[str] = set()
+        rest = []
+        for key in keys:
+            if self._path(key).exists():
+                found.add(key)
+            else:
+                rest.append(key)
+        if rest and self.remote is not None:
+            found |= self.remote.present(rest)
+        return found
 
     def tier(self, key: str) -> str | None:
         """Where ``key`` is: ``"device"``, ``"host"``, ``"disk"``, ``"redis"`` or ``None``."""

@@ -184,16 +184,41 @@ async def _send(upstream: Replicas, key: str, path: str, body: dict, plan: ChatP
 
     async def relay():
         first = plan is not None
-        try:
-            async for line in resp.aiter_lines():
-                if first and line.startswith("data: {"):
-                    chunk = json.loads(line[len("data: "):])
-                    chunk["memory"] = {**plan.report(None), "replica": replica.index}
-                    line, first = "data: " + json.dumps(chunk), False
-                yield line + "\n"
-        finally:
-            await resp.aclose()
-            stack.close()
+        async for line in resp.aiter_lines():
+            if first and line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                chunk["memory"] = {**plan.report(None), "replica": replica.index}
+                line, first = "data: " + json.dumps(chunk), False
+            yield line + "\n"
 
-    return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+    async def finish():
+        await resp.aclose()
+        stack.close()
+
+    return Relay(relay(), finish, media_type="text/event-stream", headers=headers)
+
+
+class Relay(StreamingResponse):
+    """A streamed answer relayed from vLLM whose ``finish`` (closing the upstream response,
+    releasing the request's KV pins) runs however the response ends: relayed whole, the
+    client gone in the middle, or gone before the first byte, when the body iterator never
+    starts and so its own ``finally`` would never run.
+
+    Args:
+        body: the async iterator of lines sent to the client.
+        finish: awaited once when the response ends (also on errors and cancellation).
+    """
+
+    def __init__(self, body, finish, **kwargs) -> None:
+        super().__init__(body, **kwargs)
+        self._finish = finish
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+            finally:
+                await self._finish()
 
