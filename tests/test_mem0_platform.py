@@ -176,6 +176,7 @@ BAD = [
      "not valid Unicode"),
     ("PUT", "/v1/memories/{kept}/", {"metadata": {"\ud800": 1}}, "not valid Unicode"),
     ("POST", "/v3/memories/add/", {"messages": "x", "user_id": "\ud800", "infer": False}, "printable"),
+    ("POST", "/v3/memories/add/", {"messages": "x", "user_id": "u" * 100_000, "infer": False}, "at most 256"),
     ("POST", "/v3/memories/add/", {"messages": "x", "user_id": "b", "infer": False,
                                    "filters": {"user_id": "b", "cat": "x"}}, "scope only"),
     ("POST", "/v3/memories/add/?user_id=eve", {"messages": "x", "user_id": "b", "infer": False}, "not read"),

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 #: The layout of stored records; a store written by a newer version is refused.
 SCHEMA_VERSION = 1
 
+#: longest user_id / agent_id / run_id (characters): ids are keys, repeated in every record,
+#: index entry and KV job of the scope (Mem0 sets no limit; 256 covers emails, UUIDs and URLs)
+MAX_SCOPE_ID_CHARS = 256
+
 
 @dataclass(frozen=True)
 class Scope:
@@ -33,7 +37,8 @@ class Scope:
 
         Raises:
             TypeError: a field is not a string.
-            ValueError: no field is given, or one is empty or not printable text.
+            ValueError: no field is given, or one is empty, not printable text, or longer than
+                :data:`MAX_SCOPE_ID_CHARS`.
         """
         for name, value in (("user_id", user_id), ("agent_id", agent_id), ("run_id", run_id)):
             if value is not None and not isinstance(value, str):
@@ -43,6 +48,10 @@ class Scope:
             if value is not None and not value.isprintable():  # NUL, newlines, lone surrogates
                 raise ValueError(f"{name} must be printable text, got {value!r}: control characters and lone "
                                  "surrogates cannot be stored")
+            if value is not None and len(value) > MAX_SCOPE_ID_CHARS:
+                raise ValueError(f"{name} is {len(value):,} characters ({value[:40]!r}...); an id is at most "
+                                 f"{MAX_SCOPE_ID_CHARS} characters: use a stable short id, such as a hash of "
+                                 "a long one")
         if not (user_id or agent_id or run_id):
             raise ValueError("one of user_id, agent_id or run_id is required, e.g. memory.add(..., user_id='alice')")
         return cls(user_id, agent_id, run_id)
