@@ -66,6 +66,44 @@ def test_the_disk_tier_keeps_to_its_budget_least_recently_used_out_first(tmp_pat
     assert small.stats["disk_evictions"] >= 1 and small.stats["disk_evicted_bytes"] >= one
 
 
+def test_a_write_burst_keeps_disk_and_device_to_their_budgets_plus_one_fact(tmp_path):
+    """Four writers (the background encoder and requests encoding at once) put 80 facts into
+    a pool with room for about ten on disk and five on the device; a sampler scanning the
+    folder (temporary files included) never sees more than the budget plus one fact."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    burst = [kv_key(f"burst{i}", i=i) for i in range(80)]
+    probe = KVPool(tmp_path / "probe", "cpu", 1 << 30)
+    probe.put(burst[0], kv(tokens=1200))
+    one = file_size(probe, burst[0])
+    device_budget, disk_budget = 5 * one, int(10.5 * one)
+    pool = KVPool(tmp_path / "pool", "cpu", device_budget, disk_budget_bytes=disk_budget)
+    seen, done = [], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            total = 0
+            for entry in os.scandir(pool.root) if pool.root.exists() else ():
+                try:
+                    total += sum(f.stat().st_size for f in os.scandir(entry.path))
+                except OSError:  # a folder or file removed mid-scan
+                    pass
+            seen.append((total, pool._device.bytes))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(4) as writers:
+            list(writers.map(lambda i: pool.put(burst[i], kv(tokens=1200, seed=i)), range(80)))
+    finally:
+        done.set()
+        sampler.join()
+    assert len(seen) > 10 and max(d for _, d in seen) <= device_budget
+    assert max(t for t, _ in seen) <= disk_budget + one
+    assert pool.disk.size() <= disk_budget and pool.stats["disk_evictions"] >= 65
+
+
 def test_pinned_kv_is_never_evicted_and_a_miss_is_encoded_again_once(tmp_path, keys):
     pool, _ = budgeted(tmp_path, keys, 2.5)
     pool.put(keys[0], kv())

@@ -118,6 +118,9 @@ class KVPool:
         self.redis_url = redis_url or None
         self.remote = RedisTier(self.redis_url) if self.redis_url else None
         self._lock = threading.RLock()
+        # one disk write and its eviction at a time in this process: a write burst (the
+        # encoder and the request path both writing) holds the folder to its budget plus one entry
+        self._write_lock = threading.Lock()
         self._pins: dict[str, int] = {}
         self._evicted: OrderedDict[str, None] = OrderedDict()
         self.stats = {"device_hits": 0, "host_hits": 0, "disk_hits": 0, "misses": 0, "writes": 0,
@@ -180,7 +183,10 @@ class KVPool:
         validate_key(key)
         if kv.token_ids is not None and len(kv.token_ids) != kv.num_tokens:
             raise ValueError(f"{len(kv.token_ids)} token ids for KV of {kv.num_tokens} tokens")
-        self.disk.write(key, kv)
+        with self._write_lock:
+            self.disk.write(key, kv)
+            if self.disk.over_budget():
+                self._evict_disk(protect=key)
         if self.remote is not None:
             self.remote.put(key, kv)  # write-through; skipped while Redis is down
         with self._lock:
@@ -189,8 +195,6 @@ class KVPool:
             if key in self._evicted:  # evicted earlier, now encoded again
                 del self._evicted[key]
                 self.stats["reencodes"] += 1
-        if self.disk.over_budget():
-            self._evict_disk(protect=key)
 
     def set_disk_budget(self, budget_bytes: int | None) -> int:
         """Change the disk tier's budget now (``None``: no limit), evicting down to it at once
