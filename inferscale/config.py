@@ -246,18 +246,9 @@ class MemoryConfig(BaseSettings):
     def _kv_redis_url(cls, value: str | None) -> str | None:
         if not value:
             return None
-        from urllib.parse import urlsplit
+        from inferscale.kv.remote import check_url  # its messages never show a password
 
-        from inferscale.kv.remote import redacted  # the message never shows a password
-
-        parts = urlsplit(value)
-        if parts.scheme not in ("redis", "rediss", "unix") or (parts.scheme != "unix" and not parts.hostname):
-            raise ValueError("kv_redis_url must look like redis://host:6379/0 (rediss:// for TLS, unix:///path.sock), "
-                             f"got {redacted(value)!r}")
-        try:
-            parts.port  # noqa: B018 - raises ValueError on a port that is not a number
-        except ValueError:
-            raise ValueError(f"kv_redis_url has a port that is not a number, got {redacted(value)!r}") from None
+        check_url(value)
         return value
 
     @field_validator("chroma_url")

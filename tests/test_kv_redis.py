@@ -96,18 +96,62 @@ def test_a_redis_outage_reads_as_misses_logs_twice_and_loses_nothing_local(redis
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 2  # no line per failed call
 
 
-def test_bad_urls_are_refused_and_passwords_never_printed(tmp_path):
+@pytest.mark.parametrize("url,says", [
+    ("http://user:s3cret@host:6379", "looks like redis://host:6379/0"),
+    ("redis://host:port/0", "port is a number from 1 to 65535"),
+    ("redis://host:99999/0", "port is a number from 1 to 65535"),
+    ("  redis://host:6379/0", "no spaces around it"),
+    ("redis://host:6379/abc", "path is a database number"),
+    ("unix://", "looks like redis://"),
+    ("redis://:s3cret@host:6379/0?foo=bar", "redis-py cannot use"),
+    ("redis://host:6379/0?socket_timeout=abc&password=s3cret", "redis-py cannot use"),
+])
+def test_bad_urls_are_refused_and_passwords_never_printed(tmp_path, url, says):
     from inferscale.config import MemoryConfig
 
-    with pytest.raises(ValueError, match="kv_redis_url must look like redis://host:6379/0") as caught:
-        MemoryConfig(data_dir=tmp_path, kv_redis_url="http://user:s3cret@host:6379")
-    assert "s3cret" not in str(caught.value)
-    with pytest.raises(ValueError, match="port that is not a number"):
-        MemoryConfig(data_dir=tmp_path, kv_redis_url="redis://host:port/0")
-    with pytest.raises(ValueError, match="must be a redis://"):
-        RedisTier("memcached://host:11211")
+    with pytest.raises(ValueError, match=says) as caught:
+        MemoryConfig(data_dir=tmp_path, kv_redis_url=url)
+    assert "s3cret" not in str(caught.value) and "kv_redis_url: kv_redis_url" not in str(caught.value)
+    with pytest.raises(ValueError, match=f"kv_redis_url: .*{says}"):
+        RedisTier(url)
+
+
+def test_passwords_are_redacted_wherever_a_url_is_shown(tmp_path):
+    from inferscale.config import MemoryConfig
+
     assert redacted("redis://:s3cret@host:6379/0") == "redis://:***@host:6379/0"
+    assert redacted("unix:///run/redis.sock?db=1&password=s3cret") == "unix:///run/redis.sock?db=1&password=***"
     assert MemoryConfig(data_dir=tmp_path, kv_redis_url="").kv_redis_url is None
+    url = "redis://:s3cret@127.0.0.1:6390/0"
+    KVPool.shared(tmp_path / "kv", "cpu", 1 << 20, disk_budget_bytes=4 << 20, redis_url=url)
+    with pytest.raises(ValueError, match="already open in this process") as caught:
+        KVPool.shared(tmp_path / "kv", "cpu", 1 << 20, disk_budget_bytes=2 << 20, redis_url=url)
+    assert "s3cret" not in str(caught.value) and "redis://:***@127.0.0.1:6390/0" in str(caught.value)
+
+
+def test_an_error_redis_answers_fails_one_call_and_keeps_the_tier_up(redis_server, tmp_path, caplog):
+    """Redis full under ``noeviction`` refuses writes (OOM) but still serves reads: the tier
+    stays up, the refused entry stays local, and the log says so once."""
+    import redis
+
+    caplog.set_level(logging.WARNING, logger="inferscale.kv.remote")
+    a, b = two_machines(tmp_path, redis_server["url"])
+    small = kv_key("small", n=1)
+    a.put(small, fact(2, 0))
+    admin = redis.Redis.from_url(redis_server["url"])
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1)  # past it already: every write is refused, reads still served
+    try:
+        for i in range(3):
+            a.put(kv_key(f"big{i}", n=1), fact(40, i))
+        assert a.remote.available and b.tier(small) == "redis" and b.get(small) is not None
+        assert a.tier(kv_key("big0", n=1)) == "device" and b.tier(kv_key("big0", n=1)) is None
+    finally:
+        admin.config_set("maxmemory", 0)
+        admin.config_set("maxmemory-policy", "noeviction")
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "answered an error while writing" in m and "maxmemory" in m]) == 1
+    assert not [m for m in said if "unreachable" in m or "is failing" in m]
 
 
 def test_a_redis_that_never_answered_is_an_outage_from_the_start(tmp_path, unused_port, caplog):

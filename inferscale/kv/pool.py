@@ -47,7 +47,7 @@ import torch
 from inferscale.kv.disk import READ_ERRORS, DiskTier
 from inferscale.kv.entry import FactKV, StoredKV, to_storage
 from inferscale.kv.quant import QuantizedKV
-from inferscale.kv.remote import RedisTier
+from inferscale.kv.remote import RedisTier, redacted
 from inferscale.kv.tiers import MemoryTier
 
 __all__ = ["FactKV", "KVPool", "StoredKV", "kv_key", "to_storage", "validate_key"]
@@ -150,8 +150,10 @@ class KVPool:
             asked = _settings(torch.device(device), device_budget_bytes, host_budget_bytes, disk_budget_bytes,
                               redis_url)
             if pool.settings() != asked:
+                shown = {k: redacted(v) if k == "redis_url" and v else v for k, v in pool.settings().items()}
+                asked = {k: redacted(v) if k == "redis_url" and v else v for k, v in asked.items()}
                 raise ValueError(
-                    f"the KV pool at {key} is already open in this process with {pool.settings()}; open it with the "
+                    f"the KV pool at {key} is already open in this process with {shown}; open it with the "
                     f"same settings (asked: {asked})"
                 )
             return pool

@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from typing import Any, Iterable
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
@@ -53,13 +53,56 @@ def redis_key(key: str) -> str:
 
 
 def redacted(url: str) -> str:
-    """``url`` without its password (for logs and errors)."""
+    """``url`` without its password, in the user info or a ``password=`` option (for logs and errors)."""
+    head, sep, query = url.partition("?")
+    if sep and "password" in query.lower():
+        query = "&".join("password=***" if part.split("=", 1)[0].lower() == "password" else part
+                         for part in query.split("&"))
+    parts = urlsplit(head)
+    if "@" in parts.netloc:
+        userinfo, host = parts.netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0] if ":" in userinfo else ""  # a lone userinfo is a password to Redis
+        start = head.index(parts.netloc)
+        head = f"{head[:start]}{user}:***@{host}{head[start + len(parts.netloc):]}"
+    return head + sep + query
+
+
+def check_url(url: str) -> None:
+    """Refuse a Redis URL that could never work, before anything uses it.
+
+    Accepts ``redis://[[user]:password@]host[:port][/db][?option=value...]``, ``rediss://``
+    (TLS) and ``unix:///path.sock``, with the options redis-py reads (``socket_timeout``,
+    ``ssl_cert_reqs``, ...).
+
+    Raises:
+        ValueError: what is wrong, naming the URL without its password.
+    """
+    shown = redacted(url)
+    if url != url.strip():
+        raise ValueError(f"a Redis URL has no spaces around it, got {shown!r}")
     parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    userinfo, host = parts.netloc.rsplit("@", 1)
-    user = userinfo.split(":", 1)[0] if ":" in userinfo else ""  # a lone userinfo is a password to Redis
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    if parts.scheme not in ("redis", "rediss", "unix") or (parts.scheme != "unix" and not parts.hostname) \
+            or (parts.scheme == "unix" and not parts.path):
+        raise ValueError(f"a Redis URL looks like redis://host:6379/0 (rediss:// for TLS, unix:///path.sock), "
+                         f"got {shown!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"a Redis URL's port is a number from 1 to 65535, got {shown!r}")
+    db = parts.path.strip("/") if parts.scheme != "unix" else "0"
+    if db and not db.isdigit():
+        raise ValueError(f"a Redis URL's path is a database number (redis://host:6379/0), got {shown!r}")
+    try:
+        import redis
+    except ImportError:  # RedisTier says how to install it
+        return
+    try:
+        redis.ConnectionPool.from_url(url).make_connection()  # builds a connection object; connects nowhere
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"redis-py cannot use this Redis URL ({str(exc).rstrip('.')}; see redis-py's "
+                         f"Redis.from_url for the options it takes), got {shown!r}") from None
 
 
 def encode(kv: StoredKV) -> bytes:
@@ -91,7 +134,7 @@ class RedisTier:
 
     Raises:
         ImportError: redis-py is not installed (``pip install 'inferscale[redis]'``).
-        ValueError: ``url`` is not a ``redis://``, ``rediss://`` or ``unix://`` URL.
+        ValueError: ``url`` is not a Redis URL redis-py can use (:func:`check_url`).
 
     Thread-safe. The connection is made on first use, so a Redis that is down at start is
     an outage like any other.
@@ -107,13 +150,16 @@ class RedisTier:
             import redis  # noqa: F401
         except ImportError as exc:  # pragma: no cover - the dev extras install it
             raise ImportError("kv_redis_url needs redis-py: pip install 'inferscale[redis]'") from exc
-        if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"kv_redis_url {redacted(url)!r} must be a redis://, rediss:// or unix:// URL")
+        try:
+            check_url(url)
+        except ValueError as exc:
+            raise ValueError(f"kv_redis_url: {exc}") from None
         self.url = url
         self._client: Any = None
         self._lock = threading.Lock()
         self._down_since: float | None = None
         self._retry_at = 0.0
+        self._answered_errors: set[str] = set()
         self.stats = {"hits": 0, "misses": 0, "writes": 0, "errors": 0}
 
     # ------------------------------------------------------------------ connection and outages
@@ -130,7 +176,12 @@ class RedisTier:
         return client
 
     def _call(self, what: str, fn, default):
-        """``fn(client)``, or ``default`` when the tier is down or the call fails (then marked down)."""
+        """``fn(client)``, or ``default`` when the tier is down or the call fails.
+
+        A failure to connect or a lost connection (and anything unexpected) marks the tier
+        down; an error Redis answers for this one command (``ResponseError``: out of memory
+        under ``noeviction``, a key of another type) fails only the call, logged once per
+        kind of error, and the tier stays up for the calls that work."""
         import redis
 
         now = time.monotonic()
@@ -138,29 +189,54 @@ class RedisTier:
             if self._down_since is not None and now < self._retry_at:
                 return default
             client = self._client
+        connected = client is not None
         try:
             if client is None:
                 client = self._connect()
                 with self._lock:
                     self._client = client
+            connected = True
             result = fn(client)
-        except (redis.RedisError, OSError) as exc:
+        except redis.ResponseError as exc:
+            if not connected:  # refused at connect (a database index out of range): as an outage
+                return self._failed(what, exc, default)
             with self._lock:
                 self.stats["errors"] += 1
-                self._retry_at = time.monotonic() + self.RETRY_S
-                started = self._down_since is None
-                if started:
-                    self._down_since = time.monotonic()
-            if started:
-                log.warning("Redis KV tier at %s is unreachable (%s while %s: %s); serving from the local tiers and "
-                            "as text until it answers again", redacted(self.url), type(exc).__name__, what, exc)
+                kind = str(exc)[:60]
+                first = kind not in self._answered_errors and len(self._answered_errors) < 100
+                if first:
+                    self._answered_errors.add(kind)
+            if first:
+                log.warning("Redis KV tier at %s answered an error while %s (%s); that call is skipped (the entry "
+                            "stays in the local tiers); further errors like it are not logged",
+                            redacted(self.url), what, exc)
             return default
+        except Exception as exc:  # noqa: BLE001 - whatever it is, Redis must not fail a request
+            return self._failed(what, exc, default)
         with self._lock:
             down_since, self._down_since = self._down_since, None
         if down_since is not None:
             log.warning("Redis KV tier at %s answers again after %.0f s", redacted(self.url),
                         time.monotonic() - down_since)
         return result
+
+    def _failed(self, what: str, exc: Exception, default):
+        """Mark the tier down after ``exc`` (one warning when an outage starts); ``default``."""
+        import redis
+
+        with self._lock:
+            self.stats["errors"] += 1
+            self._retry_at = time.monotonic() + self.RETRY_S
+            started = self._down_since is None
+            if started:
+                self._down_since = time.monotonic()
+        if started:
+            how = "is unreachable" if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)) \
+                else "is failing"
+            log.warning("Redis KV tier at %s %s (%s while %s: %s); serving from the local tiers and as text until "
+                        "it answers again", redacted(self.url), how, type(exc).__name__, what,
+                        redacted(str(exc)) if "://" in str(exc) else exc)
+        return default
 
     @property
     def available(self) -> bool:
