@@ -47,6 +47,11 @@ def test_an_entry_written_on_one_machine_is_read_on_another(redis_server, tmp_pa
     assert torch.equal(got_q.keys, q.keys) and torch.equal(got_q.values, q.values)
     assert b.stats["redis_hits"] == 2 and b.stats["writes"] == 0  # nothing encoded or written there
     assert a.remote.stats["writes"] == 2
+    bad = kv_key("f3", n=1)
+    import redis
+
+    redis.Redis.from_url(redis_server["url"]).set(redis_key(bad), b"garbage")  # corrupt, or another program's
+    assert b.tier(bad) == "redis" and b.get(bad) is None and b.tier(bad) is None  # deleted: encoded again
 
 
 def test_deletes_reach_redis_and_other_keys_are_left_alone(redis_server, tmp_path):

@@ -104,6 +104,50 @@ def test_a_write_burst_keeps_disk_and_device_to_their_budgets_plus_one_fact(tmp_
     assert pool.disk.size() <= disk_budget and pool.stats["disk_evictions"] >= 65
 
 
+def test_what_is_not_an_entry_is_never_counted_or_evicted_and_leftovers_are_swept(tmp_path, keys, caplog):
+    """A stray model file, a link out of the folder, a crashed writer's temporary file, a
+    corrupt entry, a clock that jumped, yesterday's preamble: the budget counts entries only,
+    evicts none of what is not its own, and repairs what it can."""
+    import logging
+
+    pool = KVPool(tmp_path / "kv", "cpu", 1 << 30)
+    for i, key in enumerate(keys[:4]):
+        pool.put(key, kv(tokens=600, seed=i))
+    one = file_size(pool, keys[0])
+    stray = tmp_path / "kv" / "my-model" / "model.safetensors"
+    stray.parent.mkdir()
+    stray.write_bytes(b"x" * 3 * one)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ("0" * 32 + ".safetensors")).write_bytes(b"y" * one)
+    (tmp_path / "kv" / "linked").symlink_to(elsewhere)
+    stale = pool._path(keys[1]).parent / ".tmp-crashed.safetensors"
+    stale.write_bytes(b"z" * one)
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    old_preamble, preamble = kv_key("_preamble", day=1), kv_key("_preamble", day=2)
+    pool.put(old_preamble, kv(tokens=600, seed=8))
+    pool.put(preamble, kv(tokens=600, seed=9))
+    age(pool, [old_preamble, keys[0], keys[1], keys[2], preamble])
+    future = time.time() + 30 * 365 * 86400  # a file from a machine whose clock was 30 years ahead
+    os.utime(pool._path(keys[3]), (future, future))
+    entries = pool.disk.scan()
+    assert {k for _, _, k in entries} == {*keys[:4], old_preamble, preamble}  # no stray file, no link
+    assert not stale.exists() and pool.disk.size() == sum(size for _, size, _ in entries)
+
+    pool.set_disk_budget(int(3.4 * one))  # down to about three files
+    assert pool.tier(old_preamble) is None and pool.tier(preamble) == "device"  # the newest preamble stays
+    assert pool.disk.exists(preamble) and not pool.disk.exists(keys[3])  # the future file ranks as new, not first
+    assert stray.exists() and (elsewhere / ("0" * 32 + ".safetensors")).exists()
+    assert not pool._path(keys[0]).parent.exists()  # an evicted owner's empty folder goes too
+
+    kept = [k for k in keys[:4] if pool.disk.exists(k)]
+    pool._path(kept[0]).write_bytes(b"not safetensors")  # corrupt (a crash without fsync)
+    pool._device.clear()
+    caplog.set_level(logging.WARNING, logger="inferscale.kv.disk")
+    assert pool.get(kept[0]) is None and not pool.contains(kept[0])  # absent now: encoded again when needed
+    assert any("unreadable" in r.getMessage() for r in caplog.records)
+
+
 def test_pinned_kv_is_never_evicted_and_a_miss_is_encoded_again_once(tmp_path, keys):
     pool, _ = budgeted(tmp_path, keys, 2.5)
     pool.put(keys[0], kv())

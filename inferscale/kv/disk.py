@@ -32,8 +32,10 @@ and touches. The budget bounds the folder between passes up to what is written m
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -48,6 +50,14 @@ from safetensors.torch import save_file
 from inferscale.kv.entry import StoredKV, from_tensors, to_tensors
 
 _SUFFIX = ".safetensors"
+#: an owner folder and an entry file, as :func:`inferscale.kv.pool.kv_key` names them: anything
+#: else in the folder (a stray model file, a link) is never counted, read or evicted
+_OWNER_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_FILE_RE = re.compile(r"[0-9a-f]{32}\.safetensors")
+#: a temporary file older than this (seconds) is a crashed writer's leftover: removed by the next scan
+STALE_TMP_S = 3600.0
+
+log = logging.getLogger(__name__)
 
 #: Errors that mean "this file cannot be read": the entry is treated as absent.
 READ_ERRORS = (FileNotFoundError, SafetensorError, KeyError, OSError, ValueError)
@@ -89,18 +99,32 @@ class DiskTier:
         return self.root / owner / f"{variant}{_SUFFIX}"
 
     def write(self, key: str, kv: StoredKV) -> int:
-        """Write ``kv`` atomically; returns the file's size (bytes)."""
+        """Write ``kv`` atomically; returns the file's size (bytes).
+
+        Raises:
+            OSError, SafetensorError: the file cannot be written (a full disk, no permission).
+        """
         tensors, meta = to_tensors(kv)
         path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX, dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        for attempt in (1, 2):  # an eviction pass may remove the owner folder once it is empty
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX, dir=path.parent)
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+                continue
+            os.close(fd)
+            try:
+                save_file(tensors, tmp, metadata=meta)
+                os.replace(tmp, path)
+                break
+            except (FileNotFoundError, SafetensorError) as exc:
+                if attempt == 2 or path.parent.exists():  # a real failure (a full disk), not the race
+                    raise OSError(f"cannot write KV file {path}: {exc}") from exc
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
         try:
             size = path.stat().st_size
         except OSError:  # evicted or invalidated by another process at once
@@ -112,27 +136,52 @@ class DiskTier:
         return size
 
     def read(self, key: str) -> StoredKV:
-        """The entry, on the CPU; renews its recency.
+        """The entry, on the CPU; renews its recency. An unreadable file (truncated by a crash,
+        corrupt) is removed, so the entry reads as absent everywhere and is encoded again.
 
         Raises:
             FileNotFoundError, OSError, SafetensorError: unreadable. KeyError, ValueError: a
                 tensor or metadata field missing or unknown (see :data:`READ_ERRORS`).
         """
-        with safe_open(self.path(key), framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        path = self.path(key)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+            kv = from_tensors(tensors, meta)
+        except FileNotFoundError:
+            raise
+        except READ_ERRORS as exc:
+            self._discard(path, exc)
+            raise
         self.touch(key)
-        return from_tensors(tensors, meta)
+        return kv
 
     def token_ids(self, key: str) -> tuple[int, ...] | None:
-        """The entry's token ids without its KV (``None``: absent, unreadable, or none stored)."""
+        """The entry's token ids without its KV (``None``: absent, unreadable, or none stored);
+        an unreadable file is removed, as :meth:`read` does."""
+        path = self.path(key)
         try:
-            with safe_open(self.path(key), framework="pt", device="cpu") as f:
+            with safe_open(path, framework="pt", device="cpu") as f:
                 if "token_ids" not in f.keys():
                     return None
                 return tuple(f.get_tensor("token_ids").tolist())
-        except (FileNotFoundError, SafetensorError, OSError, ValueError):
+        except FileNotFoundError:
             return None
+        except (SafetensorError, OSError, ValueError) as exc:
+            self._discard(path, exc)
+            return None
+
+    def _discard(self, path: Path, exc: BaseException) -> None:
+        """Remove an unreadable entry file (a cache entry: encoded again when next needed)."""
+        try:
+            if not path.is_file():
+                return  # a folder where a file should be: not ours to remove
+            path.unlink(missing_ok=True)
+        except OSError:
+            return
+        log.warning("KV file %s was unreadable (%s: %s) and is removed; its memory is served as text until its KV "
+                    "is encoded again", path, type(exc).__name__, exc)
 
     def exists(self, key: str) -> bool:
         return self.path(key).exists()
@@ -154,7 +203,9 @@ class DiskTier:
                 os.utime(path)
             else:
                 wall = time.time()
-                os.utime(path, (wall, used_priority(path.stat().st_mtime, wall, self.HALF_LIFE_S)))
+                old = path.stat().st_mtime
+                new = wall if old > wall + self.max_ahead_s() else used_priority(old, wall, self.HALF_LIFE_S)
+                os.utime(path, (wall, new))
         except OSError:
             pass
 
@@ -172,28 +223,60 @@ class DiskTier:
             self._bytes = 0
 
     def scan(self) -> list[tuple[float, int, str]]:
-        """Every entry as ``(modification time, bytes, key)``, oldest first; records the total."""
+        """Every entry as ``(priority, bytes, key)``, lowest priority first; records the total.
+
+        Only entry files count (names as :func:`inferscale.kv.pool.kv_key` makes them, no
+        links followed); a temporary file counts while a writer may still be writing it and
+        is removed once older than :data:`STALE_TMP_S` (a crashed writer's leftover). A
+        priority further ahead than any use could make it (:meth:`max_ahead_s`: a clock that
+        jumped, files copied with their times) means nothing: it ranks lowest (and a use
+        starts its count afresh, :meth:`touch`)."""
         entries = []
+        tmp_bytes = 0
+        wall = time.time()
+        ceiling = wall + self.max_ahead_s()
         for owner in os.scandir(self.root):
-            if not owner.is_dir():
+            if not owner.is_dir(follow_symlinks=False) or not _OWNER_RE.fullmatch(owner.name):
                 continue
             try:
                 files = list(os.scandir(owner.path))
             except OSError:  # removed meanwhile
                 continue
             for f in files:
-                if not f.name.endswith(_SUFFIX) or f.name.startswith(".tmp-"):
-                    continue
                 try:
-                    st = f.stat()
+                    if not f.is_file(follow_symlinks=False):
+                        continue
+                    st = f.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                entries.append((st.st_mtime, st.st_size, f"{owner.name}/{f.name[:-len(_SUFFIX)]}"))
+                if f.name.startswith(".tmp"):
+                    if wall - st.st_mtime > STALE_TMP_S:
+                        try:
+                            os.unlink(f.path)
+                        except OSError:
+                            pass
+                    else:
+                        tmp_bytes += st.st_size
+                    continue
+                if not _FILE_RE.fullmatch(f.name):
+                    continue
+                priority = st.st_mtime if st.st_mtime <= ceiling else 0.0
+                entries.append((priority, st.st_size, f"{owner.name}/{f.name[:-len(_SUFFIX)]}"))
         entries.sort()
         with self._lock:
-            self._bytes = sum(size for _, size, _ in entries)
+            self._bytes = sum(size for _, size, _ in entries) + tmp_bytes
             self._scanned_at = time.monotonic()
         return entries
+
+    def max_ahead_s(self) -> float:
+        """How far ahead of now a priority can be (seconds): an entry used every
+        :attr:`TOUCH_INTERVAL_S` forever has count ``1 / (1 - 2^(-I/H))``, so ``H *
+        log2`` of that (6.4 half-lives at the defaults), plus a minute for clocks."""
+        h = self.HALF_LIFE_S
+        if h is None:
+            return 60.0
+        i = max(self.TOUCH_INTERVAL_S, 1e-3)
+        return h * math.log2(1.0 / (1.0 - 2.0 ** (-i / h))) + 60.0
 
     def size(self) -> int:
         """Bytes of files held (a scan)."""
@@ -219,22 +302,34 @@ class DiskTier:
 
     def evict(self, keep: Callable[[str], bool]) -> list[tuple[str, int]]:
         """Remove the lowest-priority files (see the module docstring), skipping those
-        ``keep(key)`` holds, until the folder is at :attr:`LOW_WATERMARK` of the budget;
-        returns ``(key, bytes)`` removed."""
+        ``keep(key)`` holds and the newest file of each shared owner (a name starting with
+        ``_``: the preamble, whose older variants, such as yesterday's dated template, go as
+        facts do), until the folder is at :attr:`LOW_WATERMARK` of the budget; returns
+        ``(key, bytes)`` removed. An owner folder left empty is removed too."""
         if self.budget_bytes is None:
             return []
         entries = self.scan()
+        newest_shared = {}
+        for priority, _, key in entries:  # lowest first: the last one seen per owner is the newest
+            if key.startswith("_"):
+                newest_shared[key.split("/")[0]] = key
+        shared = set(newest_shared.values())
         total = self._bytes or 0
         target = int(self.budget_bytes * self.LOW_WATERMARK)
         out = []
         for _, size, key in entries:
             if total <= target:
                 break
-            if keep(key):
+            if key in shared or keep(key):
                 continue
+            path = self.path(key)
             try:
-                self.path(key).unlink()
+                path.unlink()
             except FileNotFoundError:  # another process evicted or invalidated it
+                pass
+            try:
+                path.parent.rmdir()  # only when empty
+            except OSError:
                 pass
             total -= size
             out.append((key, size))

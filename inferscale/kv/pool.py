@@ -223,8 +223,8 @@ class KVPool:
     def _evict_disk(self, protect: str) -> None:
         with self._lock:
             pinned = set(self._pins)
-        # the preamble (owner "_preamble") is in every request and one per model: never evicted
-        gone = self.disk.evict(keep=lambda k: k == protect or k in pinned or k.startswith("_"))
+        # the preamble's newest file (owner "_preamble": in every request) is kept by the disk tier
+        gone = self.disk.evict(keep=lambda k: k == protect or k in pinned)
         with self._lock:
             for key, size in gone:
                 self._device.pop(key)

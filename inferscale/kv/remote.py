@@ -256,7 +256,8 @@ class RedisTier:
         try:
             kv = decode(data)
         except ValueError as exc:
-            log.warning("Redis KV entry %s is unreadable, treated as absent: %s", key, exc)
+            log.warning("Redis KV entry %s is unreadable and is deleted (encoded again when needed): %s", key, exc)
+            self._call("deleting an unreadable entry", lambda c: c.delete(redis_key(key)), 0)
             with self._lock:
                 self.stats["misses"] += 1
             return None
