@@ -3,6 +3,7 @@ write-through, reads on a local miss from another machine's pool, deletes, and o
 read as misses and log one line when they start and one when they end."""
 
 import logging
+import os
 import time
 
 import pytest
@@ -99,6 +100,31 @@ def test_a_redis_outage_reads_as_misses_logs_twice_and_loses_nothing_local(redis
     back = [r for r in caplog.records if "answers again after" in r.getMessage()]
     assert len(back) == 2 and b.remote.available
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 2  # no line per failed call
+
+
+def test_a_memory_deleted_while_redis_is_away_is_deleted_there_when_it_is_back(redis_server, tmp_path,
+                                                                               monkeypatch):
+    import signal
+
+    import redis
+
+    monkeypatch.setattr(RedisTier, "RETRY_S", 0.5)
+    a, b = two_machines(tmp_path, redis_server["url"])
+    gone, kept = kv_key("f1", n=1), kv_key("f2", n=1)
+    a.put(gone, fact(5, 1))
+    a.put(kept, fact(5, 2))
+    admin = redis.Redis.from_url(redis_server["url"])
+    os.kill(redis_server["proc"].pid, signal.SIGSTOP)  # away (a partition), its data kept
+    try:
+        a.invalidate_owner("f1")  # the memory is deleted meanwhile: the Redis delete times out
+        assert not a.remote.available and a.tier(gone) is None
+    finally:
+        os.kill(redis_server["proc"].pid, signal.SIGCONT)
+    assert admin.exists(redis_key(gone)) == 1  # still there while nobody asked
+    time.sleep(0.6)
+    assert a.tier(kept) == "device" and a.tier(kv_key("f3", n=1)) is None  # a call reaches Redis again ...
+    assert admin.exists(redis_key(gone)) == 0 and admin.exists(redis_key(kept)) == 1  # ... and the delete is done
+    assert b.tier(gone) is None and b.tier(kept) == "redis"
 
 
 @pytest.mark.parametrize("url,says", [

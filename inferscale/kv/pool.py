@@ -15,8 +15,11 @@
 KV is a cache of the memory's text, which stays the system of record: an entry evicted from
 every tier is a miss, and the request path serves that memory as text and queues its KV to
 be encoded again (:meth:`KVPool.was_evicted` tells why it was missing). Entries a request in
-flight uses are pinned (:meth:`KVPool.pinned`) and never evicted, nor is the preamble's KV
-(every request uses it).
+flight uses are pinned (:meth:`KVPool.pinned`) and never evicted by this process, nor is the
+newest preamble's KV (every request uses it). Pins are per process: another process writing
+to the same folder (another front worker) does not see them, but planning renewed the
+entries' priority, so only a budget filled by newer KV within one request could evict them,
+and then vLLM recomputes those blocks (correct, slower: docs/decisions.md).
 
 An entry is a :class:`~inferscale.kv.entry.FactKV` (``[num_layers, num_tokens,
 num_kv_heads, head_dim]`` pre-RoPE keys and values in the model's dtype, with their token

@@ -24,7 +24,9 @@ to ``INFO cluster`` is used through redis-py's ``RedisCluster``.
 The first failure marks the tier down: calls return "absent" (reads, lookups) or are
 skipped (writes; the entry stays on the local disk) without touching the network, until
 :attr:`RedisTier.RETRY_S` seconds pass and the next call tries again. The log gets one
-warning when an outage starts and one line when Redis answers again.
+warning when an outage starts and one line when Redis answers again. A delete Redis did not
+take (a memory deleted or updated during the outage) is kept and done when it answers again,
+so a deleted memory's KV (whose token ids are its text) does not stay readable there.
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ class RedisTier:
     TIMEOUT_S = 1.0
     #: seconds a down tier stays skipped before the next call tries Redis again
     RETRY_S = 5.0
+    #: deletes kept while Redis is down, run when it answers again (more are dropped: logged)
+    PENDING_DELETES = 100_000
 
     def __init__(self, url: str) -> None:
         try:
@@ -160,6 +164,7 @@ class RedisTier:
         self._down_since: float | None = None
         self._retry_at = 0.0
         self._answered_errors: set[str] = set()
+        self._pending: dict[str, Any] = {}  # deletes Redis has not taken yet
         self.stats = {"hits": 0, "misses": 0, "writes": 0, "errors": 0}
 
     # ------------------------------------------------------------------ connection and outages
@@ -215,9 +220,12 @@ class RedisTier:
             return self._failed(what, exc, default)
         with self._lock:
             down_since, self._down_since = self._down_since, None
+            pending = bool(self._pending)
         if down_since is not None:
             log.warning("Redis KV tier at %s answers again after %.0f s", redacted(self.url),
                         time.monotonic() - down_since)
+        if pending:
+            self._flush_pending(client)
         return result
 
     def _failed(self, what: str, exc: Exception, default):
@@ -289,28 +297,43 @@ class RedisTier:
         return self._call("looking up", lookup, set())
 
     def remove(self, key: str) -> None:
-        """Delete one entry (absent, or Redis down, is fine)."""
-        self._call("deleting", lambda c: c.delete(redis_key(key)), None)
+        """Delete one entry (absent is fine; while Redis is down, done when it answers again)."""
+        name = redis_key(key)
+        self._delete(name, lambda c: c.delete(name))
 
     def remove_owner(self, owner: str) -> None:
         """Delete every entry of ``owner`` (a fact id): its keys share a hash slot."""
-        self._delete_matching(f"{PREFIX}{{{owner}}}/*")
+        pattern = f"{PREFIX}{{{owner}}}/*"
+        self._delete(pattern, lambda c: _delete_matching(c, pattern))
 
     def clear(self) -> None:
         """Delete every InferScale KV entry in this Redis (other keys are left alone)."""
-        self._delete_matching(f"{PREFIX}*")
+        self._delete(f"{PREFIX}*", lambda c: _delete_matching(c, f"{PREFIX}*"))
 
-    def _delete_matching(self, pattern: str) -> None:
-        def delete(client) -> None:
-            batch = []
-            for name in client.scan_iter(match=pattern, count=1000):
-                batch.append(name)
-                if len(batch) >= 1000:
-                    _delete_each(client, batch)
-                    batch = []
-            if batch:
-                _delete_each(client, batch)
-        self._call("deleting", delete, None)
+    def _delete(self, what: str, fn) -> None:
+        """Run delete ``fn(client)``; when Redis does not answer, keep it (at most
+        :attr:`PENDING_DELETES`) and run it when Redis answers again: a memory deleted during
+        an outage (its token ids are its text) must not stay readable from Redis."""
+        if self._call("deleting", lambda c: fn(c) or True, False):
+            return
+        with self._lock:
+            if len(self._pending) < self.PENDING_DELETES:
+                self._pending[what] = fn
+
+    def _flush_pending(self, client) -> None:
+        """Run the deletes kept during an outage (called once Redis answers)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for n, (what, fn) in enumerate(pending.items()):
+            try:
+                fn(client)
+            except Exception:  # noqa: BLE001 - down again: keep the rest for the next time
+                with self._lock:
+                    self._pending.update(dict(list(pending.items())[n:]))
+                return
+        if pending:
+            log.warning("Redis KV tier at %s: %d deletes kept during the outage are done", redacted(self.url),
+                        len(pending))
 
     def close(self) -> None:
         with self._lock:
@@ -320,6 +343,18 @@ class RedisTier:
                 client.close()
             except Exception:  # closing a dead connection is fine
                 pass
+
+
+def _delete_matching(client: Any, pattern: str) -> None:
+    """``DEL`` every key matching ``pattern``, a thousand a pipeline."""
+    batch = []
+    for name in client.scan_iter(match=pattern, count=1000):
+        batch.append(name)
+        if len(batch) >= 1000:
+            _delete_each(client, batch)
+            batch = []
+    if batch:
+        _delete_each(client, batch)
 
 
 def _delete_each(client: Any, names: list) -> None:
