@@ -230,6 +230,8 @@ class MemoryConfig(BaseSettings):
     def _not_a_flag(cls, value: object, info) -> object:
         if isinstance(value, bool):  # pydantic would take True as 1
             raise TypeError(f"{info.field_name} must be an integer, got {value!r}")
+        if value == "" and info.field_name == "disk_kv_budget_bytes":  # INFERSCALE_DISK_KV_BUDGET_BYTES= : no limit
+            return None
         return value
 
     @field_validator("database_url")

@@ -199,11 +199,15 @@ def test_a_host_tier_takes_what_the_device_tier_lets_go_and_gives_it_back(tmp_pa
     assert pool.tier(keys[1]) == "disk" and pool.stats["host_evictions"] == 1
 
 
-def test_the_host_tier_is_off_on_a_cpu_device_and_settings_must_match(tmp_path):
+def test_the_host_tier_is_off_on_a_cpu_device_and_settings_must_match(tmp_path, monkeypatch):
     assert KVPool(tmp_path, "cpu", 1 << 20, host_budget_bytes=1 << 30).host_budget_bytes == 0
     KVPool.shared(tmp_path / "s", "cpu", 1 << 20, disk_budget_bytes=1 << 30)
     with pytest.raises(ValueError, match="disk_budget_bytes"):
         KVPool.shared(tmp_path / "s", "cpu", 1 << 20, disk_budget_bytes=2 << 30)
+    from inferscale.config import MemoryConfig
+
+    monkeypatch.setenv("INFERSCALE_DISK_KV_BUDGET_BYTES", "")  # set but empty: no limit, as when unset
+    assert MemoryConfig(data_dir=tmp_path).disk_kv_budget_bytes is None
 
 
 def test_a_use_renews_recency_at_most_once_a_minute_per_entry(tmp_path, keys):
@@ -318,6 +322,10 @@ def test_a_lowered_budget_evicts_at_once_least_recently_used_first(tmp_path, key
     assert pool.disk.size() <= int(4.5 * one) and pool.stats["disk_evictions"] == 4
     with pytest.raises(ValueError, match="at least 1 MiB"):
         pool.set_disk_budget(1000)
+    for bad in ("5000000", float("inf"), True):
+        with pytest.raises(TypeError, match="whole number of bytes or None"):
+            pool.set_disk_budget(bad)
+    assert pool.disk.budget_bytes == int(4.5 * one)  # unchanged
 
 
 @pytest.mark.parametrize("asgi", ["2.4", "2.0"])

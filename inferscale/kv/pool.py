@@ -206,8 +206,11 @@ class KVPool:
         (an operator resizing a live pool; the replay benchmark); returns entries evicted.
 
         Raises:
-            ValueError: a budget under 1 MiB (as ``disk_kv_budget_bytes`` refuses).
+            TypeError: not an ``int`` or ``None``. ValueError: a budget under 1 MiB (as
+                ``disk_kv_budget_bytes`` refuses).
         """
+        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)):
+            raise TypeError(f"a disk budget is a whole number of bytes or None (no limit), got {budget_bytes!r}")
         if budget_bytes is not None and budget_bytes < 1 << 20:
             raise ValueError(f"a disk budget must be at least 1 MiB, got {budget_bytes} bytes")
         with self._lock:
