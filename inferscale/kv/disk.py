@@ -14,20 +14,20 @@ count halves every :attr:`DiskTier.HALF_LIFE_S`, and the priority is
 ``t_last + HALF_LIFE_S * log2(count at t_last)``, so ranking by it ranks by decayed count.
 A use at time ``now`` turns priority ``p`` into ``HALF_LIFE_S * log2(2^(p / H) + 2^(now / H))``
 (the log-sum-exp of the two), so the priority alone carries the whole state and is kept as the
-file's modification time: a write sets it to now (count 1), a use renews it
-(:meth:`DiskTier.touch`: every read, and the front each time it plans a request with the
-KV, at most once a minute per entry and process, so a count counts minutes of use), and
-every process sharing the folder (the front's workers, the connector in vLLM's process) sees
-one order. A frequently used entry's modification time lies in the future (an entry used
-in every minute of the last hour: about 5.4 half-lives ahead). With ``HALF_LIFE_S = None``
-the order is plain least recently used. On the Zipf replay of ``inferscale bench tiers`` this
-order serves more fact tokens as KV than LRU at every budget that evicts
-(docs/results/tiers).
+file's modification time: a write sets it to now (count 1), a use counts
+(:meth:`DiskTier.touch`, called by the front each time it plans a request with the KV, at
+most once a minute per entry and process, so a count counts minutes of use), and every
+process sharing the folder (the front's workers, the connector in vLLM's process) sees one
+order. Reads do not count: the connector loads what a front planned, and a second count
+from another process (whose settings the front's do not reach) would skew the order. A
+frequently used entry's modification time lies in the future (an entry used in every minute
+of the last hour: about 5.4 half-lives ahead). With ``HALF_LIFE_S = None`` the order is
+plain least recently used (docs/results/tiers compares the two on a replay).
 
 An eviction pass scans the folder and removes the lowest-priority files down to 90% of the
 budget (so passes are rare), skipping what the caller keeps (entries pinned by requests in
-flight, the entry just written). Only processes that write evict; the connector only reads
-and touches. The budget bounds the folder between passes up to what is written meanwhile.
+flight, the entry just written). Only processes that write evict; the connector only reads.
+The budget bounds the folder between passes up to what is written meanwhile.
 """
 
 from __future__ import annotations
@@ -136,8 +136,9 @@ class DiskTier:
         return size
 
     def read(self, key: str) -> StoredKV:
-        """The entry, on the CPU; renews its recency. An unreadable file (truncated by a crash,
-        corrupt) is removed, so the entry reads as absent everywhere and is encoded again.
+        """The entry, on the CPU (a read is not a use: :meth:`touch`). An unreadable file
+        (truncated by a crash, corrupt) is removed, so the entry reads as absent everywhere and
+        is encoded again.
 
         Raises:
             FileNotFoundError, OSError, SafetensorError: unreadable. KeyError, ValueError: a
@@ -154,7 +155,6 @@ class DiskTier:
         except READ_ERRORS as exc:
             self._discard(path, exc)
             raise
-        self.touch(key)
         return kv
 
     def token_ids(self, key: str) -> tuple[int, ...] | None:

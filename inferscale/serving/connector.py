@@ -178,7 +178,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         if "kv_dir" not in extra:
             raise ValueError("InferScaleConnector needs kv_connector_extra_config={'kv_dir': <KV pool folder>}")
         self._block_size = vllm_config.cache_config.block_size
-        self._pool = KVPool.shared(  # reads and touches the disk tier, never evicts it
+        self._pool = KVPool.shared(  # reads the disk tier; never counts a use or evicts
             extra["kv_dir"], best_device(), int(extra.get("device_budget_bytes", DEFAULT_DEVICE_KV_BUDGET_BYTES)),
             int(extra.get("host_budget_bytes", 0)), None,
             extra.get("redis_url") or os.environ.get("INFERSCALE_KV_REDIS_URL") or None,
