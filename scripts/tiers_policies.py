@@ -1,0 +1,132 @@
+"""Eviction policies on the tiers replay's own reference string, offline: why the disk tier is LRFU.
+
+The questions of ``inferscale bench tiers`` (its Zipf trace over its users, same seed), each
+retrieving its top k facts from the replay's store (hybrid search, as ``generate`` does),
+give the reference string: every retrieved fact, in order, weighed by its tokens and sized
+in bytes by its tokens (KV bytes are proportional to tokens). A cache of a share of the full
+pool's bytes is replayed on it, reference by reference, under each policy: LRU, LFU (no
+decay), LRFU with a half-life counted in questions (the disk tier's order,
+:mod:`inferscale.kv.disk`), admission on a second miss (2Q-like) in front of LRU, and
+Belady's MIN (:mod:`inferscale.bench.clairvoyant`). Misses are admitted at once (the live
+replay re-encodes them in the background, a little later) and evictions go down to 90% of
+the budget, as the disk tier's do; the caches start empty and the first ``warmup`` questions
+are not counted. No model runs: the store's search only.
+
+    inferscale bench tiers ...             # builds the store once (<data dir>/bench-tiers)
+    python scripts/tiers_policies.py --questions 3000 --warmup 1000 --out docs/results/tiers/policies.md
+
+About a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import OrderedDict, defaultdict
+from pathlib import Path
+
+from inferscale.bench.clairvoyant import belady_token_share
+from inferscale.bench.common import markdown_table, print_page
+from inferscale.bench.tiers import make_trace
+from inferscale.config import default_data_dir
+from inferscale.datasets.locomo import load_locomo
+from inferscale.memory import Memory
+
+
+def references(store: Path, data: Path, users: int, questions: int, zipf: float, k: int, seed: int):
+    """The trace's retrieved fact ids per question, and every fact's tokens."""
+    convs = load_locomo(data)
+    scopes = [f"tiers-{i}" for i in range(users)]
+    asked = [[q.question for q in convs[i % len(convs)].qa if q.category in (1, 2, 3, 4)] for i in range(users)]
+    trace = make_trace([len(a) for a in asked], questions, zipf, seed)
+    tokens: dict[str, int] = {}
+    hits: dict[tuple[int, int], list[str]] = {}
+    with Memory(data_dir=store, precompute_kv=False, context_window=0, top_k=k) as mem:
+        for u, qi in trace:
+            if (u, qi) not in hits:
+                found = mem.search(asked[u][qi], user_id=scopes[u], limit=k)["results"]
+                for m in found:
+                    tokens.setdefault(m["id"], mem.fact_tokens(m["memory"]))
+                hits[(u, qi)] = [m["id"] for m in found]
+        full = sum(tokens[m["id"]] if m["id"] in tokens else mem.fact_tokens(m["memory"])
+                   for s in scopes for m in mem.get_all(user_id=s, limit=100_000)["results"])
+    return [hits[q] for q in trace], tokens, full
+
+
+def replay(refs, tokens, budget: float, warmup: int, *, half_life: float | None = None, lfu: bool = False,
+           admit_second: bool = False) -> float:
+    """Share of tokens served from a cache of ``budget`` tokens' bytes: LRU by default; LFU;
+    LRFU when ``half_life`` (questions) is given; LRU behind a second-miss admission filter."""
+    cache: OrderedDict[str, float] = OrderedDict()
+    count: dict[str, float] = defaultdict(float)
+    seen_once: set[str] = set()
+    held = hit = total = 0
+    for q, keys in enumerate(refs):
+        for key in keys:
+            t = tokens[key]
+            counted = q >= warmup
+            total += t if counted else 0
+            if half_life is not None:  # the priority p = t_last + H log2(count), updated as disk.used_priority
+                old = count.get(key)
+                count[key] = q if old is None else max(old, q) + half_life * math.log2(
+                    1 + 2 ** (-abs(old - q) / half_life))
+            elif lfu:
+                count[key] += 1
+            if key in cache:
+                hit += t if counted else 0
+                cache.move_to_end(key)
+                continue
+            if admit_second and key not in seen_once:
+                seen_once.add(key)
+                continue
+            cache[key] = 0
+            held += t
+            if held > budget:
+                order = list(cache) if half_life is None and not lfu else sorted(cache, key=count.__getitem__)
+                for out in order:
+                    if held <= 0.9 * budget:
+                        break
+                    if out != key:
+                        held -= tokens[out]
+                        del cache[out]
+    return hit / total if total else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", type=Path, default=None, help="the replay's store (default <data dir>/bench-tiers)")
+    ap.add_argument("--data", type=Path, default=Path("../shared/data/locomo/locomo10.json"))
+    ap.add_argument("--users", type=int, default=12)
+    ap.add_argument("--questions", type=int, default=3000)
+    ap.add_argument("--warmup", type=int, default=1000)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None, help="write the page here too")
+    a = ap.parse_args()
+    refs, tokens, full = references(a.store or default_data_dir() / "bench-tiers", a.data, a.users, a.questions,
+                                    a.zipf, a.k, a.seed)
+    policies = [("LRU", {}), ("LRU, admitted on a second miss", {"admit_second": True}), ("LFU", {"lfu": True}),
+                ("LRFU, half-life 100 questions", {"half_life": 100.0}),
+                ("LRFU, half-life 300 questions", {"half_life": 300.0})]
+    shares = (0.5, 0.25, 0.1)
+    rows = []
+    for name, kw in policies:
+        rows.append([name] + [f"{replay(refs, tokens, full * s, a.warmup, **kw):.1%}" for s in shares])
+    rows.append(["Belady's MIN (clairvoyant)"] + [f"{belady_token_share(refs, tokens, tokens, int(full * s), a.warmup):.1%}"
+                                                  for s in shares])
+    page = f"""# Eviction policies on the tiers replay's reference string (offline)
+
+{a.users} users, Zipf s = {a.zipf}, k = {a.k}, {a.questions:,} questions of which the first {a.warmup:,} are not
+counted (seed {a.seed}); {sum(map(len, refs)):,} references to {len({x for r in refs for x in r}):,} of the store's facts;
+budgets are shares of all facts' tokens ({full:,}). Share of retrieved fact tokens served from the cache:
+
+{markdown_table(["policy"] + [f"{s:.0%} of the pool" for s in shares], rows)}
+
+Reproduce: `python scripts/tiers_policies.py --questions {a.questions} --warmup {a.warmup}` (its docstring).
+"""
+    print_page(page, a.out)
+
+
+if __name__ == "__main__":
+    main()
