@@ -150,9 +150,7 @@ class DiskTier:
                 meta = f.metadata() or {}
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
             kv = from_tensors(tensors, meta)
-        except FileNotFoundError:
-            raise
-        except READ_ERRORS as exc:
+        except (SafetensorError, KeyError, ValueError) as exc:  # the bytes are bad; not a permission or I/O error
             self._discard(path, exc)
             raise
         return kv
@@ -166,10 +164,10 @@ class DiskTier:
                 if "token_ids" not in f.keys():
                     return None
                 return tuple(f.get_tensor("token_ids").tolist())
-        except FileNotFoundError:
-            return None
-        except (SafetensorError, OSError, ValueError) as exc:
+        except (SafetensorError, ValueError) as exc:
             self._discard(path, exc)
+            return None
+        except OSError:  # absent, or not ours to read
             return None
 
     def _discard(self, path: Path, exc: BaseException) -> None:
