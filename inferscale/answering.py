@@ -110,8 +110,11 @@ class Answering:
         return self.components.pool.pinned(keys)
 
     def kv_stats(self) -> dict[str, int]:
-        """This process's KV pool counters: hits per tier (``device_hits``, ``host_hits``,
-        ``disk_hits``), ``misses``, ``writes``, evictions per tier, ``disk_evicted_bytes``,
+        """This process's KV pool counters: the memories requests were planned with, per tier
+        where their KV was (``served_device``, ``served_host``, ``served_disk``,
+        ``served_redis``) or served as text (``served_text``); loads this process made itself
+        (``device_hits``, ``host_hits``, ``disk_hits``, ``misses``: the connector loads in
+        vLLM's process, so a front counts few), ``writes``, evictions per tier, ``disk_evicted_bytes``,
         ``reencodes`` (KV written again after this process evicted it), and the bytes each
         tier holds (``device_bytes``, ``host_bytes``, ``disk_bytes``: as last counted, see
         :meth:`inferscale.kv.disk.DiskTier.estimate`); with a Redis tier, ``redis_hits``,

@@ -494,6 +494,7 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, help="The 'model' name clients send (default: the model's)."),
     dtype: str = _DTYPE,
     kv_storage_dtype: Optional[str] = typer.Option(None, help="How fact KV is stored: auto (the model's dtype), int8 or int4 (default auto, or $INFERSCALE_KV_STORAGE_DTYPE; docs/configuration.md)."),
+    disk_kv_budget_bytes: Optional[int] = typer.Option(None, help="Bytes of fact KV files kept on disk, at least 1 MiB; past it the least used are evicted and served as text until encoded again (default: no limit, or $INFERSCALE_DISK_KV_BUDGET_BYTES; docs/concepts.md)."),
     kv_redis_url: Optional[str] = typer.Option(None, help="A Redis shared by every deployment as a KV tier, e.g. redis://host:6379/0 (default: none, or $INFERSCALE_KV_REDIS_URL; docs/deployment.md)."),
     max_num_seqs: int = typer.Option(64, min=1, help="Most requests vLLM batches at once."),
     tool_call_parser: str = typer.Option("hermes", help="vLLM's tool-call parser for the model's tool-call format ('none': tools refused)."),
@@ -519,8 +520,17 @@ def serve(
         overrides["kv_storage_dtype"] = kv_storage_dtype
     if kv_redis_url is not None:
         overrides["kv_redis_url"] = kv_redis_url
+    if disk_kv_budget_bytes is not None:
+        overrides["disk_kv_budget_bytes"] = disk_kv_budget_bytes
     try:
         config = MemoryConfig(**overrides)
+    except (TypeError, ValueError) as exc:  # name the flag the value came from, not the Python keyword
+        message = str(exc)
+        for field in overrides:
+            message = message.replace(f"(the {field}= setting; its environment variable is INFERSCALE_{field.upper()})",
+                                      f"(--{field.replace('_', '-')})")
+        _fail(message)
+    try:
         run_server(config, ServeOptions(host=host, port=port, vllm_urls=tuple(vllm_url or ()), replicas=replicas,
                                         workers=workers, api_key=api_key or None,
                                         served_model_name=served_model_name, max_num_seqs=max_num_seqs,

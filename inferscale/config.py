@@ -116,7 +116,7 @@ class MemoryConfig(BaseSettings):
             (about half the bytes of bf16 KV) or ``int4`` (about 0.3x): keys quantized per
             channel before RoPE, values per token in groups of 32, dequantized in the KV
             connector before the cache write (:mod:`inferscale.kv.quant`; quality and speed
-            measured in docs/results/kv_storage.md). Changing it re-keys fact KV: existing
+            measured in docs/results/kv_storage/kv_storage.md). Changing it re-keys fact KV: existing
             model-dtype KV is quantized on its next use, without encoding again.
         context_window: default w of Context-Window Encoding, in conversation turns
             preceding each fact's source turn.

@@ -47,6 +47,8 @@ BAD_VALUES = [
     ("serve --workers 2", "needs Chroma as a server"),
     ("serve --workers 0", "--workers"),
     ("serve --kv-storage-dtype int3", "--kv-storage-dtype must be auto, int8 or int4"),
+    ("serve --disk-kv-budget-bytes 1000", "greater than or equal to 1048576, got 1000 (--disk-kv-budget-bytes)"),
+    ("serve --kv-redis-url redis://h:99999/0", "port is a number from 1 to 65535, got 'redis://h:99999/0' (--kv-redis-url)"),
     ("serve --replicas 2 --vllm-url http://127.0.0.1:9", "--replicas starts vLLM servers"),
     ("serve --vllm-url http://127.0.0.1:9 --vllm-url http://127.0.0.1:9/", "is given more than once"),
     ("models prepare --bogus", "No such option"),

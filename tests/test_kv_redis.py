@@ -224,14 +224,15 @@ def test_two_machines_share_kv_through_one_redis_and_survive_it_going_away(postg
         assert g.text == local.text  # the same KV bytes, injected on another machine: the same greedy answer
         stats = second.kv_stats()
         assert stats["writes"] == 0, "the second machine encoded nothing"
+        assert stats["served_redis"] == len(FACTS) and stats["served_text"] == 0  # what /metrics counts as hits
         assert not any((tmp_path / "second" / "kv").glob("*/*.safetensors")), "nor wrote KV to its disk"
 
         redis_server["kill"]()  # mid-traffic
         answers = [second.generate(q, user_id="alice", k=len(FACTS), mode="inject", max_tokens=8)
                    for q in ("What is my dog called?", "What instrument do I play?", "Where does my sister live?")]
         assert all(a.text.strip() and a.finish_reason in ("stop", "length") for a in answers)
-        # the front's own tiers hold nothing, so the memories came as text and are queued to be encoded here
-        assert set(answers[0].kv_sources.values()) == {"text: not encoded yet"}, answers[0].kv_sources
+        # the front's own tiers hold nothing, so the memories came as text, saying why, queued to be encoded here
+        assert set(answers[0].kv_sources.values()) == {"text: Redis unavailable"}, answers[0].kv_sources
         assert second.kv_stats()["redis_up"] == 0
         assert sorted(r["memory"] for r in second.get_all(user_id="alice")["results"]) == sorted(FACTS)
 

@@ -291,6 +291,9 @@ def test_an_evicted_memory_comes_as_text_says_why_and_is_encoded_again_once(tmp_
         evicted = [i for i, why in first.kv_sources.items() if why == "text: evicted"]
         assert evicted and set(evicted) == set(first.text_memory_ids)  # what was evicted comes as text, saying so
         assert {first.kv_sources[i] for i in first.kv_memory_ids} <= {"device", "disk"}
+        served = mem.kv_stats()  # the front's hits and misses, per memory planned
+        assert served["served_text"] == len(evicted)
+        assert served["served_device"] + served["served_disk"] == len(FACTS) - len(evicted)
         assert mem.kv_stats()["disk_evictions"] >= len(evicted)
         assert mem.kv_stats()["disk_bytes"] <= budget
         before = mem.kv_stats()["reencodes"]
@@ -367,3 +370,19 @@ def test_a_streamed_answer_releases_its_pins_when_the_client_goes_before_the_fir
     except Exception:  # ASGI 2.4: Starlette's ClientDisconnect, as a server would see it
         assert asgi == "2.4"
     assert not started and finished == [True] and pool._pins == {}
+
+
+def test_a_budget_smaller_than_what_must_stay_says_so_once(tmp_path, caplog):
+    """A preamble larger than the budget (1 MiB, the least allowed, under fp32 KV of a few
+    hundred tokens) cannot be evicted: every write then evicts the fact just before it. The
+    log says so once, with the numbers, instead of thrashing silently."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="inferscale.kv.pool")
+    pool = KVPool(tmp_path, "cpu", 1 << 30, disk_budget_bytes=1 << 20)
+    pool.put(kv_key("_preamble", v=1), kv(tokens=1200))
+    for i in range(3):
+        pool.put(kv_key(f"fact{i}", i=i), kv(tokens=100, seed=i))
+    said = [r.getMessage() for r in caplog.records if "smaller than the KV the pool must keep" in r.getMessage()]
+    assert len(said) == 1 and "1048576 bytes" in said[0]
+    assert pool.disk.exists(kv_key("_preamble", v=1)) and pool.disk.exists(kv_key("fact2", i=2))

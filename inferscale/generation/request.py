@@ -37,9 +37,11 @@ class EngineLike(Protocol):
 #: ``"device"`` or ``"host"`` tier, on ``"disk"`` (the tier vLLM's connector reads; it may
 #: hold the KV in its own device tier) or only in the shared ``"redis"`` tier (the connector
 #: reads it from there), was ``"quantized now"`` from model-dtype KV, was
-#: ``"encoded now"`` (``wait_for_kv``), or the memory came as text: ``"text: not encoded yet"``
-#: or ``"text: evicted"`` (its KV was evicted past a tier budget; queued to be encoded again).
-KV_SOURCES = ("device", "host", "disk", "redis", "quantized now", "encoded now", "text: not encoded yet", "text: evicted")
+#: ``"encoded now"`` (``wait_for_kv``), or the memory came as text: ``"text: not encoded yet"``,
+#: ``"text: evicted"`` (its KV was evicted past a tier budget; queued to be encoded again) or
+#: ``"text: Redis unavailable"`` (in no local tier, and the shared Redis tier did not answer).
+KV_SOURCES = ("device", "host", "disk", "redis", "quantized now", "encoded now", "text: not encoded yet", "text: evicted",
+              "text: Redis unavailable")
 
 
 @dataclass(frozen=True)
@@ -265,8 +267,9 @@ class RequestBuilder:
             self.kv.quantize_stored(self.kv.fact_spans(scope.key, missing, w))
             ready = [self.kv.stored(k) for k in keys]
             missing = [r for r, ok in zip(ranked, ready) if not ok]
-        sources = {r.id: found[r.id] or ("quantized now" if ok else ("text: evicted" if pool.was_evicted(k) else
-                                                                       "text: not encoded yet"))
+        redis_down = pool.remote is not None and not pool.remote.available
+        sources = {r.id: found[r.id] or ("quantized now" if ok else "text: evicted" if pool.was_evicted(k) else
+                                         "text: Redis unavailable" if redis_down else "text: not encoded yet")
                    for r, k, ok in zip(ranked, keys, ready)}
         if options.wait_for_kv and missing:
             self.kv.ensure(self.kv.fact_spans(scope.key, missing, w))
@@ -280,6 +283,7 @@ class RequestBuilder:
             self.kv.schedule(scope.key, ranked[n_kv:], w)
         kv_keys = {PREAMBLE_OWNER: preamble.key, **{r.id: key for r, key in zip(ranked[:n_kv], keys[:n_kv])}}
         pool.use(kv_keys.values())  # recency on disk: what requests use is evicted last
+        pool.count_served(found[r.id] for r in ranked)  # None: in no tier when planned (text, or encoded now)
         return _Selection(ranked, kv_keys, tuple(hits), retrieval,
                           tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]), sources)
 

@@ -38,6 +38,7 @@ and keeps memory tiers of its own.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -52,6 +53,8 @@ from inferscale.kv.entry import FactKV, StoredKV, to_storage
 from inferscale.kv.quant import QuantizedKV
 from inferscale.kv.remote import RedisTier, redacted
 from inferscale.kv.tiers import MemoryTier
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FactKV", "KVPool", "StoredKV", "kv_key", "to_storage", "validate_key"]
 
@@ -125,10 +128,12 @@ class KVPool:
         # encoder and the request path both writing) holds the folder to its budget plus one entry
         self._write_lock = threading.Lock()
         self._pins: dict[str, int] = {}
+        self._warned_small_budget = False
         self._evicted: OrderedDict[str, None] = OrderedDict()
         self.stats = {"device_hits": 0, "host_hits": 0, "disk_hits": 0, "misses": 0, "writes": 0,
                       "device_evictions": 0, "host_evictions": 0, "disk_evictions": 0, "disk_evicted_bytes": 0,
-                      "reencodes": 0, "redis_hits": 0}
+                      "reencodes": 0, "redis_hits": 0,
+                      "served_device": 0, "served_host": 0, "served_disk": 0, "served_redis": 0, "served_text": 0}
 
     @classmethod
     def shared(cls, root: Path, device: torch.device | str, device_budget_bytes: int, host_budget_bytes: int = 0,
@@ -240,6 +245,13 @@ class KVPool:
                 self.stats["disk_evicted_bytes"] += size
             while len(self._evicted) > _EVICTED_KEPT:
                 self._evicted.popitem(last=False)
+            left, budget = self.disk.estimate(), self.disk.budget_bytes
+            warn = budget is not None and left > budget and not self._warned_small_budget
+            self._warned_small_budget |= warn
+        if warn:
+            log.warning("disk_kv_budget_bytes (%d bytes) is smaller than the KV the pool must keep (%d bytes after "
+                        "evicting all it could: the preamble's and KV in use), so every write evicts what was just "
+                        "encoded and memories come as text; raise it to several times that", budget, left)
 
     def get(self, key: str) -> StoredKV | None:
         """The entry for ``key`` on the pool's device, or ``None`` when absent or unreadable.
@@ -338,6 +350,15 @@ class KVPool:
         """Mark ``keys`` as used by a request now (their disk recency, :meth:`DiskTier.touch`)."""
         for key in keys:
             self.disk.touch(validate_key(key))
+
+    def count_served(self, tiers: Iterable[str | None]) -> None:
+        """Count the memories a request was planned with: each one's tier (``"device"``,
+        ``"host"``, ``"disk"``, ``"redis"``) or ``None`` for one served as text. These are
+        the ``served_*`` counters, the front's hits and misses (``/metrics``); the
+        ``*_hits`` counters count loads, made where the KV is read (vLLM's process)."""
+        with self._lock:
+            for tier in tiers:
+                self.stats[f"served_{tier or 'text'}"] += 1
 
     def was_evicted(self, key: str) -> bool:
         """Whether this process evicted ``key`` (and has not stored it again since)."""

@@ -29,23 +29,26 @@ class KVPoolCollector(Collector):
             s = self.kv_stats()
         except RuntimeError:  # the memory closed (shutting down)
             return
-        hits = CounterMetricFamily("inferscale_kv_hits", "fact KV found in a tier of the front's pool", labels=["tier"])
+        hits = CounterMetricFamily("inferscale_kv_hits", "retrieved memories served as KV, by the tier that held it "
+                                   "when the request was planned", labels=["tier"])
         evictions = CounterMetricFamily("inferscale_kv_evictions", "fact KV entries evicted from a tier past its "
                                         "budget", labels=["tier"])
         held = GaugeMetricFamily("inferscale_kv_bytes", "bytes of fact KV a tier holds", labels=["tier"])
         for tier in ("device", "host", "disk"):
-            hits.add_metric([tier], s[f"{tier}_hits"])
+            hits.add_metric([tier], s[f"served_{tier}"])
             evictions.add_metric([tier], s[f"{tier}_evictions"])
             held.add_metric([tier], s[f"{tier}_bytes"])
         if "redis_up" in s:
-            hits.add_metric(["redis"], s["redis_hits"])
+            hits.add_metric(["redis"], s["served_redis"])
         evicted = CounterMetricFamily("inferscale_kv_evicted_bytes", "bytes of fact KV evicted", labels=["tier"])
         evicted.add_metric(["disk"], s["disk_evicted_bytes"])
         yield hits
         yield evictions
         yield evicted
         yield held
-        yield CounterMetricFamily("inferscale_kv_misses", "fact KV looked up and found in no tier", s["misses"])
+        yield CounterMetricFamily("inferscale_kv_misses", "retrieved memories whose KV was in no tier when the request "
+                                  "was planned (served as text, or encoded or quantized on the request path)",
+                                  s["served_text"])
         yield CounterMetricFamily("inferscale_kv_writes", "fact KV entries written", s["writes"])
         yield CounterMetricFamily("inferscale_kv_reencodes", "fact KV written again after it was evicted",
                                   s["reencodes"])
