@@ -9,8 +9,9 @@ decay), LRFU with a half-life counted in questions (the disk tier's order,
 :mod:`inferscale.kv.disk`), admission on a second miss (2Q-like) in front of LRU, and
 Belady's MIN (:mod:`inferscale.bench.clairvoyant`). Misses are admitted at once (the live
 replay re-encodes them in the background, a little later) and evictions go down to 90% of
-the budget, as the disk tier's do; the caches start empty and the first ``warmup`` questions
-are not counted. No model runs: the store's search only.
+the budget, as the disk tier's do; every cache starts warm as Belady's does (holding the facts
+the trace uses first, as many as fit: the live replays start from a full pool) and the first
+``warmup`` questions are not counted. No model runs: the store's search only.
 
     inferscale bench tiers ...             # builds the store once (<data dir>/bench-tiers)
     python scripts/tiers_policies.py --questions 3000 --warmup 1000 --out docs/results/tiers/policies.md
@@ -33,23 +34,35 @@ from inferscale.datasets.locomo import load_locomo
 from inferscale.memory import Memory
 
 
-def references(store: Path, data: Path, users: int, questions: int, zipf: float, k: int, seed: int):
-    """The trace's retrieved fact ids per question, and every fact's tokens."""
+def references(store: Path, data: Path, users: int, questions: int, zipf: float, k: int, seed: int,
+               stored_users: int = 12):
+    """The trace's retrieved fact ids per question, every fact's tokens, and all facts' tokens.
+
+    Users beyond the store's ``stored_users`` (``--users`` larger than the replay's) repeat
+    conversation ``u mod 10`` as the replay does, under fact ids of their own
+    (``<id>#<user>``): the same retrievals, other KV."""
     convs = load_locomo(data)
-    scopes = [f"tiers-{i}" for i in range(users)]
+    stored = [f"tiers-{i}" for i in range(min(users, stored_users))]
     asked = [[q.question for q in convs[i % len(convs)].qa if q.category in (1, 2, 3, 4)] for i in range(users)]
     trace = make_trace([len(a) for a in asked], questions, zipf, seed)
     tokens: dict[str, int] = {}
     hits: dict[tuple[int, int], list[str]] = {}
+    per_scope: dict[str, int] = {}
     with Memory(data_dir=store, precompute_kv=False, context_window=0, top_k=k) as mem:
+        for s in stored:
+            for m in mem.get_all(user_id=s, limit=100_000)["results"]:
+                tokens[m["id"]] = mem.fact_tokens(m["memory"])
+            per_scope[s] = sum(tokens[m["id"]] for m in mem.get_all(user_id=s, limit=100_000)["results"])
         for u, qi in trace:
             if (u, qi) not in hits:
-                found = mem.search(asked[u][qi], user_id=scopes[u], limit=k)["results"]
-                for m in found:
-                    tokens.setdefault(m["id"], mem.fact_tokens(m["memory"]))
-                hits[(u, qi)] = [m["id"] for m in found]
-        full = sum(tokens[m["id"]] if m["id"] in tokens else mem.fact_tokens(m["memory"])
-                   for s in scopes for m in mem.get_all(user_id=s, limit=100_000)["results"])
+                scope = stored[u] if u < len(stored) else stored[u % len(convs)]
+                found = [m["id"] for m in mem.search(asked[u][qi], user_id=scope, limit=k)["results"]]
+                if u >= len(stored):
+                    for i in found:
+                        tokens[f"{i}#{u}"] = tokens[i]
+                    found = [f"{i}#{u}" for i in found]
+                hits[(u, qi)] = found
+    full = sum(per_scope[stored[u] if u < len(stored) else stored[u % len(convs)]] for u in range(users))
     return [hits[q] for q in trace], tokens, full
 
 
@@ -61,6 +74,14 @@ def replay(refs, tokens, budget: float, warmup: int, *, half_life: float | None 
     count: dict[str, float] = defaultdict(float)
     seen_once: set[str] = set()
     held = hit = total = 0
+    first_use = list(dict.fromkeys(key for keys in refs for key in keys))
+    for key in first_use:  # warm, as the live replays and Belady start: the facts used first, as many as fit
+        if held + tokens[key] <= budget:
+            cache[key] = 0
+            held += tokens[key]
+            seen_once.add(key)
+            if half_life is not None:
+                count[key] = -1.0  # one use just before the trace
     for q, keys in enumerate(refs):
         for key in keys:
             t = tokens[key]
@@ -117,13 +138,14 @@ def main() -> None:
                                                   for s in shares])
     page = f"""# Eviction policies on the tiers replay's reference string (offline)
 
-{a.users} users, Zipf s = {a.zipf}, k = {a.k}, {a.questions:,} questions of which the first {a.warmup:,} are not
+{a.users} users (conversation i mod 10 each), Zipf s = {a.zipf}, k = {a.k}, {a.questions:,} questions of which the first {a.warmup:,} are not
 counted (seed {a.seed}); {sum(map(len, refs)):,} references to {len({x for r in refs for x in r}):,} of the store's facts;
 budgets are shares of all facts' tokens ({full:,}). Share of retrieved fact tokens served from the cache:
 
 {markdown_table(["policy"] + [f"{s:.0%} of the pool" for s in shares], rows)}
 
-Reproduce: `python scripts/tiers_policies.py --questions {a.questions} --warmup {a.warmup}` (its docstring).
+Reproduce: `python scripts/tiers_policies.py --users {a.users} --zipf {a.zipf} --questions {a.questions} --warmup {a.warmup}`
+(its docstring).
 """
     print_page(page, a.out)
 
