@@ -266,7 +266,7 @@ Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores; commit {m.get('commit
 
 {table}
 
-Reproduce: `inferscale bench tiers --out docs/results/tiers` (module docstring of
-`inferscale/bench/tiers.py` for the method). The same policies on a longer trace, offline
+Reproduce: `inferscale bench tiers --questions {summary['questions']} --warmup {summary['warmup']} --out docs/results/tiers`
+(module docstring of `inferscale/bench/tiers.py` for the method). The same policies on a longer trace, offline
 (no model, the store's search only): [policies](policies.md), from `scripts/tiers_policies.py`.
 """
