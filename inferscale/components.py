@@ -113,26 +113,34 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
         store = FactStore(data / "chroma", config.chroma_server())
         turns, history_log = _logs(config)
         kv_jobs = KVJobQueue(data / "kv_jobs.sqlite")
-        pool = KVPool.shared(kv_dir, device, config.device_kv_budget_bytes, config.host_kv_budget_bytes,
-                             config.disk_kv_budget_bytes, config.kv_redis_url)
-        pool.enforce_budget()  # a budget lowered since the folder was filled holds from the start
     except (StoreError, ImportError):
         raise
     except Exception as exc:  # sqlite, chromadb and OS errors on a damaged store
         raise StoreError(f"cannot open the store at {data} ({type(exc).__name__}: {exc}): move the damaged "
                          "file aside or choose another data_dir") from exc
-    if manifest is not None:
-        (data / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    embedder = Embedder(config.embedder, device, source=embedder_source, backend=config.embedder_backend)
-    # partitions load on first use, and catch up on (or reload after) other processes' writes
-    index = VectorIndex(device, loader=store.load_scope, versioner=history_log.scope_version,
-                        changes=history_log.changes_since, fetch=store.fetch)
-    kv = KVManager(model_path, model_fingerprint(model_path), config.resolved_dtype, prompts, pool, turns,
-                   config.encode_batch_tokens, config.max_model_len, jobs=kv_jobs, store=store, verbose=config.verbose,
-                   storage=config.kv_storage_dtype)
-    facts = FactService(store, index, embedder, kv, history_log, config.context_window, config.precompute_kv,
-                        config.max_fact_tokens, config.search_mode)
-    requests = RequestBuilder(facts, prompts, kv, turns, config.max_model_len)
+    try:  # a ValueError here (the folder open with other settings) says what to do as it is
+        pool = KVPool.shared(kv_dir, device, config.device_kv_budget_bytes, config.host_kv_budget_bytes,
+                             config.disk_kv_budget_bytes, config.kv_redis_url)
+    except OSError as exc:
+        raise StoreError(f"cannot open the KV folder {kv_dir} ({type(exc).__name__}: {exc}): move it aside or "
+                         "choose another data_dir") from exc
+    try:
+        pool.enforce_budget()  # a budget lowered since the folder was filled holds from the start
+        if manifest is not None:
+            (data / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        embedder = Embedder(config.embedder, device, source=embedder_source, backend=config.embedder_backend)
+        # partitions load on first use, and catch up on (or reload after) other processes' writes
+        index = VectorIndex(device, loader=store.load_scope, versioner=history_log.scope_version,
+                            changes=history_log.changes_since, fetch=store.fetch)
+        kv = KVManager(model_path, model_fingerprint(model_path), config.resolved_dtype, prompts, pool, turns,
+                       config.encode_batch_tokens, config.max_model_len, jobs=kv_jobs, store=store,
+                       verbose=config.verbose, storage=config.kv_storage_dtype)
+        facts = FactService(store, index, embedder, kv, history_log, config.context_window, config.precompute_kv,
+                            config.max_fact_tokens, config.search_mode)
+        requests = RequestBuilder(facts, prompts, kv, turns, config.max_model_len)
+    except BaseException:
+        pool.release()  # a retry with other settings must not find this half-open pool
+        raise
     return Components(config=config, model_path=model_path, tokenizer=tokenizer, prompts=prompts, device=device,
                       kv_dir=kv_dir, store=store, turns=turns, history_log=history_log, kv_jobs=kv_jobs, pool=pool,
                       embedder=embedder, index=index, kv=kv, facts=facts, requests=requests)

@@ -210,6 +210,82 @@ def test_the_host_tier_is_off_on_a_cpu_device_and_settings_must_match(tmp_path, 
     assert MemoryConfig(data_dir=tmp_path).disk_kv_budget_bytes is None
 
 
+def test_the_last_release_lets_the_folder_open_again_with_other_settings(tmp_path):
+    first = KVPool.shared(tmp_path / "s", "cpu", 1 << 20, disk_budget_bytes=1 << 30)
+    second = KVPool.shared(tmp_path / "s", "cpu", 1 << 20, disk_budget_bytes=1 << 30)
+    assert second is first
+    first.release()  # one holder left: still the process's pool, still the same settings
+    with pytest.raises(ValueError, match="already open in this process"):
+        KVPool.shared(tmp_path / "s", "cpu", 1 << 20, disk_budget_bytes=2 << 30)
+    second.release()
+    second.release()  # past zero: nothing happens
+    reopened = KVPool.shared(tmp_path / "s", "cpu", 1 << 20, disk_budget_bytes=2 << 30)
+    assert reopened is not first and reopened.disk_budget_bytes == 2 << 30
+    reopened.release()
+
+
+def test_a_closed_memory_lets_its_folder_open_again_with_other_budgets(tmp_path, monkeypatch):
+    import inferscale.components
+    from inferscale import Memory
+
+    first = Memory(data_dir=tmp_path, dtype="float32", disk_kv_budget_bytes=64 << 20, precompute_kv=False)
+    first.add(FACTS[0], user_id="u", infer=False)
+    other = Memory(data_dir=tmp_path, dtype="float32", disk_kv_budget_bytes=64 << 20, precompute_kv=False)
+    other.close()  # the first still holds the folder's pool
+    with pytest.raises(ValueError, match="close the Memory that opened it first"):
+        Memory(data_dir=tmp_path, dtype="float32", disk_kv_budget_bytes=32 << 20)
+    first.close()
+    first.close()  # closing twice lets go once
+    with monkeypatch.context() as patch:  # an open that fails after the pool lets go of it ...
+        def broken(*args, **kwargs):
+            raise RuntimeError("the embedder failed to load")
+
+        patch.setattr(inferscale.components, "Embedder", broken)
+        with pytest.raises(RuntimeError, match="embedder failed"):
+            Memory(data_dir=tmp_path, dtype="float32", disk_kv_budget_bytes=16 << 20)
+    again = Memory(data_dir=tmp_path, dtype="float32", disk_kv_budget_bytes=32 << 20)  # ... so this opens
+    try:
+        assert again.components.pool.disk_budget_bytes == 32 << 20
+        assert [m["memory"] for m in again.get_all(user_id="u")["results"]] == [FACTS[0]]  # nothing lost
+    finally:
+        again.close()
+
+
+FULL_DISK = """
+import json, sys, torch
+from inferscale.kv.pool import FactKV, KVPool, kv_key
+
+pool = KVPool(sys.argv[1] + "/kv", "cpu", 1 << 30, disk_budget_bytes=1 << 40)  # a budget far past the disk
+keys = [kv_key(f"fact{i}", i=i) for i in range(12)]
+for i, key in enumerate(keys):  # ~0.6 MiB each: twelve do not fit in 4 MiB
+    g = torch.Generator().manual_seed(i)
+    pool.put(key, FactKV(torch.randn(2, 600, 2, 32, generator=g), torch.randn(2, 600, 2, 32, generator=g),
+                         tuple(range(600))))
+print(json.dumps({"on_disk": [pool.disk.exists(k) for k in keys], "evictions": pool.stats["disk_evictions"],
+                  "readable": [pool.disk.read(k).num_tokens for k in keys if pool.disk.exists(k)]}))
+"""
+
+
+def test_a_full_disk_evicts_to_make_room_instead_of_failing_the_write(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    # a 4 MiB file system of its own, in a private mount namespace (gone when the process is)
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=4m tmpfs "$1" && exec "$2" -c "$3" "$1"',
+                           "sh", str(mount), sys.executable, FULL_DISK], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["on_disk"][-1] and not all(out["on_disk"])  # every write landed; the oldest made room
+    first_kept = out["on_disk"].index(True)
+    assert all(out["on_disk"][first_kept:]) and out["evictions"] == first_kept  # oldest out first
+    assert out["readable"] == [600] * (12 - first_kept)  # no file cut short
+    assert done.stderr.count("is full") == 1  # said once, with what to set
+    assert "disk_kv_budget_bytes" in done.stderr
+
+
 def test_a_use_renews_recency_at_most_once_a_minute_per_entry(tmp_path, keys):
     pool = KVPool(tmp_path, "cpu", 1 << 30)
     pool.put(keys[0], kv())

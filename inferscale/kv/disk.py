@@ -298,13 +298,20 @@ class DiskTier:
             self.scan()
         return (self._bytes or 0) > self.budget_bytes
 
-    def evict(self, keep: Callable[[str], bool]) -> list[tuple[str, int]]:
+    def evict(self, keep: Callable[[str], bool], free_bytes: int = 0) -> list[tuple[str, int]]:
         """Remove the lowest-priority files (see the module docstring), skipping those
         ``keep(key)`` holds and the newest file of each shared owner (a name starting with
         ``_``: the preamble, whose older variants, such as yesterday's dated template, go as
         facts do), until the folder is at :attr:`LOW_WATERMARK` of the budget; returns
-        ``(key, bytes)`` removed. An owner folder left empty is removed too."""
-        if self.budget_bytes is None:
+        ``(key, bytes)`` removed. An owner folder left empty is removed too.
+
+        Args:
+            keep: which keys must stay.
+            free_bytes: when more than 0, remove files to free this many bytes, or
+                ``1 - LOW_WATERMARK`` of what the folder holds if that is more, whatever
+                the budget (the file system is full: :meth:`full`).
+        """
+        if self.budget_bytes is None and free_bytes <= 0:
             return []
         entries = self.scan()
         newest_shared = {}
@@ -313,7 +320,10 @@ class DiskTier:
                 newest_shared[key.split("/")[0]] = key
         shared = set(newest_shared.values())
         total = self._bytes or 0
-        target = int(self.budget_bytes * self.LOW_WATERMARK)
+        target = None if self.budget_bytes is None else int(self.budget_bytes * self.LOW_WATERMARK)
+        if free_bytes > 0:
+            freed = total - max(int(free_bytes), int(total * (1 - self.LOW_WATERMARK)))
+            target = freed if target is None else min(target, freed)
         out = []
         for _, size, key in entries:
             if total <= target:
@@ -334,6 +344,20 @@ class DiskTier:
         with self._lock:
             self._bytes = total
         return out
+
+
+    def free_bytes(self) -> int | None:
+        """Bytes free on the folder's file system (``None`` when it cannot be asked)."""
+        try:
+            return shutil.disk_usage(self.root).free
+        except OSError:
+            return None
+
+    def full(self, need_bytes: int) -> bool:
+        """Whether the folder's file system has fewer than ``need_bytes`` free (what a failed
+        write is checked against: safetensors' error carries no errno)."""
+        free = self.free_bytes()
+        return free is not None and free < need_bytes
 
 
 def used_priority(priority: float, now: float, half_life_s: float) -> float:

@@ -107,6 +107,7 @@ class KVManager:
         self.dtype = dtype
         self.prompts = prompts
         self.pool = pool
+        self._closed = False
         self.turns = turns
         self.batch_tokens = batch_tokens
         self.max_tokens = max_tokens
@@ -303,6 +304,10 @@ class KVManager:
             self.background.notify()
 
     def close(self) -> None:
-        """Stop the background encoder after its current batch (queued jobs stay queued)."""
+        """Stop the background encoder after its current batch (queued jobs stay queued) and
+        let go of the pool (:meth:`KVPool.release`), once however often it is called."""
         if self.background is not None:
             self.background.close()
+        if not self._closed:
+            self._closed = True
+            self.pool.release()

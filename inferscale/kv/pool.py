@@ -62,6 +62,8 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}/[0-9a-f]{32}$")
 
 #: Keys remembered as evicted, for provenance (~150 bytes each).
 _EVICTED_KEPT = 100_000
+#: a file's bytes beyond its tensors (safetensors header, token ids): what a write needs free
+_FILE_SLACK_BYTES = 64 << 10
 
 
 def kv_key(owner: str, **parts: object) -> str:
@@ -128,7 +130,9 @@ class KVPool:
         # encoder and the request path both writing) holds the folder to its budget plus one entry
         self._write_lock = threading.Lock()
         self._pins: dict[str, int] = {}
+        self._users = 0  # holders from shared(); the last release() unregisters the pool
         self._warned_small_budget = False
+        self._warned_full_disk = False
         self._evicted: OrderedDict[str, None] = OrderedDict()
         self.stats = {"device_hits": 0, "host_hits": 0, "disk_hits": 0, "misses": 0, "writes": 0,
                       "device_evictions": 0, "host_evictions": 0, "disk_evictions": 0, "disk_evicted_bytes": 0,
@@ -141,7 +145,9 @@ class KVPool:
         """The process-wide pool for ``root`` (created on first use).
 
         Every caller in a process shares one set of tiers per folder, so invalidations and
-        pins reach all of them.
+        pins reach all of them. Each call holds the pool until a matching :meth:`release`;
+        when the last holder releases it, the next call opens the folder afresh (with its
+        own settings).
 
         Raises:
             ValueError: the pool for ``root`` exists with another device or budget (the
@@ -154,6 +160,7 @@ class KVPool:
             if pool is None:
                 pool = cls(key, device, device_budget_bytes, host_budget_bytes, disk_budget_bytes, redis_url)
                 cls._registry[key] = pool
+                pool._users = 1
                 return pool
             asked = _settings(torch.device(device), device_budget_bytes, host_budget_bytes, disk_budget_bytes,
                               redis_url)
@@ -162,9 +169,26 @@ class KVPool:
                 asked = {k: redacted(v) if k == "redis_url" and v else v for k, v in asked.items()}
                 raise ValueError(
                     f"the KV pool at {key} is already open in this process with {shown}; open it with the "
-                    f"same settings (asked: {asked})"
+                    f"same settings (asked: {asked}), or close the Memory that opened it first"
                 )
+            pool._users += 1
             return pool
+
+    def release(self) -> None:
+        """Let go of one :meth:`shared` hold (``Memory.close`` does, once). The last hold takes
+        the pool out of the process's registry and closes its Redis connection, so the folder
+        can be opened again with other settings; the files stay. A pool made with the
+        constructor, or released past zero, is left as it is."""
+        with self._registry_lock:
+            if self._users <= 0:
+                return
+            self._users -= 1
+            if self._users > 0:
+                return
+            if self._registry.get(self.root) is self:
+                del self._registry[self.root]
+        if self.remote is not None:
+            self.remote.close()
 
     def settings(self) -> dict:
         """Device, budgets (bytes) and Redis URL, as :meth:`shared` compares them."""
@@ -194,7 +218,17 @@ class KVPool:
         if kv.token_ids is not None and len(kv.token_ids) != kv.num_tokens:
             raise ValueError(f"{len(kv.token_ids)} token ids for KV of {kv.num_tokens} tokens")
         with self._write_lock:
-            self.disk.write(key, kv)
+            try:
+                self.disk.write(key, kv)
+            except OSError:
+                # a full file system (a budget larger than the disk, or other files filling
+                # it) is a smaller budget, not an outage: make room by the policy, write again
+                need = kv.nbytes + _FILE_SLACK_BYTES
+                if not self.disk.full(need):
+                    raise
+                self._evict_disk(protect=key, free_bytes=need)
+                self._warn_full_disk(need)
+                self.disk.write(key, kv)
             if self.disk.over_budget():
                 self._evict_disk(protect=key)
         if self.remote is not None:
@@ -231,11 +265,19 @@ class KVPool:
         self._evict_disk(protect="")
         return self.stats["disk_evictions"] - before
 
-    def _evict_disk(self, protect: str) -> None:
+    def _warn_full_disk(self, need: int) -> None:
+        with self._lock:
+            warn, self._warned_full_disk = not self._warned_full_disk, True
+        if warn:
+            log.warning("the disk holding the KV pool at %s is full (%d bytes free): evicting KV files to make room; "
+                        "set disk_kv_budget_bytes (now %s) below the free space to keep the disk from filling",
+                        self.root, self.disk.free_bytes() or 0, self.disk.budget_bytes or "no limit")
+
+    def _evict_disk(self, protect: str, free_bytes: int = 0) -> None:
         with self._lock:
             pinned = set(self._pins)
         # the preamble's newest file (owner "_preamble": in every request) is kept by the disk tier
-        gone = self.disk.evict(keep=lambda k: k == protect or k in pinned)
+        gone = self.disk.evict(keep=lambda k: k == protect or k in pinned, free_bytes=free_bytes)
         with self._lock:
             for key, size in gone:
                 self._device.pop(key)
