@@ -36,7 +36,8 @@ from inferscale.memory import Memory
 
 def references(store: Path, data: Path, users: int, questions: int, zipf: float, k: int, seed: int,
                stored_users: int = 12):
-    """The trace's retrieved fact ids per question, every fact's tokens, and all facts' tokens.
+    """The trace's retrieved fact ids per question, every fact's tokens, all facts' tokens, and
+    how many facts the users hold.
 
     Users beyond the store's ``stored_users`` (``--users`` larger than the replay's) repeat
     conversation ``u mod 10`` as the replay does, under fact ids of their own
@@ -48,11 +49,14 @@ def references(store: Path, data: Path, users: int, questions: int, zipf: float,
     tokens: dict[str, int] = {}
     hits: dict[tuple[int, int], list[str]] = {}
     per_scope: dict[str, int] = {}
+    counts: dict[str, int] = {}
     with Memory(data_dir=store, precompute_kv=False, context_window=0, top_k=k) as mem:
         for s in stored:
             for m in mem.get_all(user_id=s, limit=100_000)["results"]:
                 tokens[m["id"]] = mem.fact_tokens(m["memory"])
-            per_scope[s] = sum(tokens[m["id"]] for m in mem.get_all(user_id=s, limit=100_000)["results"])
+            held = mem.get_all(user_id=s, limit=100_000)["results"]
+            per_scope[s] = sum(tokens[m["id"]] for m in held)
+            counts[s] = len(held)
         for u, qi in trace:
             if (u, qi) not in hits:
                 scope = stored[u] if u < len(stored) else stored[u % len(convs)]
@@ -62,8 +66,8 @@ def references(store: Path, data: Path, users: int, questions: int, zipf: float,
                         tokens[f"{i}#{u}"] = tokens[i]
                     found = [f"{i}#{u}" for i in found]
                 hits[(u, qi)] = found
-    full = sum(per_scope[stored[u] if u < len(stored) else stored[u % len(convs)]] for u in range(users))
-    return [hits[q] for q in trace], tokens, full
+    owner = [stored[u] if u < len(stored) else stored[u % len(convs)] for u in range(users)]
+    return [hits[q] for q in trace], tokens, sum(per_scope[o] for o in owner), sum(counts[o] for o in owner)
 
 
 def replay(refs, tokens, budget: float, warmup: int, *, half_life: float | None = None, lfu: bool = False,
@@ -117,7 +121,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", type=Path, default=None, help="the replay's store (default <data dir>/bench-tiers)")
     ap.add_argument("--data", type=Path, default=Path("../shared/data/locomo/locomo10.json"))
-    ap.add_argument("--users", type=int, default=12)
+    ap.add_argument("--users", type=int, nargs="+", default=[12],
+                    help="populations: the first gets every policy and budget, each one a row at 25%%")
     ap.add_argument("--questions", type=int, default=3000)
     ap.add_argument("--warmup", type=int, default=1000)
     ap.add_argument("--zipf", type=float, default=1.1)
@@ -125,26 +130,45 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write the page here too")
     a = ap.parse_args()
-    refs, tokens, full = references(a.store or default_data_dir() / "bench-tiers", a.data, a.users, a.questions,
-                                    a.zipf, a.k, a.seed)
+    store = a.store or default_data_dir() / "bench-tiers"
     policies = [("LRU", {}), ("LRU, admitted on a second miss", {"admit_second": True}), ("LFU", {"lfu": True}),
                 ("LRFU, half-life 100 questions", {"half_life": 100.0}),
                 ("LRFU, half-life 300 questions", {"half_life": 300.0})]
     shares = (0.5, 0.25, 0.1)
-    rows = []
-    for name, kw in policies:
-        rows.append([name] + [f"{replay(refs, tokens, full * s, a.warmup, **kw):.1%}" for s in shares])
-    rows.append(["Belady's MIN (clairvoyant)"] + [f"{belady_token_share(refs, tokens, tokens, int(full * s), a.warmup):.1%}"
-                                                  for s in shares])
+    by_users = []
+    for n, users in enumerate(a.users):
+        refs, tokens, full, held = references(store, a.data, users, a.questions, a.zipf, a.k, a.seed)
+        facts = len({x for r in refs for x in r})
+        if n == 0:
+            first = (users, refs, full, facts)
+            rows = [[name] + [f"{replay(refs, tokens, full * s, a.warmup, **kw):.1%}" for s in shares]
+                    for name, kw in policies]
+            rows.append(["Belady's MIN (clairvoyant)"]
+                        + [f"{belady_token_share(refs, tokens, tokens, int(full * s), a.warmup):.1%}" for s in shares])
+        quarter = full * 0.25
+        by_users.append([f"{users}", f"{held:,}", f"{facts:,} ({facts / held:.0%})"]
+                        + [f"{replay(refs, tokens, quarter, a.warmup, **kw):.1%}" for _, kw in
+                           (policies[0], policies[2], policies[4])]
+                        + [f"{belady_token_share(refs, tokens, tokens, int(quarter), a.warmup):.1%}"])
+    users, refs, full, facts = first
     page = f"""# Eviction policies on the tiers replay's reference string (offline)
 
-{a.users} users (conversation i mod 10 each), Zipf s = {a.zipf}, k = {a.k}, {a.questions:,} questions of which the first {a.warmup:,} are not
-counted (seed {a.seed}); {sum(map(len, refs)):,} references to {len({x for r in refs for x in r}):,} of the store's facts;
+{users} users (conversation i mod 10 each), Zipf s = {a.zipf}, k = {a.k}, {a.questions:,} questions of which the first {a.warmup:,} are not
+counted (seed {a.seed}); {sum(map(len, refs)):,} references to {facts:,} of the store's facts;
 budgets are shares of all facts' tokens ({full:,}). Share of retrieved fact tokens served from the cache:
 
 {markdown_table(["policy"] + [f"{s:.0%} of the pool" for s in shares], rows)}
 
-Reproduce: `python scripts/tiers_policies.py --users {a.users} --zipf {a.zipf} --questions {a.questions} --warmup {a.warmup}`
+## By population, at 25% of the pool
+
+The same trace length and skew over more users (users past the store's 12 repeat conversation
+u mod 10 under fact ids of their own): the pool grows with every user, the facts the trace
+asks about grow more slowly, so a quarter of the pool holds more of them.
+
+{markdown_table(["users", "facts held", "facts asked about", "LRU", "LFU", "LRFU, 300 questions",
+                 "Belady's MIN"], by_users)}
+
+Reproduce: `python scripts/tiers_policies.py --users {' '.join(map(str, a.users))} --zipf {a.zipf} --questions {a.questions} --warmup {a.warmup}`
 (its docstring).
 """
     print_page(page, a.out)
