@@ -18,6 +18,7 @@ from inferscale.components import Components
 from inferscale.config import MemoryConfig
 from inferscale.kv.pool import KVPool, StoredKV
 from inferscale.kv.reference import ReferenceModel
+from inferscale.models.kv_shape import check_kv_cache_fits
 from inferscale.generation.options import GenerationOptions
 from inferscale.generation.request import MemoryBlock, PreparedRequest, generation_chunks
 from inferscale.store.records import Scope
@@ -150,6 +151,8 @@ class Answering:
             if self._engine is None:
                 from inferscale.serving.engine import Engine
 
+                check_kv_cache_fits(self.model_path, self.config.resolved_dtype, self.config.max_model_len,
+                                    self.config.kv_cache_memory_bytes)  # before vLLM, in InferScale's terms
                 self._engine = Engine(
                     self.model_path, dtype=self.config.resolved_dtype, kv_dir=self.kv_dir,
                     max_model_len=self.config.max_model_len, kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,

@@ -49,6 +49,25 @@ def test_prompts_longer_than_the_context_are_refused(tmp_path):
         small.inject("What do you know?", user_id="u", k=20)
 
 
+def test_a_vllm_cache_too_small_for_max_model_len_is_named_in_our_settings_before_vllm_starts(tmp_path):
+    small = new_memory(tmp_path / "small", kv_cache_memory_bytes=16 << 20)  # SmolLM2 fp32: 364 tokens of 8,192
+    small.add("My dog is called Rex.", user_id="u")
+    with pytest.raises(ValueError, match="holds 364 tokens") as caught:
+        small.generate("What is my dog called?", user_id="u")
+    assert "at least 377,487,360 bytes (360 MiB" in str(caught.value)  # 8,192 x 46,080 bytes and "lower max_model_len to 364" in str(caught.value)
+    assert small._engine is None  # vLLM never started: no traceback from its process, nothing left at exit
+    assert [r["memory"] for r in small.get_all(user_id="u")["results"]] == ["My dog is called Rex."]
+    small.close()
+    fits = new_memory(tmp_path / "small", kv_cache_memory_bytes=16 << 20, max_model_len=256)
+    try:
+        from inferscale.models.kv_shape import check_kv_cache_fits
+
+        check_kv_cache_fits(fits.model_path, "float32", 256, 16 << 20)  # 256 of 364 tokens: vLLM's to judge
+        check_kv_cache_fits(tmp_path / "no-model", "float32", 1 << 20, 16 << 20)  # no config.json: left to vLLM
+    finally:
+        fits.close()
+
+
 @pytest.mark.parametrize("facts", ["hello", FactInput("x"), None, 5])
 def test_add_facts_wants_a_list(mem, facts):
     before = state(mem, "u")

@@ -83,6 +83,19 @@ def test_a_bad_option_value_is_one_line_and_exit_2(line, expected, tmp_path):
     check_one_line(run_cli(line, tmp_path), expected)
 
 
+def test_a_vllm_cache_too_small_for_max_model_len_is_one_line_before_vllm_starts(tmp_path):
+    import os
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "INFERSCALE_KV_CACHE_MEMORY_BYTES": str(16 << 20), "INFERSCALE_DTYPE": "float32"}
+    proc = run_cli(f"serve --data-dir {tmp_path / 'new'} --port {port}", tmp_path, env)
+    check_one_line(proc, "raise kv_cache_memory_bytes to at least 377,487,360 bytes")
+    assert not (tmp_path / "new").exists()  # refused before the data dir was made
+
+
 def test_a_bad_setting_in_the_environment_is_one_line(tmp_path):
     import os
 

@@ -34,26 +34,13 @@ from inferscale.bench.common import ensure_conversation, markdown_table, scope_o
 from inferscale.bench.plots import plot_footprint
 from inferscale.runtime.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.datasets.locomo import load_locomo
-from inferscale.runtime.devices import torch_dtype
 from inferscale.kv import quant
 from inferscale.kv.pool import KVPool
+from inferscale.models.kv_shape import bytes_per_token, kv_dims
 from inferscale.memory import Memory
 
 NAME = "footprint"
 MIB = 2**20
-
-
-def bytes_per_token(hf_config, dtype: str) -> int:
-    """KV bytes per token, all layers, K and V (see the module docstring for the formula)."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    return hf_config.num_hidden_layers * 2 * hf_config.num_key_value_heads * head_dim * torch_dtype(
-        dtype).itemsize
-
-
-def kv_dims(hf_config) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of the model's KV."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    return hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim
 
 
 def stored_files(kv_dir: Path) -> list[dict]:

@@ -60,8 +60,8 @@ class ServeOptions:
     def check(self, config: MemoryConfig) -> None:
         """Raises:
             ValueError: ``workers`` or ``replicas`` below 1, ``replicas`` with ``vllm_urls``,
-                several workers over the embedded Chroma store, or a tool-call parser vLLM
-                does not have.
+                several workers over the embedded Chroma store, a tool-call parser vLLM
+                does not have, or a vLLM cache too small for one request of ``max_model_len``.
         """
         if self.workers < 1 or self.replicas < 1:
             raise ValueError(f"--workers and --replicas must be at least 1, got {self.workers} and {self.replicas}")
@@ -75,6 +75,12 @@ class ServeOptions:
             raise ValueError(f"--workers {self.workers} needs Chroma as a server: the embedded store in the data dir "
                              "is one process's. Start `chroma run --path <dir> --port 8001` and set "
                              "INFERSCALE_CHROMA_URL=http://127.0.0.1:8001 (docs/deployment.md), or use --workers 1")
+        if not self.vllm_urls:  # the servers this starts must hold one request (vLLM says so only after a minute)
+            from inferscale.models.kv_shape import check_kv_cache_fits
+            from inferscale.models.resolve import resolve_llm
+
+            check_kv_cache_fits(resolve_llm(config.llm), config.resolved_dtype, config.max_model_len,
+                                config.kv_cache_memory_bytes)
         if self.tool_call_parser is not None and not self.vllm_urls:
             from inferscale.serving.vllm_compat import tool_call_parsers  # imports vLLM: seconds
 
