@@ -162,8 +162,9 @@ budgets are shares of all facts' tokens ({full:,}). Share of retrieved fact toke
 ## By population, at 25% of the pool
 
 The same trace length and skew over more users (users past the store's 12 repeat conversation
-u mod 10 under fact ids of their own): the pool grows with every user, the facts the trace
-asks about grow more slowly, so a quarter of the pool holds more of them.
+u mod 10 under fact ids of their own): the pool grows with every user, the facts one trace
+asks about grow more slowly, so a quarter of the pool holds more of them. A trace is a
+short horizon: what a fleet needs over days is [Sizing a fleet](../../sizing.md)'s.
 
 {markdown_table(["users", "facts held", "facts asked about", "LRU", "LFU", "LRFU, 300 questions",
                  "Belady's MIN"], by_users)}

@@ -269,6 +269,7 @@ Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores; commit {m.get('commit
 Reproduce: `inferscale bench tiers --questions {summary['questions']} --warmup {summary['warmup']} --out docs/results/tiers`
 (module docstring of `inferscale/bench/tiers.py` for the method). The same policies on a longer trace, offline
 (no model, the store's search only): [policies](policies.md), from `scripts/tiers_policies.py`, which also
-replays more users: at 120 (a pool mostly of users the trace never asks about, as a fleet's is) a quarter
-of the pool serves 88% of fact tokens as KV under every policy.
+replays more users: over 120, the facts 3,000 questions ask about are a third of the pool and a quarter of
+the pool serves 88% of fact tokens as KV under every policy. What a fleet needs over days, not one trace,
+is the simulator's answer: [Sizing a fleet](../../sizing.md).
 """
