@@ -62,6 +62,16 @@ def test_add_search_get_all_round_trip(memory):
         memory.get_all(user_id="hiker", top_k="3")
 
 
+def test_get_all_lists_one_adds_memories_in_the_order_given(memory):
+    texts = [f"Fact {word} about the reader." for word in ("zulu", "alpha", "mike", "bravo", "yankee", "charlie")]
+    for _ in range(2):  # however the random ids fall
+        memory.add([{"role": "user", "content": t} for t in texts], user_id="ordered", infer=False)
+        memory.add("A later fact.", user_id="ordered", infer=False)
+        listed = [m["memory"] for m in memory.get_all(user_id="ordered")["results"]]
+        assert listed == texts + ["A later fact."]
+        memory.delete_all(user_id="ordered")
+
+
 def test_locomo_facts_keep_their_provenance(memory, sample):
     stored = memory.get_all(user_id=USER, limit=1000)["results"]
     by_text = {f.dated_text(): f.dia_ids for f in sample.facts}

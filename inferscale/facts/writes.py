@@ -17,7 +17,7 @@ import json
 import threading
 import uuid
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Iterator, Sequence
 
 from inferscale.checks import check_int, check_number
@@ -45,8 +45,20 @@ def text_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat()
+_clock_lock = threading.Lock()
+_last_stamp = datetime.min.replace(tzinfo=timezone.utc)
+
+
+def _stamps(n: int) -> list[str]:
+    """``n`` times from now a microsecond apart (UTC, ISO 8601), each later than any
+    this process gave before, so the facts of one ``add`` sort in input order by
+    ``created_at`` (``get_all``'s order) and after every earlier write's."""
+    global _last_stamp
+    with _clock_lock:
+        start = max(datetime.now(timezone.utc), _last_stamp + timedelta(microseconds=1))
+        stamps = [start + timedelta(microseconds=i) for i in range(max(n, 1))]
+        _last_stamp = stamps[-1]
+    return [t.isoformat() for t in stamps]
 
 
 class FactService:
@@ -112,8 +124,9 @@ class FactService:
             if recovered:
                 existing = self.index.find_hashes(scope.key, hashes)
             results, records, seen = [], [], dict(existing)
-            now = _now()
+            stamps = iter(_stamps(len(inputs)))
             for f in inputs:
+                now = next(stamps)
                 h = text_hash(f.text)
                 if h in seen:
                     results.append(WriteEvent(seen[h], f.text, "NOOP"))
@@ -165,7 +178,7 @@ class FactService:
             if other is not None and other != memory_id:
                 raise ValueError(f"memory {other} of this scope already holds this text: update or delete that one")
             new = replace(old, text=text, hash=h, metadata=old.metadata if metadata is None else stored_metadata(metadata),
-                          updated_at=_now())
+                          updated_at=_stamps(1)[0])
             emb = self.embedder.encode([text])
             self.store.update(new, emb.numpy())
             self.index.add(scope.key, [new], emb)  # replaces the row of memory_id
