@@ -168,6 +168,56 @@ def test_pinned_kv_is_never_evicted_and_a_miss_is_encoded_again_once(tmp_path, k
     assert pool.stats["reencodes"] == before + 1 and not pool.was_evicted(keys[0])
 
 
+PINNER = """
+import sys
+from inferscale.kv.pool import KVPool
+
+pool = KVPool(sys.argv[1], "cpu", 1 << 30, disk_budget_bytes=int(sys.argv[2]))  # a front worker of its own
+with pool.pinned(sys.argv[3:]):  # a request in flight there
+    print("pinned", flush=True)
+    sys.stdin.readline()
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_request_in_another_process_keeps_its_kv_from_this_ones_eviction(tmp_path, keys):
+    import signal
+    import subprocess
+    import sys
+
+    pool, one = budgeted(tmp_path, keys, 3.5)
+    for i, key in enumerate(keys[:3]):
+        pool.put(key, kv(seed=i))
+    age(pool, keys[:3])
+    other = subprocess.Popen([sys.executable, "-c", PINNER, str(pool.root), str(pool.disk.budget_bytes), keys[0]],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "pinned"
+        pool.put(keys[3], kv(seed=3))  # 4 files > 3.5: the oldest that no request pins goes
+        assert pool.contains(keys[0]) and not pool.contains(keys[1])
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.stdout.readline().strip() == "done"  # the other request finished: unpinned
+        age(pool, [keys[0], keys[2], keys[3]])
+        pool.put(keys[4], kv(seed=4))
+        assert not pool.contains(keys[0]) and pool.contains(keys[3])
+        assert list((pool.root / ".pins").iterdir()) == []
+    finally:
+        other.kill()
+        other.wait()
+    crashed = subprocess.Popen([sys.executable, "-c", PINNER, str(pool.root), str(pool.disk.budget_bytes), keys[3]],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert crashed.stdout.readline().strip() == "pinned"
+    os.kill(crashed.pid, signal.SIGKILL)  # dies holding its pin: the file stays, the process does not
+    crashed.wait()
+    assert len(list((pool.root / ".pins").iterdir())) == 1
+    age(pool, [keys[3], keys[2], keys[4]])
+    pool.put(keys[5], kv(seed=5))
+    assert not pool.contains(keys[3])  # a dead process's pin holds nothing, and its file is removed
+    assert list((pool.root / ".pins").iterdir()) == []
+
+
 def test_eviction_drops_the_memory_tiers_too_so_planning_and_loading_agree(tmp_path, keys):
     pool, _ = budgeted(tmp_path, keys, 1.5)
     pool.put(keys[0], kv())

@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -56,6 +56,10 @@ _OWNER_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _FILE_RE = re.compile(r"[0-9a-f]{32}\.safetensors")
 #: a temporary file older than this (seconds) is a crashed writer's leftover: removed by the next scan
 STALE_TMP_S = 3600.0
+#: the folder of the pin files of requests in flight, one per request (:meth:`DiskTier.pin`)
+_PINS = ".pins"
+#: a pin file older than this (seconds) is a leftover, whatever its process (no request lives an hour)
+STALE_PIN_S = 3600.0
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +219,7 @@ class DiskTier:
 
     def clear(self) -> None:
         for child in self.root.iterdir():
-            if child.is_dir():
+            if child.is_dir() and child.name != _PINS:  # requests in flight keep their pins
                 shutil.rmtree(child, ignore_errors=True)
         with self._lock:
             self._bytes = 0
@@ -346,6 +350,59 @@ class DiskTier:
         return out
 
 
+    def pin(self, keys: Sequence[str]) -> Path | None:
+        """Tell every process that evicts from this folder that a request here will load
+        ``keys``: a small file ``.pins/<pid>-<n>`` naming them, which :meth:`pinned_elsewhere`
+        reads before an eviction pass. Returns it for :meth:`unpin` (``None`` when it could
+        not be written: a full or read-only disk; the pin then holds in this process only)."""
+        global _pin_count
+        with _pin_lock:
+            _pin_count += 1
+            n = _pin_count
+        path = self.root / _PINS / f"{os.getpid()}-{n}"
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, "\n".join(keys).encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            return None
+        return path
+
+    @staticmethod
+    def unpin(path: Path | None) -> None:
+        """Remove a pin file :meth:`pin` wrote (gone already is fine)."""
+        if path is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def pinned_elsewhere(self) -> set[str]:
+        """Keys the requests in flight of every live process over this folder pinned
+        (:meth:`pin`); a pin file of a process that is gone, or older than
+        :data:`STALE_PIN_S`, is removed instead."""
+        keys: set[str] = set()
+        try:
+            files = list(os.scandir(self.root / _PINS))
+        except OSError:
+            return keys
+        wall = time.time()
+        for f in files:
+            try:
+                pid = int(f.name.split("-", 1)[0])
+                stale = wall - f.stat(follow_symlinks=False).st_mtime > STALE_PIN_S or not _alive(pid)
+                if stale:
+                    os.unlink(f.path)
+                    continue
+                with open(f.path, encoding="utf-8", errors="replace") as fh:
+                    keys.update(fh.read().split())
+            except (OSError, ValueError):  # unpinned meanwhile, or not a pin file
+                continue
+        return keys
+
     def free_bytes(self) -> int | None:
         """Bytes free on the folder's file system (``None`` when it cannot be asked)."""
         try:
@@ -358,6 +415,23 @@ class DiskTier:
         write is checked against: safetensors' error carries no errno)."""
         free = self.free_bytes()
         return free is not None and free < need_bytes
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this machine: pin files are per machine, as the folder is)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+_pin_lock = threading.Lock()
+_pin_count = 0
 
 
 def used_priority(priority: float, now: float, half_life_s: float) -> float:

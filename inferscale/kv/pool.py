@@ -276,6 +276,7 @@ class KVPool:
     def _evict_disk(self, protect: str, free_bytes: int = 0) -> None:
         with self._lock:
             pinned = set(self._pins)
+        pinned |= self.disk.pinned_elsewhere()  # other processes' requests in flight
         # the preamble's newest file (owner "_preamble": in every request) is kept by the disk tier
         gone = self.disk.evict(keep=lambda k: k == protect or k in pinned, free_bytes=free_bytes)
         with self._lock:
@@ -409,14 +410,18 @@ class KVPool:
 
     @contextmanager
     def pinned(self, keys: Iterable[str]) -> Iterator[None]:
-        """Keep ``keys`` from eviction while the block runs (a request's life)."""
+        """Keep ``keys`` from eviction while the block runs (a request's life): in this
+        process, and, when the disk has a budget, in every process that evicts from the
+        folder (a pin file, :meth:`DiskTier.pin`: the front's other workers)."""
         keys = list(keys)
         with self._lock:
             for key in keys:
                 self._pins[key] = self._pins.get(key, 0) + 1
+        pin_file = self.disk.pin(keys) if keys and self.disk.budget_bytes is not None else None
         try:
             yield
         finally:
+            self.disk.unpin(pin_file)
             with self._lock:
                 for key in keys:
                     left = self._pins[key] - 1
