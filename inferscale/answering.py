@@ -151,8 +151,7 @@ class Answering:
             if self._engine is None:
                 from inferscale.serving.engine import Engine
 
-                check_kv_cache_fits(self.model_path, self.config.resolved_dtype, self.config.max_model_len,
-                                    self.config.kv_cache_memory_bytes)  # before vLLM, in InferScale's terms
+                self._check_engine_settings()
                 self._engine = Engine(
                     self.model_path, dtype=self.config.resolved_dtype, kv_dir=self.kv_dir,
                     max_model_len=self.config.max_model_len, kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
@@ -160,6 +159,13 @@ class Answering:
                     redis_url=self.config.kv_redis_url,
                 )
             return self._engine
+
+    def _check_engine_settings(self) -> None:
+        """Refuse, before vLLM starts (and before a request writes anything), a vLLM cache
+        that cannot hold one request (:func:`~inferscale.models.kv_shape.check_kv_cache_fits`)."""
+        if self._engine is None and self._owns_engine:
+            check_kv_cache_fits(self.model_path, self.config.resolved_dtype, self.config.max_model_len,
+                                self.config.kv_cache_memory_bytes)
 
     def options(self, options: GenerationOptions | None = None, **overrides: Any) -> GenerationOptions:
         """Generation options with ``overrides`` applied and ``k`` / ``context_window`` resolved
@@ -288,6 +294,8 @@ class Answering:
             >>> for chunk in m.stream("Suggest a snack for me.", user_id="alice"):
             ...     print(chunk.text, end="")
         """
+        self._check_open()
+        self._check_engine_settings()  # nothing is written for a request that cannot run
         req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope, options,
                             followup, overrides)
         if req.json_schema is not None:  # refused here, not when the iterator first runs

@@ -50,22 +50,31 @@ def test_prompts_longer_than_the_context_are_refused(tmp_path):
 
 
 def test_a_vllm_cache_too_small_for_max_model_len_is_named_in_our_settings_before_vllm_starts(tmp_path):
-    small = new_memory(tmp_path / "small", kv_cache_memory_bytes=16 << 20)  # SmolLM2 fp32: 364 tokens of 8,192
+    small = new_memory(tmp_path / "small", kv_cache_memory_bytes=16 << 20, max_model_len=256)
     small.add("My dog is called Rex.", user_id="u")
-    with pytest.raises(ValueError, match="holds 364 tokens") as caught:
-        small.generate("What is my dog called?", user_id="u")
-    assert "at least 377,487,360 bytes (360 MiB" in str(caught.value)  # 8,192 x 46,080 bytes and "lower max_model_len to 364" in str(caught.value)
+    files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match="gives vLLM 128 tokens") as caught:  # 2 blocks of 128, one kept back
+        small.generate("What is my dog called?", user_id="u", max_tokens=4)
+    assert "at least 17,825,792 bytes (17 MiB" in str(caught.value)  # (2 + 1) blocks x 128 x 46,080, whole MiB
+    assert "lower max_model_len" not in str(caught.value)  # 128 is below max_model_len's least
     assert small._engine is None  # vLLM never started: no traceback from its process, nothing left at exit
-    assert [r["memory"] for r in small.get_all(user_id="u")["results"]] == ["My dog is called Rex."]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == files  # refused before any KV was written
     small.close()
-    fits = new_memory(tmp_path / "small", kv_cache_memory_bytes=16 << 20, max_model_len=256)
+    fits = new_memory(tmp_path / "small", kv_cache_memory_bytes=17 << 20, max_model_len=256)  # what it said
     try:
-        from inferscale.models.kv_shape import check_kv_cache_fits
-
-        check_kv_cache_fits(fits.model_path, "float32", 256, 16 << 20)  # 256 of 364 tokens: vLLM's to judge
-        check_kv_cache_fits(tmp_path / "no-model", "float32", 1 << 20, 16 << 20)  # no config.json: left to vLLM
+        answer = fits.generate("What is my dog called?", user_id="u", max_tokens=4)
+        assert answer.text and fits._engine is not None  # vLLM took it
     finally:
         fits.close()
+    from inferscale.models.kv_shape import check_kv_cache_fits
+
+    check_kv_cache_fits(tmp_path / "no-model", "float32", 1 << 20, 16 << 20)  # no config.json: left to vLLM
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    for fields in ({"num_hidden_layers": "30"}, {"num_hidden_layers": 0, "hidden_size": 8, "num_attention_heads": 0},
+                   {"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": -1}):
+        (odd / "config.json").write_text(__import__("json").dumps(fields))
+        check_kv_cache_fits(odd, "float32", 1 << 20, 16 << 20)  # not a decoder's config: left to vLLM
 
 
 @pytest.mark.parametrize("facts", ["hello", FactInput("x"), None, 5])

@@ -92,7 +92,7 @@ def test_a_vllm_cache_too_small_for_max_model_len_is_one_line_before_vllm_starts
         port = probe.getsockname()[1]
     env = {**os.environ, "INFERSCALE_KV_CACHE_MEMORY_BYTES": str(16 << 20), "INFERSCALE_DTYPE": "float32"}
     proc = run_cli(f"serve --data-dir {tmp_path / 'new'} --port {port}", tmp_path, env)
-    check_one_line(proc, "raise kv_cache_memory_bytes to at least 377,487,360 bytes")
+    check_one_line(proc, "raise kv_cache_memory_bytes to at least 383,778,816 bytes")
     assert not (tmp_path / "new").exists()  # refused before the data dir was made
 
 
