@@ -13,6 +13,7 @@ calls included: another scope's memory id is "not found".
 from __future__ import annotations
 
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -86,14 +87,21 @@ class Memory(Answering):
             raise ValueError(f"the given engine serves KV from {engine.kv_dir}, not this memory's {self.kv_dir}")
         self.components: Components = open_components(self.config, models)
         c = self.components
-        self.model_path, self.tokenizer, self.device = c.model_path, c.tokenizer, c.device
-        self.extractor = extractor or LLMFactExtractor()
-        self.reconciler = reconciler or SimilarityReconciler()
-        self._engine, self._owns_engine = engine, engine is None
-        self._engine_lock = threading.Lock()
-        self._closed = False
-        close_at_exit(self, first=True)  # a script that never calls close() still exits cleanly
-        c.kv.start()  # jobs an earlier process left queued (a crash) are encoded now
+        try:
+            self.model_path, self.tokenizer, self.device = c.model_path, c.tokenizer, c.device
+            self.extractor = extractor or LLMFactExtractor()
+            self.reconciler = reconciler or SimilarityReconciler()
+            self._engine, self._owns_engine = engine, engine is None
+            self._engine_lock = threading.Lock()
+            self._closed = False
+            close_at_exit(self, first=True)  # a script that never calls close() still exits cleanly
+            # a memory collected without close() lets go of the folder's pool too (a notebook
+            # re-running `m = Memory(..., other budgets)`); at exit, close_at_exit does it
+            weakref.finalize(self, c.kv.close).atexit = False
+            c.kv.start()  # jobs an earlier process left queued (a crash) are encoded now
+        except BaseException:
+            c.kv.close()
+            raise
 
     @classmethod
     def from_config(cls, config: dict) -> "Memory":

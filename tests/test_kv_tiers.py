@@ -4,6 +4,7 @@ second write after an eviction counted as a re-encode."""
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -299,6 +300,14 @@ def test_a_closed_memory_lets_its_folder_open_again_with_other_budgets(tmp_path,
         assert [m["memory"] for m in again.get_all(user_id="u")["results"]] == [FACTS[0]]  # nothing lost
     finally:
         again.close()
+
+    def forgotten() -> None:  # a notebook cell re-run: the old Memory is dropped, never closed
+        Memory(data_dir=tmp_path, dtype="float32", disk_kv_budget_bytes=8 << 20).add(FACTS[1], user_id="u")
+
+    forgotten()
+    gc.collect()
+    with Memory(data_dir=tmp_path, dtype="float32", disk_kv_budget_bytes=4 << 20) as last:
+        assert last.components.pool.disk_budget_bytes == 4 << 20
 
 
 FULL_DISK = """
