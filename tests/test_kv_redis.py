@@ -127,6 +127,37 @@ def test_a_memory_deleted_while_redis_is_away_is_deleted_there_when_it_is_back(r
     assert b.tier(gone) is None and b.tier(kept) == "redis"
 
 
+def test_a_delete_redis_missed_is_done_by_the_next_pool_over_the_folder_after_a_close(redis_server, tmp_path,
+                                                                                       monkeypatch):
+    import signal
+
+    import redis
+
+    monkeypatch.setattr(RedisTier, "RETRY_S", 0.5)
+    url = redis_server["url"]
+    first = KVPool.shared(tmp_path / "kv", "cpu", 1 << 30, redis_url=url)
+    gone, kept = kv_key("f1", n=1), kv_key("f2", n=1)
+    first.put(gone, fact(5, 1))
+    first.put(kept, fact(5, 2))
+    admin = redis.Redis.from_url(url)
+    os.kill(redis_server["proc"].pid, signal.SIGSTOP)
+    try:
+        first.invalidate_owner("f1")  # deleted during the outage ...
+        first.release()  # ... and the memory closed before Redis is back (a process exiting, too)
+    finally:
+        os.kill(redis_server["proc"].pid, signal.SIGCONT)
+    assert admin.exists(redis_key(gone)) == 1
+    pending = list((tmp_path / "kv").glob(".redis-pending-*"))
+    assert len(pending) == 1 and "f1" in pending[0].read_text() and "s3cret" not in pending[0].name
+    reopened = KVPool.shared(tmp_path / "kv", "cpu", 1 << 30, redis_url=url)  # a new pool: nothing in memory
+    assert reopened is not first
+    time.sleep(0.6)
+    assert reopened.tier(kv_key("f3", n=1)) is None  # its first call to Redis does the kept delete
+    assert admin.exists(redis_key(gone)) == 0 and admin.exists(redis_key(kept)) == 1
+    assert pending[0].read_text() == ""
+    reopened.release()
+
+
 @pytest.mark.parametrize("url,says", [
     ("http://user:s3cret@host:6379", "looks like redis://host:6379/0"),
     ("redis://host:port/0", "port is a number from 1 to 65535"),

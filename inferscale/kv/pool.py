@@ -124,7 +124,9 @@ class KVPool:
         self._host = MemoryTier("host", self.host_budget_bytes)
         self.disk = DiskTier(self.root, self.disk_budget_bytes)
         self.redis_url = redis_url or None
-        self.remote = RedisTier(self.redis_url) if self.redis_url else None
+        # deletes Redis missed during an outage wait in a file of the folder (one per Redis)
+        self.remote = RedisTier(self.redis_url, self.root / (".redis-pending-" + hashlib.sha256(
+            redacted(self.redis_url).encode()).hexdigest()[:16])) if self.redis_url else None
         self._lock = threading.RLock()
         # one disk write and its eviction at a time in this process: a write burst (the
         # encoder and the request path both writing) holds the folder to its budget plus one entry

@@ -31,10 +31,13 @@ so a deleted memory's KV (whose token ids are its text) does not stay readable t
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
@@ -149,7 +152,7 @@ class RedisTier:
     #: deletes kept while Redis is down, run when it answers again (more are dropped: logged)
     PENDING_DELETES = 100_000
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, pending_path: Path | None = None) -> None:
         try:
             import redis  # noqa: F401
         except ImportError as exc:  # pragma: no cover - the dev extras install it
@@ -164,7 +167,10 @@ class RedisTier:
         self._down_since: float | None = None
         self._retry_at = 0.0
         self._answered_errors: set[str] = set()
-        self._pending: dict[str, Any] = {}  # deletes Redis has not taken yet
+        # deletes Redis has not taken yet ("del <key>" / "match <pattern>"), kept in
+        # pending_path too, so a close or a crash during an outage loses none
+        self._pending_path = None if pending_path is None else Path(pending_path)
+        self._pending: dict[str, None] = dict.fromkeys(self._read_pending())
         self.stats = {"hits": 0, "misses": 0, "writes": 0, "errors": 0}
 
     # ------------------------------------------------------------------ connection and outages
@@ -298,42 +304,94 @@ class RedisTier:
 
     def remove(self, key: str) -> None:
         """Delete one entry (absent is fine; while Redis is down, done when it answers again)."""
-        name = redis_key(key)
-        self._delete(name, lambda c: c.delete(name))
+        self._delete(f"del {redis_key(key)}")
 
     def remove_owner(self, owner: str) -> None:
         """Delete every entry of ``owner`` (a fact id): its keys share a hash slot."""
-        pattern = f"{PREFIX}{{{owner}}}/*"
-        self._delete(pattern, lambda c: _delete_matching(c, pattern))
+        self._delete(f"match {PREFIX}{{{owner}}}/*")
 
     def clear(self) -> None:
         """Delete every InferScale KV entry in this Redis (other keys are left alone)."""
-        self._delete(f"{PREFIX}*", lambda c: _delete_matching(c, f"{PREFIX}*"))
+        self._delete(f"match {PREFIX}*")
 
-    def _delete(self, what: str, fn) -> None:
-        """Run delete ``fn(client)``; when Redis does not answer, keep it (at most
-        :attr:`PENDING_DELETES`) and run it when Redis answers again: a memory deleted during
-        an outage (its token ids are its text) must not stay readable from Redis."""
-        if self._call("deleting", lambda c: fn(c) or True, False):
+    @staticmethod
+    def _run_delete(client, what: str) -> bool:
+        kind, _, name = what.partition(" ")
+        if kind == "del":
+            client.delete(name)
+        else:
+            _delete_matching(client, name)
+        return True
+
+    def _delete(self, what: str) -> None:
+        """Run delete ``what``; when Redis does not answer, keep it (at most
+        :attr:`PENDING_DELETES`, in memory and in the pending file) and run it when Redis
+        answers again, in this process or the next one over the folder: a memory deleted
+        during an outage (its token ids are its text) must not stay readable from Redis."""
+        if self._call("deleting", lambda c: self._run_delete(c, what), False):
             return
         with self._lock:
-            if len(self._pending) < self.PENDING_DELETES:
-                self._pending[what] = fn
+            if len(self._pending) >= self.PENDING_DELETES or what in self._pending:
+                return
+            self._pending[what] = None
+            self._append_pending(what)
+
+    def _read_pending(self) -> list[str]:
+        if self._pending_path is None:
+            return []
+        try:
+            lines = self._pending_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return []
+        return [line for line in lines if line.startswith(("del " + PREFIX, "match " + PREFIX))]
+
+    def _append_pending(self, what: str) -> None:
+        if self._pending_path is None:
+            return
+        try:
+            with open(self._pending_path, "a", encoding="utf-8") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                f.write(what + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:  # a full disk: the delete stays kept in memory
+            log.warning("cannot keep a Redis delete in %s (%s): it is kept in memory only", self._pending_path, exc)
 
     def _flush_pending(self, client) -> None:
-        """Run the deletes kept during an outage (called once Redis answers)."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        for n, (what, fn) in enumerate(pending.items()):
+        """Run the deletes kept during an outage, this process's and the pending file's
+        (called once Redis answers); the file keeps what is still not done."""
+        lock = None
+        if self._pending_path is not None:
             try:
-                fn(client)
-            except Exception:  # noqa: BLE001 - down again: keep the rest for the next time
-                with self._lock:
-                    self._pending.update(dict(list(pending.items())[n:]))
-                return
-        if pending:
-            log.warning("Redis KV tier at %s: %d deletes kept during the outage are done", redacted(self.url),
-                        len(pending))
+                lock = open(self._pending_path, "a+", encoding="utf-8")
+                fcntl.flock(lock, fcntl.LOCK_EX)  # other processes over the folder append meanwhile
+            except OSError:
+                lock = None
+        try:
+            with self._lock:
+                pending = list(dict.fromkeys([*self._pending, *self._read_pending()]))
+                self._pending = {}
+            done = 0
+            for what in pending:
+                try:
+                    self._run_delete(client, what)
+                except Exception:  # noqa: BLE001 - down again: keep the rest for the next time
+                    break
+                done += 1
+            left = pending[done:]
+            with self._lock:
+                self._pending.update(dict.fromkeys(left))
+            if lock is not None:
+                lock.seek(0)
+                lock.truncate()
+                lock.write("".join(w + "\n" for w in left))
+                lock.flush()
+                os.fsync(lock.fileno())
+        finally:
+            if lock is not None:
+                lock.close()
+        if done:
+            log.warning("Redis KV tier at %s: %d deletes kept during the outage are done", redacted(self.url), done)
 
     def close(self) -> None:
         with self._lock:
