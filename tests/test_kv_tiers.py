@@ -320,8 +320,21 @@ for i, key in enumerate(keys):  # ~0.6 MiB each: twelve do not fit in 4 MiB
     g = torch.Generator().manual_seed(i)
     pool.put(key, FactKV(torch.randn(2, 600, 2, 32, generator=g), torch.randn(2, 600, 2, 32, generator=g),
                          tuple(range(600))))
-print(json.dumps({"on_disk": [pool.disk.exists(k) for k in keys], "evictions": pool.stats["disk_evictions"],
-                  "readable": [pool.disk.read(k).num_tokens for k in keys if pool.disk.exists(k)]}))
+free, reserve = pool.disk.room()
+out = {"on_disk": [pool.disk.exists(k) for k in keys], "evictions": pool.stats["disk_evictions"],
+       "readable": [pool.disk.read(k).num_tokens for k in keys if pool.disk.exists(k)], "reserve_kept": free >= reserve}
+kept = [k for k in keys if pool.disk.exists(k)]
+with pool.pinned(kept):  # every entry in use, and other files take the rest: eviction cannot help
+    with open(sys.argv[1] + "/other", "wb") as f:
+        f.write(b"x" * (free - 4096))
+    before = pool.stats["disk_evictions"]
+    try:
+        pool.put(kv_key("late", i=0), FactKV(torch.zeros(2, 600, 2, 32), torch.zeros(2, 600, 2, 32), tuple(range(600))))
+    except OSError as exc:
+        out["refused"] = type(exc).__name__
+    out["evicted_in_vain"] = pool.stats["disk_evictions"] - before
+    out["kept"] = all(pool.disk.exists(k) for k in kept)
+print(json.dumps(out))
 """
 
 
@@ -341,8 +354,43 @@ def test_a_full_disk_evicts_to_make_room_instead_of_failing_the_write(tmp_path):
     first_kept = out["on_disk"].index(True)
     assert all(out["on_disk"][first_kept:]) and out["evictions"] == first_kept  # oldest out first
     assert out["readable"] == [600] * (12 - first_kept)  # no file cut short
-    assert done.stderr.count("is full") == 1  # said once, with what to set
+    assert out["reserve_kept"]  # a tenth of the disk left to everything else on it (the store)
+    assert done.stderr.count("evicting KV files to make room") == 1  # said once, with what to set
     assert "disk_kv_budget_bytes" in done.stderr
+    assert out["refused"] == "DiskFullError" and out["evicted_in_vain"] == 0 and out["kept"]
+
+
+FULL_KV_DISK = """
+import json, sys
+from inferscale import Memory
+
+mem = Memory(data_dir=sys.argv[1], dtype="float32", context_window=0)  # its kv/ is a disk too small for any KV
+mem.add("My dog is called Biscuit.", user_id="u", infer=False)
+mem.add("I work as a nurse in Lisbon.", user_id="u", infer=False)
+mem.wait_for_kv(timeout=3)  # the encoder waits for room: it does not drop or retry the jobs in a loop
+plain = mem.inject("What is my dog called?", user_id="u")
+waited = mem.inject("What is my dog called?", user_id="u", wait_for_kv=True)
+print(json.dumps({"sources": sorted(set(plain.kv_sources.values()) | set(waited.kv_sources.values())),
+                  "kv": plain.kv_memory_ids + waited.kv_memory_ids, "text": len(plain.text_memory_ids),
+                  "pending": mem.pending_kv(), "memories": len(mem.get_all(user_id="u")["results"])}))
+"""
+
+
+def test_a_kv_disk_with_no_room_serves_memories_as_text_and_says_so_once(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    (data / "kv").mkdir(parents=True)
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs "$1/kv" && exec "$2" -c "$3" "$1"',
+                           "sh", str(data), sys.executable, FULL_KV_DISK], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["sources"] == ["text: KV disk full"] and out["kv"] == [] and out["text"] == 2
+    assert out["pending"] == 2 and out["memories"] == 2  # kept for when there is room; nothing lost
+    assert done.stderr.count("the KV disk is full") == 1, done.stderr  # one line, no traceback per batch
+    assert "Traceback" not in done.stderr
 
 
 def test_a_use_renews_recency_at_most_once_a_minute_per_entry(tmp_path, keys):

@@ -15,6 +15,7 @@ from typing import Iterator, Protocol, Sequence
 
 from inferscale.checks import check_bool
 from inferscale.facts.writes import FactService
+from inferscale.kv.disk import DiskFullError
 from inferscale.kv.injection import InjectionPlan
 from inferscale.kv.manager import KVManager
 from inferscale.generation.options import GenerationOptions
@@ -41,7 +42,7 @@ class EngineLike(Protocol):
 #: ``"text: evicted"`` (its KV was evicted past a tier budget; queued to be encoded again) or
 #: ``"text: Redis unavailable"`` (in no local tier, and the shared Redis tier did not answer).
 KV_SOURCES = ("device", "host", "disk", "redis", "quantized now", "encoded now", "text: not encoded yet", "text: evicted",
-              "text: Redis unavailable")
+              "text: Redis unavailable", "text: KV disk full")
 
 
 @dataclass(frozen=True)
@@ -271,11 +272,22 @@ class RequestBuilder:
         sources = {r.id: found[r.id] or ("quantized now" if ok else "text: evicted" if pool.was_evicted(k) else
                                          "text: Redis unavailable" if redis_down else "text: not encoded yet")
                    for r, k, ok in zip(ranked, keys, ready)}
+        try:  # first: without the preamble's KV nothing can be injected, and facts' KV would be stored in vain
+            self.kv.ensure([preamble])
+        except DiskFullError:  # no room for it: all text, the missing facts queued for when there is
+            if missing:
+                self.kv.schedule(scope.key, missing, w)
+            pool.count_served(None for _ in ranked)
+            ids = tuple(r.id for r in ranked)
+            return _Selection(ranked, {}, tuple(hits), retrieval, (), ids, {i: "text: KV disk full" for i in ids})
         if options.wait_for_kv and missing:
-            self.kv.ensure(self.kv.fact_spans(scope.key, missing, w))
-            ready = [True] * len(ranked)
-            sources.update({r.id: "encoded now" for r in missing})
-        self.kv.ensure([preamble])
+            try:
+                self.kv.ensure(self.kv.fact_spans(scope.key, missing, w))
+                ready = [True] * len(ranked)
+                sources.update({r.id: "encoded now" for r in missing})
+            except DiskFullError:  # no room for their KV: they come as text, as a miss does
+                ready = [self.kv.stored(k) for k in keys]
+                sources.update({r.id: "text: KV disk full" for r, ok in zip(ranked, ready) if not ok})
         order = [i for i, ok in enumerate(ready) if ok] + [i for i, ok in enumerate(ready) if not ok]
         ranked, keys = [ranked[i] for i in order], [keys[i] for i in order]
         n_kv = sum(ready)

@@ -56,6 +56,11 @@ _OWNER_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _FILE_RE = re.compile(r"[0-9a-f]{32}\.safetensors")
 #: a temporary file older than this (seconds) is a crashed writer's leftover: removed by the next scan
 STALE_TMP_S = 3600.0
+#: the share of the file system the pool keeps free for everything else on it (the store
+#: of record first), at most :data:`MIN_FREE_MAX_BYTES` (nginx's ``proxy_cache_path
+#: min_free`` does the same for its cache)
+MIN_FREE_SHARE = 0.1
+MIN_FREE_MAX_BYTES = 16 << 30
 #: the folder of the pin files of requests in flight, one per request (:meth:`DiskTier.pin`)
 _PINS = ".pins"
 #: a pin file older than this (seconds) is a leftover, whatever its process (no request lives an hour)
@@ -65,6 +70,11 @@ log = logging.getLogger(__name__)
 
 #: Errors that mean "this file cannot be read": the entry is treated as absent.
 READ_ERRORS = (FileNotFoundError, SafetensorError, KeyError, OSError, ValueError)
+
+
+class DiskFullError(OSError):
+    """The disk holding the KV pool has no room for an entry, and evicting every entry no
+    request uses would not make it (the file system is full of other files)."""
 
 
 class DiskTier:
@@ -350,6 +360,23 @@ class DiskTier:
         return out
 
 
+    def evictable(self, keep: Callable[[str], bool]) -> int:
+        """Bytes an eviction pass could remove (entries ``keep`` does not hold, nor the newest
+        of a shared owner)."""
+        entries = self.scan()
+        newest = {key.split("/")[0]: key for _, _, key in entries if key.startswith("_")}
+        shared = set(newest.values())
+        return sum(size for _, size, key in entries if key not in shared and not keep(key))
+
+    def room(self) -> tuple[int, int] | None:
+        """``(free, reserve)``: bytes free on the folder's file system and the bytes the pool
+        keeps free there (:data:`MIN_FREE_SHARE`); ``None`` when the system cannot say."""
+        try:
+            usage = shutil.disk_usage(self.root)
+        except OSError:
+            return None
+        return usage.free, min(int(usage.total * MIN_FREE_SHARE), MIN_FREE_MAX_BYTES)
+
     def pin(self, keys: Sequence[str]) -> Path | None:
         """Tell every process that evicts from this folder that a request here will load
         ``keys``: a small file ``.pins/<pid>-<n>`` naming them, which :meth:`pinned_elsewhere`
@@ -403,18 +430,11 @@ class DiskTier:
                 continue
         return keys
 
-    def free_bytes(self) -> int | None:
-        """Bytes free on the folder's file system (``None`` when it cannot be asked)."""
-        try:
-            return shutil.disk_usage(self.root).free
-        except OSError:
-            return None
-
     def full(self, need_bytes: int) -> bool:
         """Whether the folder's file system has fewer than ``need_bytes`` free (what a failed
         write is checked against: safetensors' error carries no errno)."""
-        free = self.free_bytes()
-        return free is not None and free < need_bytes
+        room = self.room()
+        return room is not None and room[0] < need_bytes
 
 
 def _alive(pid: int) -> bool:

@@ -271,7 +271,13 @@ class KVManager:
             self.jobs.drop_facts(fact_ids)
 
     def run_jobs(self, jobs: Sequence[KVJob]) -> None:
-        """Encode a batch of jobs with each fact's current text (run by the background encoder)."""
+        """Encode a batch of jobs with each fact's current text (run by the background encoder).
+
+        Raises:
+            DiskFullError: the pool's disk still has no room (checked before encoding: the
+                encoder waits it out as an outage, :mod:`inferscale.kv.background`).
+        """
+        self.pool.check_writable()
         groups: dict[tuple[str, int], list[str]] = defaultdict(list)
         for job in jobs:
             groups[(job.scope, job.w)].append(job.fact_id)

@@ -41,18 +41,20 @@ import hashlib
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from inferscale.kv.disk import READ_ERRORS, DiskTier
+from inferscale.kv.disk import READ_ERRORS, DiskFullError, DiskTier
 from inferscale.kv.entry import FactKV, StoredKV, to_storage
 from inferscale.kv.quant import QuantizedKV
 from inferscale.kv.remote import RedisTier, redacted
 from inferscale.kv.tiers import MemoryTier
+from inferscale.runtime.outages import OUTAGES
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,8 @@ class KVPool:
         self._users = 0  # holders from shared(); the last release() unregisters the pool
         self._warned_small_budget = False
         self._warned_full_disk = False
+        self._disk_full_need = 0  # bytes the last write found no room for (0: none)
+        self._full_checked_at = 0.0
         self._evicted: OrderedDict[str, None] = OrderedDict()
         self.stats = {"device_hits": 0, "host_hits": 0, "disk_hits": 0, "misses": 0, "writes": 0,
                       "device_evictions": 0, "host_evictions": 0, "disk_evictions": 0, "disk_evicted_bytes": 0,
@@ -219,18 +223,24 @@ class KVPool:
         validate_key(key)
         if kv.token_ids is not None and len(kv.token_ids) != kv.num_tokens:
             raise ValueError(f"{len(kv.token_ids)} token ids for KV of {kv.num_tokens} tokens")
+        need = kv.nbytes + _FILE_SLACK_BYTES
         with self._write_lock:
-            try:
-                self.disk.write(key, kv)
-            except OSError:
-                # a full file system (a budget larger than the disk, or other files filling
-                # it) is a smaller budget, not an outage: make room by the policy, write again
-                need = kv.nbytes + _FILE_SLACK_BYTES
-                if not self.disk.full(need):
-                    raise
-                self._evict_disk(protect=key, free_bytes=need)
-                self._warn_full_disk(need)
-                self.disk.write(key, kv)
+            # a filling file system (no budget, one larger than the disk, other files growing)
+            # is a smaller budget: the pool keeps a reserve free, evicting by its order
+            self._make_room(key, need)
+            for attempt in (1, 2, 3):
+                try:
+                    self.disk.write(key, kv)
+                    break
+                except OSError as exc:
+                    if not self.disk.full(need):
+                        raise
+                    if attempt == 3:  # other writers keep taking the space
+                        raise self._full_error(need, 0) from exc
+                    self._make_room(key, need)
+            if self._disk_full_need:
+                self._disk_full_need = 0
+                OUTAGES.ok("kv_disk")
             if self.disk.over_budget():
                 self._evict_disk(protect=key)
         if self.remote is not None:
@@ -267,20 +277,73 @@ class KVPool:
         self._evict_disk(protect="")
         return self.stats["disk_evictions"] - before
 
-    def _warn_full_disk(self, need: int) -> None:
+    def _keep(self, protect: str) -> Callable[[str], bool]:
+        """What an eviction pass must leave: ``protect`` (the entry being written) and every
+        key a request in flight pinned, here or in another process over the folder."""
+        with self._lock:
+            pinned = set(self._pins)
+        pinned |= self.disk.pinned_elsewhere()
+        return lambda k: k == protect or k in pinned
+
+    def _make_room(self, protect: str, need: int) -> None:
+        """Keep ``need`` bytes and the disk's reserve free (:meth:`DiskTier.room`), evicting
+        by the disk's order; warns once, with what to set.
+
+        Raises:
+            DiskFullError: even evicting every entry no request uses would not free ``need``
+                (nothing is evicted then).
+        """
+        room = self.disk.room()
+        if room is None or room[0] >= need + room[1]:
+            return
+        free, reserve = room
+        evictable = self.disk.evictable(self._keep(protect))
+        if free + evictable < need:
+            raise self._full_error(need, evictable)
         with self._lock:
             warn, self._warned_full_disk = not self._warned_full_disk, True
         if warn:
-            log.warning("the disk holding the KV pool at %s is full (%d bytes free): evicting KV files to make room; "
-                        "set disk_kv_budget_bytes (now %s) below the free space to keep the disk from filling",
-                        self.root, self.disk.free_bytes() or 0, self.disk.budget_bytes or "no limit")
+            log.warning("the disk holding the KV pool at %s has %d bytes free, fewer than a %d-byte KV file and the "
+                        "%d the pool keeps free (a tenth of the disk, at most 16 GiB): evicting KV files to make "
+                        "room; set disk_kv_budget_bytes (now %s) to keep the pool below that", self.root, free, need,
+                        reserve, self.disk.budget_bytes or "no limit")
+        self._evict_disk(protect, free_bytes=need + reserve - free)
+
+    def _full_error(self, need: int, evictable: int) -> DiskFullError:
+        room = self.disk.room() or (0, 0)
+        self._disk_full_need = need
+        return DiskFullError(
+            f"no room for KV on the disk of {self.root}: {room[0]:,} bytes free, {need:,} needed, and evicting "
+            f"every KV file no request uses would free {evictable:,}: free space on that disk (memories are "
+            "served as text meanwhile)")
+
+    def check_writable(self) -> None:
+        """After a :class:`DiskFullError`, raise it again while the disk still has no room
+        (a ``statvfs``; a folder scan at most every 5 s): the background encoder asks before
+        it spends an encode on KV it could not store.
+
+        Raises:
+            DiskFullError: as above.
+        """
+        need = self._disk_full_need
+        if not need:
+            return
+        room = self.disk.room()
+        if room is None or room[0] >= need:
+            return
+        now = time.monotonic()
+        if now - self._full_checked_at < 5.0:
+            raise self._full_error(need, 0)
+        self._full_checked_at = now
+        evictable = self.disk.evictable(self._keep(""))
+        if room[0] + evictable < need:
+            raise self._full_error(need, evictable)
 
     def _evict_disk(self, protect: str, free_bytes: int = 0) -> None:
-        with self._lock:
-            pinned = set(self._pins)
-        pinned |= self.disk.pinned_elsewhere()  # other processes' requests in flight
+        keep = self._keep(protect)
         # the preamble's newest file (owner "_preamble": in every request) is kept by the disk tier
-        gone = self.disk.evict(keep=lambda k: k == protect or k in pinned, free_bytes=free_bytes)
+        gone = self.disk.evict(keep=keep, free_bytes=free_bytes)
+
         with self._lock:
             for key, size in gone:
                 self._device.pop(key)

@@ -27,7 +27,8 @@ from urllib.parse import urlsplit
 log = logging.getLogger(__name__)
 
 #: What a dependency is called in logs and error messages.
-NAMES = {"chroma": "the Chroma server", "postgresql": "PostgreSQL", "redis": "Redis", "vllm": "vLLM's server"}
+NAMES = {"chroma": "the Chroma server", "postgresql": "PostgreSQL", "redis": "Redis", "vllm": "vLLM's server",
+         "kv_disk": "the KV disk"}
 #: Seconds a client is told to wait (``Retry-After``) before retrying a request a dependency failed.
 RETRY_AFTER_S = 5
 
@@ -76,7 +77,8 @@ class Outages:
 
     def dependency_of(self, exc: BaseException) -> str | None:
         """``"chroma"``, ``"postgresql"``, ``"redis"`` or ``"vllm"`` when ``exc`` (or an
-        exception it was raised from) says that service cannot be reached; else ``None``."""
+        exception it was raised from) says that service cannot be reached, ``"kv_disk"`` when
+        the KV pool's disk has no room (:class:`inferscale.kv.disk.DiskFullError`); else ``None``."""
         seen: set[int] = set()
         while exc is not None and id(exc) not in seen:
             seen.add(id(exc))
@@ -104,6 +106,8 @@ class Outages:
                 return "vllm"
             with self._lock:
                 return self._endpoints.get(_endpoint(url), "vllm")
+        if name == "DiskFullError" and module == "inferscale.kv.disk":  # no room for KV: requests use text
+            return "kv_disk"
         if isinstance(exc, ValueError) and "Could not connect to a Chroma server" in str(exc):
             return "chroma"
         return None
@@ -115,7 +119,10 @@ class Outages:
             since, count = self._down.get(dependency, (time.monotonic(), 0))
             self._down[dependency] = (since, count + 1)
             first = count == 0
-        if first:
+        if first and dependency == "kv_disk":
+            log.warning("%s is full (%s); memories are served as text and KV encodes wait until it has room",
+                        NAMES[dependency], str(exc)[:300])
+        elif first:
             log.warning("%s is not answering (%s: %s); requests that need it are answered 503 with Retry-After "
                         "until it is back", NAMES.get(dependency, dependency), type(exc).__name__,
                         str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "")
@@ -128,6 +135,9 @@ class Outages:
             names = dependencies or tuple(self._down)
             ended = [(d, *self._down.pop(d)) for d in names if d in self._down]
         for dependency, since, count in ended:
+            if dependency == "kv_disk":
+                log.warning("the KV disk has room again after %.0f s", time.monotonic() - since)
+                continue
             log.warning("%s answers again after %.0f s (%d failed call%s meanwhile)", NAMES.get(dependency, dependency),
                         time.monotonic() - since, count, "" if count == 1 else "s")
 
