@@ -11,6 +11,7 @@ from ``memory.components``.
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,9 +171,10 @@ def check_data_dir(data: Path, embedder: str, chroma_url: str | None = None) -> 
     """
     try:
         data.mkdir(parents=True, exist_ok=True)
-        probe = data / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
+        # a probe of its own: processes opening the folder together (serve's workers) must not
+        # delete each other's and call the folder unwritable
+        with tempfile.NamedTemporaryFile(dir=data, prefix=".write-test-"):
+            pass
     except OSError as exc:
         raise StoreError(f"cannot use data_dir {data}: {exc}. Choose a writable folder.") from exc
     path = data / MANIFEST

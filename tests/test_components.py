@@ -318,3 +318,27 @@ def test_the_plan_pairs_kv_with_segments_by_owner_never_by_position(tokenizer):
         plan_segments({PREAMBLE_OWNER: keys[PREAMBLE_OWNER], "fb": keys["fb"]}, segments)  # fa (text) before fb
     with pytest.raises(ValueError, match="does not lead with its KV segments"):
         plan_segments({**keys, "zz": "zz/" + "4" * 32}, segments)  # KV for a memory the block does not hold
+
+
+def test_opens_of_one_data_dir_at_once_never_call_it_unwritable(tmp_path):
+    """serve's workers open the folder together; each write probe is a file of its own."""
+    import threading
+
+    from inferscale.components import check_data_dir
+
+    errors: list[Exception] = []
+
+    def opens() -> None:
+        for _ in range(200):
+            try:
+                check_data_dir(tmp_path, "sentence-transformers/all-MiniLM-L6-v2", None)
+            except Exception as exc:  # noqa: BLE001 - counted
+                errors.append(exc)
+
+    threads = [threading.Thread(target=opens) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".write-test")] == []
