@@ -322,8 +322,6 @@ def test_the_plan_pairs_kv_with_segments_by_owner_never_by_position(tokenizer):
 
 def test_opens_of_one_data_dir_at_once_never_call_it_unwritable(tmp_path):
     """serve's workers open the folder together; each write probe is a file of its own."""
-    import threading
-
     from inferscale.components import check_data_dir
 
     errors: list[Exception] = []
