@@ -354,7 +354,7 @@ def test_a_full_disk_evicts_to_make_room_instead_of_failing_the_write(tmp_path):
     first_kept = out["on_disk"].index(True)
     assert all(out["on_disk"][first_kept:]) and out["evictions"] == first_kept  # oldest out first
     assert out["readable"] == [600] * (12 - first_kept)  # no file cut short
-    assert out["reserve_kept"]  # a tenth of the disk left to everything else on it (the store)
+    assert out["reserve_kept"]  # 5% of the disk left to everything else on it (the store)
     assert done.stderr.count("evicting KV files to make room") == 1  # said once, with what to set
     assert "disk_kv_budget_bytes" in done.stderr
     assert out["refused"] == "DiskFullError" and out["evicted_in_vain"] == 0 and out["kept"]

@@ -58,9 +58,10 @@ _FILE_RE = re.compile(r"[0-9a-f]{32}\.safetensors")
 STALE_TMP_S = 3600.0
 #: the share of the file system the pool keeps free for everything else on it (the store
 #: of record first), at most :data:`MIN_FREE_MAX_BYTES` (nginx's ``proxy_cache_path
-#: min_free`` does the same for its cache)
-MIN_FREE_SHARE = 0.1
-MIN_FREE_MAX_BYTES = 16 << 30
+#: min_free`` does the same for its cache). Small on purpose: a laptop whose disk is 90%
+#: full still caches KV; the store's writes need megabytes, not a tenth of a disk.
+MIN_FREE_SHARE = 0.05
+MIN_FREE_MAX_BYTES = 1 << 30
 #: the folder of the pin files of requests in flight, one per request (:meth:`DiskTier.pin`)
 _PINS = ".pins"
 #: a pin file older than this (seconds) is a leftover, whatever its process (no request lives an hour)

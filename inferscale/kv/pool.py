@@ -304,7 +304,7 @@ class KVPool:
             warn, self._warned_full_disk = not self._warned_full_disk, True
         if warn:
             log.warning("the disk holding the KV pool at %s has %d bytes free, fewer than a %d-byte KV file and the "
-                        "%d the pool keeps free (a tenth of the disk, at most 16 GiB): evicting KV files to make "
+                        "%d the pool keeps free (5%% of the disk, at most 1 GiB): evicting KV files to make "
                         "room; set disk_kv_budget_bytes (now %s) to keep the pool below that", self.root, free, need,
                         reserve, self.disk.budget_bytes or "no limit")
         self._evict_disk(protect, free_bytes=need + reserve - free)
