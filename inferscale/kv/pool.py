@@ -54,7 +54,6 @@ from inferscale.kv.entry import FactKV, StoredKV, to_storage
 from inferscale.kv.quant import QuantizedKV
 from inferscale.kv.remote import RedisTier, redacted
 from inferscale.kv.tiers import MemoryTier
-from inferscale.runtime.outages import OUTAGES
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +238,8 @@ class KVPool:
                         raise self._full_error(need, 0) from exc
                     self._make_room(key, need)
             if self._disk_full_need:
+                from inferscale.runtime.outages import OUTAGES  # only writers get here: not vLLM's process
+
                 self._disk_full_need = 0
                 OUTAGES.ok("kv_disk")
             if self.disk.over_budget():
