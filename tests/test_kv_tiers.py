@@ -219,6 +219,22 @@ def test_a_request_in_another_process_keeps_its_kv_from_this_ones_eviction(tmp_p
     assert list((pool.root / ".pins").iterdir()) == []
 
 
+def test_pins_are_written_without_a_budget_too_and_a_full_disk_is_read_from_any_error(tmp_path, keys):
+    from safetensors import SafetensorError
+
+    from inferscale.kv.disk import no_space
+
+    pool = KVPool(tmp_path, "cpu", 1 << 30)  # no budget: the disk's reserve can still evict
+    with pool.pinned([keys[0]]):
+        (pin,) = (tmp_path / ".pins").iterdir()
+        assert pin.read_text() == keys[0]
+    assert list((tmp_path / ".pins").iterdir()) == []
+    wrapped = OSError("cannot write KV file x")
+    wrapped.__cause__ = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert no_space(wrapped) and no_space(OSError(28, "No space left on device"))
+    assert not no_space(PermissionError(13, "Permission denied"))
+
+
 def test_eviction_drops_the_memory_tiers_too_so_planning_and_loading_agree(tmp_path, keys):
     pool, _ = budgeted(tmp_path, keys, 1.5)
     pool.put(keys[0], kv())

@@ -270,7 +270,8 @@ class RequestBuilder:
             missing = [r for r, ok in zip(ranked, ready) if not ok]
         redis_down = pool.remote is not None and not pool.remote.available
         sources = {r.id: found[r.id] or ("quantized now" if ok else "text: evicted" if pool.was_evicted(k) else
-                                         "text: Redis unavailable" if redis_down else "text: not encoded yet")
+                                         "text: Redis unavailable" if redis_down else
+                                         "text: KV disk full" if pool.disk_full else "text: not encoded yet")
                    for r, k, ok in zip(ranked, keys, ready)}
         try:  # first: without the preamble's KV nothing can be injected, and facts' KV would be stored in vain
             self.kv.ensure([preamble])

@@ -32,6 +32,7 @@ The budget bounds the folder between passes up to what is written meanwhile.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -71,6 +72,21 @@ log = logging.getLogger(__name__)
 
 #: Errors that mean "this file cannot be read": the entry is treated as absent.
 READ_ERRORS = (FileNotFoundError, SafetensorError, KeyError, OSError, ValueError)
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it came from) says the file system is full
+    (``ENOSPC``, ``EDQUOT``; safetensors' errors carry only the text)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class DiskFullError(OSError):
@@ -122,10 +138,10 @@ class DiskTier:
         tensors, meta = to_tensors(kv)
         path = self.path(key)
         for attempt in (1, 2):  # an eviction pass may remove the owner folder once it is empty
-            path.parent.mkdir(parents=True, exist_ok=True)
             try:
+                path.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX, dir=path.parent)
-            except FileNotFoundError:
+            except (FileNotFoundError, FileExistsError):  # removed between mkdir's steps, or after it
                 if attempt == 2:
                     raise
                 continue

@@ -230,6 +230,7 @@ class KVManager:
             missing = {s.key: s for s in spans if s.key not in have}
             if not missing:
                 return 0
+            self.pool.check_writable()  # a full KV disk: no encode of KV that could not be stored
             quantized = self.quantize_stored(list(missing.values()))
             todo = [s for s in missing.values() if s.key not in quantized]
             for span, kv in zip(todo, self.encoder.encode([s.item for s in todo])) if todo else ():
@@ -274,10 +275,9 @@ class KVManager:
         """Encode a batch of jobs with each fact's current text (run by the background encoder).
 
         Raises:
-            DiskFullError: the pool's disk still has no room (checked before encoding: the
-                encoder waits it out as an outage, :mod:`inferscale.kv.background`).
+            DiskFullError: the pool's disk still has no room (:meth:`ensure` checks before
+                encoding; the encoder waits it out as an outage, :mod:`inferscale.kv.background`).
         """
-        self.pool.check_writable()
         groups: dict[tuple[str, int], list[str]] = defaultdict(list)
         for job in jobs:
             groups[(job.scope, job.w)].append(job.fact_id)

@@ -49,7 +49,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from inferscale.kv.disk import READ_ERRORS, DiskFullError, DiskTier
+from inferscale.kv.disk import READ_ERRORS, DiskFullError, DiskTier, no_space
 from inferscale.kv.entry import FactKV, StoredKV, to_storage
 from inferscale.kv.quant import QuantizedKV
 from inferscale.kv.remote import RedisTier, redacted
@@ -232,7 +232,7 @@ class KVPool:
                     self.disk.write(key, kv)
                     break
                 except OSError as exc:
-                    if not self.disk.full(need):
+                    if not (no_space(exc) or self.disk.full(need)):
                         raise
                     if attempt == 3:  # other writers keep taking the space
                         raise self._full_error(need, 0) from exc
@@ -317,6 +317,11 @@ class KVPool:
             f"no room for KV on the disk of {self.root}: {room[0]:,} bytes free, {need:,} needed, and evicting "
             f"every KV file no request uses would free {evictable:,}: free space on that disk (memories are "
             "served as text meanwhile)")
+
+    @property
+    def disk_full(self) -> bool:
+        """Whether the last write found no room on the disk (until one fits again)."""
+        return bool(self._disk_full_need)
 
     def check_writable(self) -> None:
         """After a :class:`DiskFullError`, raise it again while the disk still has no room
@@ -477,13 +482,13 @@ class KVPool:
     @contextmanager
     def pinned(self, keys: Iterable[str]) -> Iterator[None]:
         """Keep ``keys`` from eviction while the block runs (a request's life): in this
-        process, and, when the disk has a budget, in every process that evicts from the
-        folder (a pin file, :meth:`DiskTier.pin`: the front's other workers)."""
+        process and in every other process that evicts from the folder (a pin file,
+        :meth:`DiskTier.pin`: the front's other workers)."""
         keys = list(keys)
         with self._lock:
             for key in keys:
                 self._pins[key] = self._pins.get(key, 0) + 1
-        pin_file = self.disk.pin(keys) if keys and self.disk.budget_bytes is not None else None
+        pin_file = self.disk.pin(keys) if keys else None  # the disk's reserve evicts even without a budget
         try:
             yield
         finally:

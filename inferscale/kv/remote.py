@@ -172,6 +172,8 @@ class RedisTier:
         self._pending_path = None if pending_path is None else Path(pending_path)
         self._pending: dict[str, None] = dict.fromkeys(self._read_pending())
         self.stats = {"hits": 0, "misses": 0, "writes": 0, "errors": 0}
+        if self._pending:  # left by an earlier process: done now if Redis answers (1 s at most if not)
+            self._call("deleting", lambda c: True, None)
 
     # ------------------------------------------------------------------ connection and outages
 
@@ -207,6 +209,8 @@ class RedisTier:
                 with self._lock:
                     self._client = client
             connected = True
+            if self._pending:  # deletes kept from an outage first: no read of a deleted entry before them
+                self._flush_pending(client)
             result = fn(client)
         except redis.ResponseError as exc:
             if not connected:  # refused at connect (a database index out of range): as an outage
@@ -226,12 +230,9 @@ class RedisTier:
             return self._failed(what, exc, default)
         with self._lock:
             down_since, self._down_since = self._down_since, None
-            pending = bool(self._pending)
         if down_since is not None:
             log.warning("Redis KV tier at %s answers again after %.0f s", redacted(self.url),
                         time.monotonic() - down_since)
-        if pending:
-            self._flush_pending(client)
         return result
 
     def _failed(self, what: str, exc: Exception, default):
