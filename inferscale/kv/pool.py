@@ -214,10 +214,15 @@ class KVPool:
     def put(self, key: str, kv: StoredKV) -> None:
         """Store ``kv`` under ``key`` on disk (atomically) and in the device tier, as it is
         (dense, or the codes of a :class:`~inferscale.kv.quant.QuantizedKV`); past the disk
-        budget, evict the lowest-priority files (fewest recent uses) that no request pins.
+        budget, evict the lowest-priority files (fewest recent uses) that no request pins;
+        short of the disk's reserve (:meth:`DiskTier.room`: 5% of the file system, at most
+        1 GiB), evict to keep it free.
 
         Raises:
             ValueError: ``key`` is malformed, or ``kv.token_ids`` has another length than the KV.
+            DiskFullError: no room on the disk even after evicting all that no request pins
+                (nothing is evicted then); an outage of "the KV disk" (:mod:`inferscale.runtime.outages`).
+            OSError: the file cannot be written for another reason (no permission).
         """
         validate_key(key)
         if kv.token_ids is not None and len(kv.token_ids) != kv.num_tokens:
