@@ -345,11 +345,7 @@ class DiskTier:
         if self.budget_bytes is None and free_bytes <= 0:
             return []
         entries = self.scan()
-        newest_shared = {}
-        for priority, _, key in entries:  # lowest first: the last one seen per owner is the newest
-            if key.startswith("_"):
-                newest_shared[key.split("/")[0]] = key
-        shared = set(newest_shared.values())
+        shared = _newest_shared(entries)
         total = self._bytes or 0
         target = None if self.budget_bytes is None else int(self.budget_bytes * self.LOW_WATERMARK)
         if free_bytes > 0:
@@ -376,13 +372,11 @@ class DiskTier:
             self._bytes = total
         return out
 
-
     def evictable(self, keep: Callable[[str], bool]) -> int:
         """Bytes an eviction pass could remove (entries ``keep`` does not hold, nor the newest
         of a shared owner)."""
         entries = self.scan()
-        newest = {key.split("/")[0]: key for _, _, key in entries if key.startswith("_")}
-        shared = set(newest.values())
+        shared = _newest_shared(entries)
         return sum(size for _, size, key in entries if key not in shared and not keep(key))
 
     def room(self) -> tuple[int, int] | None:
@@ -452,6 +446,12 @@ class DiskTier:
         write is checked against: safetensors' error carries no errno)."""
         room = self.room()
         return room is not None and room[0] < need_bytes
+
+
+def _newest_shared(entries: Sequence[tuple[float, int, str]]) -> set[str]:
+    """The newest entry of each shared owner (a name starting with ``_``: the preamble) in
+    :meth:`DiskTier.scan`'s order, lowest priority first: kept by every eviction."""
+    return set({key.split("/")[0]: key for _, _, key in entries if key.startswith("_")}.values())
 
 
 def _alive(pid: int) -> bool:

@@ -303,7 +303,8 @@ class KVPool:
         if room is None or room[0] >= need + room[1]:
             return
         free, reserve = room
-        evictable = self.disk.evictable(self._keep(protect))
+        keep = self._keep(protect)
+        evictable = self.disk.evictable(keep)
         if free + evictable < need:
             raise self._full_error(need, evictable)
         with self._lock:
@@ -313,7 +314,7 @@ class KVPool:
                         "%d the pool keeps free (5%% of the disk, at most 1 GiB): evicting KV files to make "
                         "room; set disk_kv_budget_bytes (now %s) to keep the pool below that", self.root, free, need,
                         reserve, self.disk.budget_bytes or "no limit")
-        self._evict_disk(protect, free_bytes=need + reserve - free)
+        self._evict_disk(protect, free_bytes=need + reserve - free, keep=keep)
 
     def _full_error(self, need: int, evictable: int) -> DiskFullError:
         room = self.disk.room() or (0, 0)
@@ -350,11 +351,10 @@ class KVPool:
         if room[0] + evictable < need:
             raise self._full_error(need, evictable)
 
-    def _evict_disk(self, protect: str, free_bytes: int = 0) -> None:
-        keep = self._keep(protect)
+    def _evict_disk(self, protect: str, free_bytes: int = 0, keep: Callable[[str], bool] | None = None) -> None:
+        keep = keep or self._keep(protect)
         # the preamble's newest file (owner "_preamble": in every request) is kept by the disk tier
         gone = self.disk.evict(keep=keep, free_bytes=free_bytes)
-
         with self._lock:
             for key, size in gone:
                 self._device.pop(key)
