@@ -302,7 +302,13 @@ class Answering:
             from inferscale.serving.vllm_compat import check_json_schema  # no engine needed: refused before one starts
 
             check_json_schema(req.json_schema)
-        return _pinned(self.components.pool, req, generation_chunks(self.engine, req))
+        if self._engine is None:  # the first request starts vLLM (tens of seconds), while the encoder
+            engine = self.engine  # writes and evicts: planned again after, so the plan is what the pool holds
+            req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
+                                options, followup, overrides)
+        else:
+            engine = self.engine
+        return _pinned(self.components.pool, req, generation_chunks(engine, req))
 
 
 def _pinned(pool: KVPool, req: PreparedRequest, chunks: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:

@@ -42,6 +42,9 @@ def references(store: Path, data: Path, users: int, questions: int, zipf: float,
     Users beyond the store's ``stored_users`` (``--users`` larger than the replay's) repeat
     conversation ``u mod 10`` as the replay does, under fact ids of their own
     (``<id>#<user>``): the same retrievals, other KV."""
+    if not (Path(store) / "chroma").is_dir():
+        raise SystemExit(f"no tiers store at {store}: run `inferscale bench tiers` first (it builds the store), "
+                         "or give its folder with --store")
     convs = load_locomo(data)
     stored = [f"tiers-{i}" for i in range(min(users, stored_users))]
     asked = [[q.question for q in convs[i % len(convs)].qa if q.category in (1, 2, 3, 4)] for i in range(users)]
@@ -170,7 +173,7 @@ short horizon: what a fleet needs over days is [Sizing a fleet](../../sizing.md)
                  "Belady's MIN"], by_users)}
 
 Reproduce: `python scripts/tiers_policies.py --users {' '.join(map(str, a.users))} --zipf {a.zipf} --questions {a.questions} --warmup {a.warmup}`
-(its docstring).
+after `inferscale bench tiers` has built its store (about a minute a population on two cores; its docstring).
 """
     print_page(page, a.out)
 
