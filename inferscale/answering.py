@@ -11,6 +11,7 @@ queue and pool as the benchmarks and the reference path read them. It uses the f
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, ContextManager, Iterable, Iterator, Sequence
 
 from inferscale.arguments import check_timeout
@@ -302,17 +303,44 @@ class Answering:
             from inferscale.serving.vllm_compat import check_json_schema  # no engine needed: refused before one starts
 
             check_json_schema(req.json_schema)
-        if self._engine is None:  # the first request starts vLLM (tens of seconds), while the encoder
-            engine = self.engine  # writes and evicts: planned again after, so the plan is what the pool holds
-            req = self._prepare(query, user_id, agent_id, run_id, history, instructions, allow_unknown_scope,
-                                options, followup, overrides)
-        else:
+        # pinned from planning on: the first request starts vLLM (tens of seconds) while the
+        # background encoder writes, and evicts under a disk budget
+        pins = _Pins(self.components.pool, req.plan.keys if req.plan is not None else ())
+        try:
             engine = self.engine
-        return _pinned(self.components.pool, req, generation_chunks(engine, req))
+        except BaseException:
+            pins.release()
+            raise
+        return pins.around(generation_chunks(engine, req))
 
 
-def _pinned(pool: KVPool, req: PreparedRequest, chunks: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:
-    """``chunks``, with the request's KV pinned in the pool while they run (no tier evicts KV
-    a request in flight is about to load; planning marked it recently used before that)."""
-    with pool.pinned(req.plan.keys if req.plan is not None else ()):
-        yield from chunks
+class _Pins:
+    """A request's KV pinned in the pool (:meth:`KVPool.pinned`) from now until its chunks
+    end, are closed, or are dropped without ever being read (no tier evicts KV a request in
+    flight is about to load; planning marked it recently used before that)."""
+
+    def __init__(self, pool: KVPool, keys: Sequence[str]) -> None:
+        self._hold = pool.pinned(keys)
+        self._hold.__enter__()
+        self._lock = threading.Lock()
+        self._held = True
+
+    def release(self) -> None:
+        """Let the pins go (once, however often it is called)."""
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
+            self._hold.__exit__(None, None, None)
+
+    def around(self, chunks: Iterator[GenerationChunk]) -> Iterator[GenerationChunk]:
+        """``chunks``, releasing the pins when they end; also when the iterator is collected
+        unread (a generator that never ran has no ``finally`` to run)."""
+        def run() -> Iterator[GenerationChunk]:
+            try:
+                yield from chunks
+            finally:
+                self.release()
+
+        it = run()
+        weakref.finalize(it, self.release)
+        return it
