@@ -499,10 +499,15 @@ def serve(
     max_num_seqs: int = typer.Option(64, min=1, help="Most requests vLLM batches at once."),
     tool_call_parser: str = typer.Option("hermes", help="vLLM's tool-call parser for the model's tool-call format ('none': tools refused)."),
     default_max_tokens: Optional[int] = typer.Option(None, min=1, help="Answer budget (tokens) of a chat that sends no max_tokens (default 256, or $INFERSCALE_DEFAULT_MAX_TOKENS)."),
+    max_body_bytes: int = typer.Option(16 << 20, min=1, envvar="INFERSCALE_MAX_BODY_BYTES", help="Largest request body, in bytes (larger: 413)."),
+    max_header_bytes: int = typer.Option(64 << 10, min=1, envvar="INFERSCALE_MAX_HEADER_BYTES", help="Largest request head (request line and headers), in bytes (larger: 431)."),
+    header_timeout_s: float = typer.Option(10.0, min=0.001, envvar="INFERSCALE_HEADER_TIMEOUT_S", help="Most seconds a request head may take to arrive (slower: 408)."),
+    body_timeout_s: float = typer.Option(30.0, min=0.001, envvar="INFERSCALE_BODY_TIMEOUT_S", help="Most seconds a request body may take to arrive after its head (slower: 408)."),
 ) -> None:
     """Serve memory over HTTP: chat with memory on vLLM's OpenAI server, and Mem0-style memory routes."""
     from inferscale.config import MemoryConfig
     from inferscale.models.resolve import ModelNotFoundError
+    from inferscale.server.limits import FrontLimits
     from inferscale.server.main import ServeOptions
     from inferscale.server.main import serve as run_server
     from inferscale.store.records import StoreError
@@ -534,7 +539,9 @@ def serve(
         run_server(config, ServeOptions(host=host, port=port, vllm_urls=tuple(vllm_url or ()), replicas=replicas,
                                         workers=workers, api_key=api_key or None,
                                         served_model_name=served_model_name, max_num_seqs=max_num_seqs,
-                                        tool_call_parser=None if tool_call_parser == "none" else tool_call_parser),
+                                        tool_call_parser=None if tool_call_parser == "none" else tool_call_parser,
+                                        limits=FrontLimits(max_body_bytes, max_header_bytes, header_timeout_s,
+                                                           body_timeout_s)),
                    say=console.print)
     except (OSError, ModelNotFoundError, StoreError, RuntimeError, ValueError) as exc:  # VLLMStartError is a RuntimeError
         _fail(str(exc))

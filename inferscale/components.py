@@ -137,7 +137,7 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
                        config.encode_batch_tokens, config.max_model_len, jobs=kv_jobs, store=store,
                        verbose=config.verbose, storage=config.kv_storage_dtype)
         facts = FactService(store, index, embedder, kv, history_log, config.context_window, config.precompute_kv,
-                            config.max_fact_tokens, config.search_mode)
+                            config.max_fact_tokens, config.search_mode, config.max_query_chars)
         requests = RequestBuilder(facts, prompts, kv, turns, config.max_model_len)
     except BaseException:
         pool.release()  # a retry with other settings must not find this half-open pool

@@ -145,6 +145,12 @@ class MemoryConfig(BaseSettings):
         encode_batch_tokens: token budget of one KV-encoding batch (padding included).
         max_fact_tokens: longest fact accepted, in tokens of its memory line; longer text
             is refused (split it into shorter facts) so every fact fits the model's context.
+            Text with more characters than that many tokens can hold (``max_fact_tokens``
+            times the longest token's characters) is refused before it is tokenized.
+        max_query_chars: longest search query, in characters (default 16,384), refused
+            before anything is tokenized; the embedder reads a query's first 256 word
+            pieces (about 1,000 characters) anyway. A chat's or ``generate``'s retrieval
+            query is its question's first ``max_query_chars`` characters.
         precompute_kv: encode a fact's KV when it is added (default); when False, KV is
             encoded the first time the fact is injected (faster writes, slower first read).
         verbose: let vLLM, torch and transformers log and show progress bars as they do on
@@ -211,6 +217,7 @@ class MemoryConfig(BaseSettings):
     kv_redis_url: str | None = None
     encode_batch_tokens: int = Field(default=8192, ge=256)
     max_fact_tokens: int = Field(default=512, ge=8)
+    max_query_chars: int = Field(default=16_384, ge=64)
     precompute_kv: bool = True
     verbose: bool = False
     database_url: str | None = None
@@ -225,7 +232,7 @@ class MemoryConfig(BaseSettings):
 
     @field_validator("context_window", "top_k", "max_model_len", "kv_cache_memory_bytes", "device_kv_budget_bytes",
                      "host_kv_budget_bytes", "disk_kv_budget_bytes",
-                     "encode_batch_tokens", "max_fact_tokens", "default_max_tokens", mode="before")
+                     "encode_batch_tokens", "max_fact_tokens", "max_query_chars", "default_max_tokens", mode="before")
     @classmethod
     def _not_a_flag(cls, value: object, info) -> object:
         if isinstance(value, bool):  # pydantic would take True as 1

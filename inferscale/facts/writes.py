@@ -70,12 +70,15 @@ class FactService:
         precompute_kv: queue KV encoding on write (else on first injection).
         max_fact_tokens: longest fact accepted (tokens of its memory line).
         search_mode: default ranking, ``"hybrid"`` or ``"dense"`` (:meth:`search`).
+        max_query_chars: longest query accepted (characters).
     """
 
     def __init__(
         self, store: FactStore, index: VectorIndex, embedder: Embedder, kv: KVManager, history: HistoryLog,
         default_w: int, precompute_kv: bool = True, max_fact_tokens: int = 512, search_mode: str = "hybrid",
+        max_query_chars: int = 16_384,
     ) -> None:
+        self.max_query_chars = max_query_chars
         self.search_mode = search_mode
         self.store, self.index, self.embedder, self.kv, self.history = store, index, embedder, kv, history
         self.default_w = default_w
@@ -94,9 +97,16 @@ class FactService:
     def check_length(self, text: str, what: str = "fact") -> None:
         """Refuse a fact longer than ``max_fact_tokens``.
 
+        Text with more characters than ``max_fact_tokens`` tokens can hold is refused before
+        it is tokenized (a 15 MiB text costs milliseconds, not a worker's minute).
+
         Raises:
             ValueError: naming the length, the limit and the fix.
         """
+        most = self.max_fact_tokens * self.kv.prompts.max_token_chars
+        if len(text) > most:
+            raise ValueError(f"{what} is {len(text)} characters, more than max_fact_tokens={self.max_fact_tokens} "
+                             f"tokens can hold (at most {most}): split it into shorter facts (or raise max_fact_tokens)")
         n = self.kv.fact_tokens(text)
         if n > self.max_fact_tokens:
             raise ValueError(f"{what} is {n} tokens, over max_fact_tokens={self.max_fact_tokens}: split it into "
@@ -291,6 +301,9 @@ class FactService:
             ValueError: empty query, bad limit / threshold / mode, malformed filters.
         """
         require_text(query, "query")
+        if len(query) > self.max_query_chars:
+            raise ValueError(f"query is {len(query)} characters, over max_query_chars={self.max_query_chars}: search "
+                             "with a shorter query (or raise max_query_chars)")
         check_int("limit", limit)
         check_number("threshold", threshold, -1.0, 1.0, optional=True)  # a cosine similarity
         mode = self.search_mode if mode is None else mode

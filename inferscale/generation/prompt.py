@@ -122,6 +122,15 @@ class PromptBuilder:
             self._render()
         return self._preamble_ids
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token of this tokenizer decodes to, bounded above by its
+        longest vocabulary entry (a byte-level BPE entry holds one character per byte; a
+        SentencePiece byte-fallback entry ``<0xE3>`` stands for under one). A text of ``n``
+        tokens has at most ``n * max_token_chars`` characters, so a longer one is refused
+        before it is tokenized."""
+        return max(8, max(map(len, self.tokenizer.get_vocab())))
+
     def _tok(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 

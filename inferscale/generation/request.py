@@ -164,6 +164,18 @@ class RequestBuilder:
         self.facts, self.prompts, self.kv, self.turns = facts, prompts, kv, turns
         self.max_model_len = max_model_len
 
+    def check_prompt_chars(self, texts: Sequence[str]) -> None:
+        """Refuse, before tokenizing, texts with more characters together than a prompt of
+        ``max_model_len`` tokens can hold (:attr:`PromptBuilder.max_token_chars` a token).
+
+        Raises:
+            ValueError: naming the length, the limit and the fix.
+        """
+        chars, most = sum(map(len, texts)), self.max_model_len * self.prompts.max_token_chars
+        if chars > most:
+            raise ValueError(f"the prompt's text is {chars} characters, more than a context of max_model_len="
+                             f"{self.max_model_len} tokens can hold (at most {most}): send less (or raise max_model_len)")
+
     def prepare(self, scope: Scope, query: str, options: GenerationOptions, *, history: Sequence[dict] | None = None,
                 instructions: str | None = None, allow_unknown_scope: bool = False,
                 followup: Sequence[dict] | None = None) -> PreparedRequest:
@@ -193,6 +205,8 @@ class RequestBuilder:
         check_bool("allow_unknown_scope", allow_unknown_scope)
         if instructions is not None:
             require_text(instructions, "instructions")
+        self.check_prompt_chars([query, instructions or "", *(m["content"] for m in (*history, *followup)
+                                                              if isinstance(m.get("content"), str))])
         if options.offered_tools():
             tools = tool_instructions(options.offered_tools())
             instructions = f"{instructions}\n\n{tools}" if instructions else tools
@@ -247,7 +261,7 @@ class RequestBuilder:
                 f"no memories for {scope.as_dict()}: add some with Memory.add(..., {field}=...) first"
             )
         t0 = time.perf_counter()
-        hits = self.facts.search(scope, query, options.k)
+        hits = self.facts.search(scope, query[:self.facts.max_query_chars], options.k)  # the embedder reads less
         retrieval = time.perf_counter() - t0
         ranked = [r for r, _ in hits[::-1]]  # best last
         if max_block_tokens is not None:

@@ -16,7 +16,8 @@ template, parses tools and enforces structured outputs as it always does.
 The memory options travel in the request's extra ``memory`` field (see
 :class:`MemoryOptions`); the scope is the OpenAI ``user`` field, with agent and run ids in
 the ``X-InferScale-Agent-Id`` / ``X-InferScale-Run-Id`` headers. ``kv_transfer_params``
-and ``cache_salt`` sent by a client are dropped: only the server sets them.
+and ``cache_salt`` sent by a client (at the top level or in ``vllm_xargs``) are dropped: only
+the server sets them.
 """
 
 from __future__ import annotations
@@ -102,12 +103,15 @@ def message_text(content: Any) -> str:
     return ""
 
 
-def check_messages(body: dict) -> list[dict]:
-    """The request's messages, checked for shape (vLLM checks the rest).
+def check_messages(body: dict, check_chars=None) -> list[dict]:
+    """The request's messages, checked for shape (vLLM checks the rest), and their texts'
+    characters by ``check_chars`` (a list of strings in; raises ``ValueError``), before
+    anything is tokenized.
 
     Raises:
         ChatRequestError: ``messages`` missing, empty, or holding something that is not a
             message object with a string ``role``.
+        ValueError: from ``check_chars``.
     """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -118,7 +122,17 @@ def check_messages(body: dict) -> list[dict]:
         if m["role"] in ("system", "developer", "user") and not _text_content(m.get("content"), m["role"] != "user"):
             kind = "a string or a list of text parts" if m["role"] != "user" else "a string or a list of content parts"
             raise ChatRequestError(f"messages[{i}] ({m['role']}) content must be {kind}, got {m.get('content')!r:.80}")
+    if check_chars is not None:
+        check_chars([t for m in messages for t in _texts(m.get("content"))])
     return messages
+
+
+def _texts(content: Any) -> list[str]:
+    """The strings of a message's content: itself, or its parts' ``text``."""
+    if isinstance(content, str):
+        return [content]
+    return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)] \
+        if isinstance(content, list) else []
 
 
 def _text_content(content: Any, text_only: bool) -> bool:
@@ -193,12 +207,23 @@ class ChatPlan:
         return out
 
 
+def without_server_fields(body: dict) -> dict:
+    """``body`` without the fields only the server sets (``kv_transfer_params``, ``cache_salt``,
+    ``memory``), at the top level and in ``vllm_xargs`` (which vLLM merges into the request's
+    extra arguments, where its connector reads ``kv_transfer_params`` too)."""
+    out = {k: v for k, v in body.items() if k not in _SERVER_FIELDS}
+    xargs = out.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        out["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in _SERVER_FIELDS}
+    return out
+
+
 def forward_body(body: dict, block: MemoryBlock | None, rest: list[dict] | None, default_max_tokens: int) -> dict:
     """The client's request with the memory system turn in front, the server's KV fields set,
     the client's own copies of them dropped, and ``max_tokens`` set to ``default_max_tokens``
     when the client sent neither ``max_tokens`` nor ``max_completion_tokens`` (vLLM would
     generate to the end of the context: minutes on a CPU)."""
-    out = {k: v for k, v in body.items() if k not in _SERVER_FIELDS}
+    out = without_server_fields(body)
     if out.get("max_tokens") is None and out.get("max_completion_tokens") is None:
         out["max_tokens"] = default_max_tokens
     if block is not None:

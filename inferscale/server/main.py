@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from inferscale.config import MemoryConfig
+from inferscale.server.limits import FrontLimits
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class ServeOptions:
         max_num_seqs: most requests vLLM batches at once.
         tool_call_parser: vLLM's tool-call parser for a server this command starts
             (``None``: tool calls refused).
+        limits: what the front reads of a request before and after the key, and how long
+            it waits (:class:`~inferscale.server.limits.FrontLimits`).
     """
 
     host: str = "127.0.0.1"
@@ -56,6 +59,7 @@ class ServeOptions:
     vllm_start_timeout_s: float = 900.0
     max_num_seqs: int = 64
     tool_call_parser: str | None = "hermes"
+    limits: FrontLimits = field(default_factory=FrontLimits)
 
     def check(self, config: MemoryConfig) -> None:
         """Raises:
@@ -161,6 +165,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
 
     from inferscale.memory import Memory
     from inferscale.models.resolve import resolve_llm
+    from inferscale.server.limits import uvicorn_config
     from inferscale.server.upstream import HttpEngine
     from inferscale.server.vllm_process import ReplicaSupervisor, VLLMProcess
     from inferscale.server.worker import WORKER_ENV, WorkerSpec, open_front
@@ -206,7 +211,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
         else:
             urls = tuple(u.rstrip("/") for u in options.vllm_urls)
             name = options.served_model_name or _running_model(urls, options.api_key)
-        spec = WorkerSpec(urls=urls, served_model_name=name, api_key=options.api_key)
+        spec = WorkerSpec(urls=urls, served_model_name=name, api_key=options.api_key, limits=options.limits)
         where = f"http://{options.host}:{options.port}"
         if options.workers == 1:
             engine.point_at(urls, name)
@@ -215,8 +220,8 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
                 "(OpenAI API under /v1, docs at /docs)")
             # uvicorn handles SIGTERM / Ctrl-C itself and raises the signal again once it has
             # stopped: the handler above then ends this function through ``finally``
-            uvicorn.Server(uvicorn.Config(front.app, host=options.host, port=options.port, log_level="warning",
-                                          timeout_graceful_shutdown=10)).run(sockets=[sock])
+            uvicorn.Server(uvicorn_config(front.app, options.limits, host=options.host, port=options.port,
+                                          log_level="warning", timeout_graceful_shutdown=10)).run(sockets=[sock])
         else:
             # the workers are spawned processes: they read their settings from the environment
             os.environ.update(config.environment())
@@ -282,15 +287,15 @@ def _run_workers(options: ServeOptions, sock) -> None:
     Raises:
         RuntimeError: a worker failed to start (uvicorn then stops them all).
     """
-    from uvicorn import Config
     from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
 
+    from inferscale.server.limits import uvicorn_config
     from inferscale.server.worker import app_from_environment
 
-    config = Config(f"{app_from_environment.__module__}:{app_from_environment.__name__}", factory=True,
-                    workers=options.workers, host=options.host, port=options.port, log_level="warning",
-                    timeout_graceful_shutdown=10)
+    config = uvicorn_config(f"{app_from_environment.__module__}:{app_from_environment.__name__}", options.limits,
+                            factory=True, workers=options.workers, host=options.host, port=options.port,
+                            log_level="warning", timeout_graceful_shutdown=10)
     events = logging.getLogger("uvicorn.error")  # the supervisor's logger (in this process only)
     events.setLevel(logging.INFO)
     events.addFilter(_supervisor_events)

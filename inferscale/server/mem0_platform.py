@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import uuid
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import RedirectResponse
@@ -118,10 +119,10 @@ def router() -> APIRouter:
                 raise ValueError(f"{name} is {in_query} in the query and {in_body} in the body: give it once")
         page, size = body.page or page or 1, body.page_size or page_size or 100
         items = listed(body, memory)
-        base = str(request.url.remove_query_params(["page", "page_size"]))
+        kept = urlencode([(k, v) for k, v in request.query_params.multi_items() if k not in ("page", "page_size")])
 
-        def link(n: int) -> str:
-            return f"{base}?page={n}&page_size={size}"
+        def link(n: int) -> str:  # relative: a link built from the client's Host header would send it elsewhere
+            return f"{request.url.path}?{kept + '&' if kept else ''}page={n}&page_size={size}"
         return {"count": len(items), "next": link(page + 1) if page * size < len(items) else None,
                 "previous": link(page - 1) if page > 1 else None, "results": paged(items, page, size)}
 
@@ -231,7 +232,8 @@ def router() -> APIRouter:
             raise HTTPException(405, f"{request.method} {path}: this route takes {', '.join(methods)}")
         if not path.endswith("/") and any(route.matches({**request.scope, "path": path + "/"})[0] != Match.NONE
                                           for route in others):
-            return RedirectResponse(request.url.replace(path=path + "/"), status_code=307)  # Mem0's paths end in /
+            query = f"?{request.url.query}" if request.url.query else ""  # relative: the Host header is the client's
+            return RedirectResponse(path + "/" + query, status_code=307)  # Mem0's paths end in /
         raise MemoryNotFoundError(f"no route {request.method} {path}: InferScale serves these of Mem0's Platform API: "
                                   f"{SUPPORTED}; and OpenAI's POST /v1/chat/completions, POST /v1/completions, "
                                   f"GET /v1/models ({DOCS})")

@@ -13,6 +13,8 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from inferscale.server import query
+
 #: Mem0's entity ids that are InferScale scope fields.
 SCOPE_KEYS = ("user_id", "agent_id", "run_id")
 #: Fields of Mem0's bodies accepted and acted on as documented above (or harmless: the org
@@ -193,20 +195,14 @@ def platform_item(item: dict, fields: list[str] | None = None) -> dict:
 
 
 def check_query(request: Request, allowed: tuple[str, ...] = ()) -> None:
-    """Refuse query parameters the route does not read, and any given twice.
+    """Refuse query parameters the route does not read, and any given twice
+    (:func:`inferscale.server.query.check_query`, the check every route shares); Mem0's older
+    clients send the ping's ``org_id`` and ``project_id`` on every call, so those are read too.
 
     Raises:
         ValueError: naming them.
     """
-    params = request.query_params
-    allowed = (*allowed, "org_id", "project_id")  # older clients send the ping's on every call
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(f"query parameter(s) {unknown} are not read by {request.method} {request.url.path}"
-                         + (f" (it reads {list(allowed)})" if allowed else " (it reads none)") + f"; see {DOCS}")
-    twice = sorted(k for k in set(params) if len(params.getlist(k)) > 1)
-    if twice:
-        raise ValueError(f"query parameter(s) {twice} are given more than once: give each once")
+    query.check_query(request, (*allowed, "org_id", "project_id"), DOCS)
 
 
 def query_scope(request: Request, allowed: tuple[str, ...] = ()) -> dict[str, str]:
@@ -219,6 +215,8 @@ def query_scope(request: Request, allowed: tuple[str, ...] = ()) -> dict[str, st
         raw = params["filters"]
         try:
             filters = json.loads(raw)
+        except RecursionError:
+            raise ValueError("filters are nested too deeply to read: flatten them") from None
         except ValueError:
             try:
                 filters = ast.literal_eval(raw)
@@ -232,6 +230,8 @@ def query_scope(request: Request, allowed: tuple[str, ...] = ()) -> dict[str, st
                                             if k in params})
     except ValidationError as exc:  # pydantic's own text names its internals: the first message alone
         raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    except RecursionError:
+        raise ValueError("filters are nested too deeply to read: flatten them") from None
     scope, rest = split_filters(body)
     if rest:
         raise ValueError("this route takes a scope only (user_id / agent_id / run_id), not metadata filters")

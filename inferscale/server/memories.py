@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from inferscale.server.chat import ChatRequestError, scope_id
 from inferscale.server.deps import MemoryDep
+from inferscale.server.query import StrictQueryRoute
 
 
 class Message(BaseModel):
@@ -85,7 +86,7 @@ def _scope(user_id: str | None, agent_id: str | None, run_id: str | None) -> dic
 
 def router() -> APIRouter:
     """The Mem0-style routes, over the app's :class:`inferscale.Memory` (:data:`~inferscale.server.deps.MemoryDep`)."""
-    r = APIRouter(tags=["memories"])
+    r = APIRouter(tags=["memories"], route_class=StrictQueryRoute)
 
     @r.post("/memories", summary="Add memories")
     def add(body: MemoryCreate, memory: MemoryDep) -> dict:

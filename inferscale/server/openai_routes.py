@@ -30,25 +30,32 @@ from inferscale.server.chat import (
     forward_body,
     request_scope,
     split_messages,
+    without_server_fields,
 )
 from inferscale.server.deps import MemoryDep, MetricsDep, UpstreamDep
 from inferscale.server.metrics import FrontMetrics
 from inferscale.server.upstream import Replicas
+from inferscale.server.query import StrictQueryRoute
 
 
 def router() -> APIRouter:
     """The OpenAI routes (their memory, replicas and counters come from the app's state)."""
-    r = APIRouter(tags=["openai"])
+    r = APIRouter(tags=["openai"], route_class=StrictQueryRoute)
 
     @r.get("/v1/models", summary="vLLM's models")
     async def models(upstream: UpstreamDep) -> Response:
         _, resp = await upstream.send("", "GET", "/v1/models")
-        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        if resp.status_code != 200:
+            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        listing = resp.json()
+        for card in listing.get("data", ()):  # vLLM's "root" is the model's folder: a path on the server
+            card["root"] = card.get("id")
+        return JSONResponse(listing)
 
     @r.post("/v1/completions", summary="vLLM's completions, without memory")
     async def completions(request: Request, upstream: UpstreamDep, metrics: MetricsDep) -> Response:
         body = await _json_body(request)
-        body = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "cache_salt")}
+        body = without_server_fields(body)
         key = _route_key(body, request.headers)
         return await _until_disconnected(request, _forward(upstream, key, "/v1/completions", body, None, metrics))
 
@@ -56,7 +63,7 @@ def router() -> APIRouter:
     async def chat(request: Request, memory: MemoryDep, upstream: UpstreamDep, metrics: MetricsDep) -> Response:
         body = await _json_body(request)
         options = _memory_options(body.get("memory"))
-        messages = check_messages(body)
+        messages = check_messages(body, memory.components.requests.check_prompt_chars)
         default_max_tokens = memory.config.default_max_tokens  # for chats that send no max_tokens
         t0 = time.perf_counter()
         if options.mode == "none":

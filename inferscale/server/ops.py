@@ -10,11 +10,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from inferscale.server.deps import MetricsDep, UpstreamDep
 from inferscale.server.errors import error
+from inferscale.server.query import StrictQueryRoute
 
 
 def router() -> APIRouter:
     """The health, readiness and metrics routes."""
-    r = APIRouter(tags=["server"])
+    r = APIRouter(tags=["server"], route_class=StrictQueryRoute)
 
     @r.get("/health", summary="The front is up")
     async def health() -> dict:

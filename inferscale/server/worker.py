@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from inferscale.config import MemoryConfig
+from inferscale.server.limits import FrontLimits
 
 #: the environment variable that carries a :class:`WorkerSpec` to spawned workers
 WORKER_ENV = "INFERSCALE_SERVE_WORKER"
@@ -31,20 +32,22 @@ class WorkerSpec:
     Attributes:
         urls: the vLLM servers (``http://host:port``), in routing order.
         served_model_name: the ``model`` name. api_key: the clients' and vLLM's key.
+        limits: what the front reads of a request, and how long it waits (:class:`FrontLimits`).
     """
 
     urls: tuple[str, ...]
     served_model_name: str
     api_key: str | None = None
+    limits: FrontLimits = field(default_factory=FrontLimits)
 
     def to_json(self) -> str:
         return json.dumps({"urls": list(self.urls), "served_model_name": self.served_model_name,
-                           "api_key": self.api_key})
+                           "api_key": self.api_key, "limits": asdict(self.limits)})
 
     @classmethod
     def from_json(cls, text: str) -> "WorkerSpec":
         d = json.loads(text)
-        return cls(tuple(d["urls"]), d["served_model_name"], d.get("api_key"))
+        return cls(tuple(d["urls"]), d["served_model_name"], d.get("api_key"), FrontLimits(**d.get("limits", {})))
 
 
 @dataclass
@@ -75,7 +78,7 @@ def open_front(config: MemoryConfig, spec: WorkerSpec, memory: Any = None, engin
         memory = Memory(config, engine=engine)
     front = Front(None, memory, engine)
     front.app = create_app(memory, Replicas(spec.urls, spec.api_key, spec.served_model_name),
-                           api_key=spec.api_key, on_close=front.close)
+                           api_key=spec.api_key, on_close=front.close, limits=spec.limits)
     return front
 
 
