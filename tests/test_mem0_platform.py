@@ -214,7 +214,9 @@ def test_a_mem0_path_without_its_slash_is_redirected_to_it(front):
 
 
 def test_a_body_sent_in_chunks_past_the_limit_is_413_before_it_is_parsed(front, memory):
-    from inferscale.server.app import MAX_BODY_BYTES
+    from inferscale.server.limits import FrontLimits
+
+    MAX_BODY_BYTES = FrontLimits().max_body_bytes
 
     def chunks():  # no Content-Length: the size is known only as it arrives
         for _ in range(MAX_BODY_BYTES // (1 << 20) + 2):

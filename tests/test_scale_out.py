@@ -16,6 +16,7 @@ import concurrent.futures
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +35,8 @@ USERS = [f"user{i:02d}" for i in range(16)]
 #: most seconds a client keeps retrying one request (a killed worker comes back in
 #: seconds, a killed replica's users move to the other replica at once)
 RETRY_FOR_S = 300.0
+#: the front's head timeout here (issue 42), short enough to wait for
+HEADER_TIMEOUT_S = 3.0
 
 
 class Client:
@@ -100,7 +103,8 @@ def deployment(tmp_path, chroma, postgres_url):
     log = tmp_path / "serve.log"
     env = {**os.environ, "INFERSCALE_API_KEY": KEY, "INFERSCALE_DTYPE": "float32",
            "INFERSCALE_CHROMA_URL": chroma["url"], "INFERSCALE_DATABASE_URL": postgres_url,
-           "INFERSCALE_KV_CACHE_MEMORY_BYTES": str(512 << 20)}
+           "INFERSCALE_KV_CACHE_MEMORY_BYTES": str(512 << 20),
+           "INFERSCALE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)}
     cmd = [str(Path(sys.executable).with_name("inferscale")), "serve", "--port", str(port), "--data-dir",
            str(tmp_path / "data"), "--workers", "2", "--replicas", "2", "--max-num-seqs", "16"]
     with open(log, "w") as out:
@@ -123,6 +127,27 @@ def deployment(tmp_path, chroma, postgres_url):
         proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def check_limits_hold_in_every_worker(url: str) -> None:
+    """8 connections at once (the kernel spreads them over the workers), each sending a head
+    that never ends, or a keyless 2 MiB upload: every one is cut with a 408 within
+    ``HEADER_TIMEOUT_S`` (and a little), or answered 401 with no worker named (issue 42)."""
+    port = int(url.rsplit(":", 1)[1])
+
+    def answer(data: bytes, body: bytes = b"") -> tuple[bytes, float]:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            t0 = time.monotonic()
+            s.sendall(data + body)
+            s.settimeout(HEADER_TIMEOUT_S + 10)
+            return s.recv(4096), time.monotonic() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        slow = list(pool.map(lambda _: answer(b"GET /health HTTP/1.1\r\nHost: x\r\n"), range(8)))
+        keyless = list(pool.map(lambda _: answer(b"POST /memories HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                                                 % (2 << 20), b" " * (2 << 20)), range(8)))
+    assert all(a.startswith(b"HTTP/1.1 408") and took < HEADER_TIMEOUT_S + 3 for a, took in slow), slow
+    assert all(a.startswith(b"HTTP/1.1 401") and b"x-inferscale-worker" not in a for a, _ in keyless), keyless
 
 
 def replica_group(log: Path, index: int) -> int:
@@ -179,6 +204,7 @@ def test_two_workers_two_replicas_16_users_with_a_worker_and_a_replica_killed(de
     metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).text
     for replica in ("0", "1"):  # both replicas' connector counters, told apart by a label
         assert re.search(rf'^vllm:inferscale_verified_total{{[^}}]*replica="{replica}"', metrics, re.M), metrics[:2000]
+    check_limits_hold_in_every_worker(url)
     print(f"visibility: {len(log['visibility'])} add->search pairs, {len(cross)} across workers, "
           f"all found by the first search (delay 0 after the acknowledgement)")
 

@@ -270,13 +270,32 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(server):
         assert r.json()["error"]["message"], r.text
     wrong = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
-    assert wrong.headers["x-inferscale-worker"].isdigit()  # every answer names the front process
+    assert "x-inferscale-worker" not in wrong.headers  # no pid to a client without the key (issue 42)
+    assert server.http("GET", "/v1/models").headers["x-inferscale-worker"].isdigit()  # with it, the front's pid
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/health").status_code == 200  # liveness needs no key
     assert httpx.get(server.url + "/ready").json()["status"] == "ready"  # nor readiness (a probe sends none)
     assert httpx.get(server.url + "/memories", params={"user_id": "alice"}).status_code == 401  # data does
     assert "Rex" in chat(server, "What is my dog called?").choices[0].message.content
     assert "user_id=alice" in server.http("DELETE", "/memories").json()["error"]["message"]  # HTTP, not Python, advice
+
+
+def test_server_only_fields_in_vllm_xargs_are_dropped_and_models_name_no_path(server):
+    """vLLM reads ``kv_transfer_params`` from ``vllm_xargs`` too: a client's copy there is
+    dropped like a top-level one (it was a 500, and a way to ask for any KV); ``/v1/models``
+    shows no folder of the server's (issue 42)."""
+    model = server.client().models.list().data[0].id
+    for path, body in (("/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"user": "alice", "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": "Hello"}]})):
+        for xargs in ({"kv_transfer_params": "x"}, {"kv_transfer_params": {"inferscale": {"segments": "x"}},
+                                                    "cache_salt": "y"}):
+            r = server.http("POST", path, json={"model": model, **body, "vllm_xargs": xargs})
+            assert r.status_code == 200, (path, xargs, r.text)
+    cards = server.http("GET", "/v1/models").json()["data"]
+    assert cards and all(c["root"] == c["id"] for c in cards), cards
+    text = json.dumps(cards)
+    assert str(Path.home()) not in text and os.sep + "models" + os.sep not in text, text
 
 
 def test_one_server_per_data_dir_and_front_metrics(server):

@@ -49,15 +49,15 @@ from starlette.routing import Match
 
 from inferscale.server.deps import MemoryDep
 from inferscale.server.mem0_requests import (DOCS, ORG_ID, PROJECT_ID, SCOPE_KEYS, SUPPORTED, AddBody, ListBody,
-                                             Mem0Body, SearchBody, UpdateBody, check_query, platform_item,
-                                             query_scope, split_filters)
+                                             Mem0Body, Mem0QueryRoute, SearchBody, UpdateBody, check_query,
+                                             platform_item, query_scope, split_filters)
 from inferscale.types import MemoryNotFoundError
 
 
 def router() -> APIRouter:
     """Mem0's Platform routes over the app's :class:`inferscale.Memory`; include it after every
     other router (its last route answers every other ``/v1/``, ``/v2/`` and ``/v3/`` path)."""
-    r = APIRouter(tags=["mem0 platform"])
+    r = APIRouter(tags=["mem0 platform"], route_class=Mem0QueryRoute)
 
     @r.get("/v1/ping/", summary="Mem0: check the API key")
     def ping(request: Request) -> dict:

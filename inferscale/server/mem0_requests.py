@@ -205,6 +205,14 @@ def check_query(request: Request, allowed: tuple[str, ...] = ()) -> None:
     query.check_query(request, (*allowed, "org_id", "project_id"), DOCS)
 
 
+class Mem0QueryRoute(query.StrictQueryRoute):
+    """The Platform routes' first check, before their bodies: no parameter twice, none that
+    no Platform route reads (each route then checks its own with :func:`check_query`)."""
+
+    also_read = (*SCOPE_KEYS, "app_id", "filters", "org_id", "project_id", "page", "page_size", "limit",
+                 "delete_linked")
+
+
 def query_scope(request: Request, allowed: tuple[str, ...] = ()) -> dict[str, str]:
     """A scope from query parameters (``?user_id=alice``, or ``?filters=...`` as Mem0's client
     sends a dict: JSON or Python's repr)."""

@@ -43,11 +43,16 @@ def check_query(request: Request, allowed: Iterable[str] = (), docs: str = "/doc
 
 class StrictQueryRoute(APIRoute):
     """A FastAPI route that answers 400 (via :func:`check_query`) when the URL carries a
-    query parameter its handler and dependencies do not declare, or one twice."""
+    query parameter its handler and dependencies do not declare (or :attr:`also_read`),
+    or one twice, before its body is read or validated."""
+
+    #: parameters the router's handlers read by hand, beside those they declare
+    also_read: tuple[str, ...] = ()
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
-        allowed = tuple(field.alias for field in get_flat_dependant(self.dependant).query_params)
+        declared = tuple(field.alias for field in get_flat_dependant(self.dependant).query_params)
+        allowed = (*declared, *self.also_read)
 
         async def checked(request: Request):
             check_query(request, allowed)

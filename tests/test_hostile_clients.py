@@ -1,0 +1,256 @@
+"""``inferscale serve --api-key`` against hostile clients, on loopback (issue 42).
+
+A real ``inferscale serve`` process (its front only: ``--vllm-url`` names a port nobody
+listens on, so nothing here needs vLLM; tests/test_server.py covers the routes vLLM
+answers) with short head and body timeouts. Each test sends what an attacker would and
+checks the answer, its timing, and that nothing changed: the key is checked before any
+body byte is read, heads and bodies too large or too slow are cut, a parameter given
+twice is refused on every route, text is measured before it is tokenized, links ignore
+the client's ``Host``, and no pid or path reaches a client without the key.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from inferscale.server.ports import free_port
+
+pytestmark = pytest.mark.slow
+
+KEY = "hostile-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HEADER_TIMEOUT_S = BODY_TIMEOUT_S = 2.0
+MIB = 1 << 20
+
+
+class Front:
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path) -> None:
+        self.url, self.proc, self.log = url, proc, log
+        self.port = int(url.rsplit(":", 1)[1])
+
+    def http(self, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(method, self.url + path, headers={**AUTH, **kw.pop("headers", {})}, timeout=60, **kw)
+
+    def rss(self) -> int:
+        return psutil.Process(self.proc.pid).memory_info().rss
+
+    def raw(self, data: bytes) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port))
+        s.sendall(data)
+        return s
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    port, log = free_port(), root / "serve.log"
+    exe = Path(sys.executable).with_name("inferscale")
+    env = {**os.environ, "INFERSCALE_API_KEY": KEY, "INFERSCALE_DTYPE": "float32",
+           "INFERSCALE_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)}  # one limit from the environment, one from a flag
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--data-dir", str(root / "data"),
+                                 "--vllm-url", f"http://127.0.0.1:{free_port()}", "--served-model-name", "smol",
+                                 "--header-timeout-s", str(HEADER_TIMEOUT_S)], stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+    f = Front(f"http://127.0.0.1:{port}", proc, log)
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        try:
+            if httpx.get(f.url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    f.ids = {}
+    for user in ("alice", "bob", "carol"):
+        r = f.http("POST", "/memories", json={"messages": f"{user.title()} likes green tea.", "user_id": user})
+        assert r.status_code == 200, r.text
+        f.ids[user] = r.json()["results"][0]["id"]
+    yield f
+    proc.terminate()
+    assert proc.wait(60) == 0, log.read_text()[-3000:]
+
+
+def refused(r: httpx.Response, status: int, *words: str) -> str:
+    assert r.status_code == status, (r.status_code, r.text)
+    message = r.json()["error"]["message"]
+    assert all(w in message for w in words), message
+    return message
+
+
+def read_answer(s: socket.socket, timeout: float) -> tuple[bytes, float]:
+    """The response the server sends on ``s`` (head and body) and the seconds its first
+    bytes took."""
+    t0 = time.monotonic()
+    s.settimeout(timeout)
+    try:
+        data = s.recv(65536)
+        took = time.monotonic() - t0
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length and (more := s.recv(65536)):
+            body += more
+        return head + b"\r\n\r\n" + body, took
+    finally:
+        s.close()
+
+
+# ------------------------------------------------------------------ query parameters
+
+def test_a_parameter_given_twice_is_400_and_reads_writes_nothing(front):
+    bob, carol = front.ids["bob"], front.ids["carol"]
+    refused(front.http("GET", f"/memories/{bob}?user_id=alice&user_id=bob"), 400, "['user_id']", "more than once")
+    refused(front.http("PUT", f"/memories/{carol}?user_id=alice&user_id=carol", json={"text": "Carol hates tea."}),
+            400, "more than once")
+    refused(front.http("DELETE", f"/memories/{carol}?user_id=alice&user_id=carol"), 400, "more than once")
+    refused(front.http("GET", "/v1/memories/?user_id=alice&user_id=bob"), 400, "more than once")
+    assert front.http("GET", f"/memories/{carol}?user_id=carol").json()["memory"] == "Carol likes green tea."
+
+
+def test_every_route_refuses_a_parameter_it_does_not_read_before_its_body(front):
+    """Every route of the OpenAPI schema, with its path parameters filled and no body: a
+    400 naming ``bogus`` (before a 404 for the id or a 422 for the missing body)."""
+    paths = front.http("GET", "/openapi.json").json()["paths"]
+    checked = 0
+    for path, methods in paths.items():
+        for method in methods:
+            url = path.replace("{memory_id}", "x").replace("{entity_type}", "user").replace("{entity_id}", "x") \
+                .replace("{event_id}", "x")
+            assert "{" not in url, url
+            refused(front.http(method.upper(), url + "?bogus=1"), 400, "['bogus']")
+            checked += 1
+    assert checked >= 25, paths.keys()
+    refused(front.http("GET", "/memories?user_id=alice&bogus=1"), 400, "it reads ['user_id'")
+
+
+# ------------------------------------------------------------------ the key before the body
+
+def test_keyless_16_mib_uploads_are_401_and_the_front_does_not_grow(front):
+    """20 connections at once, each announcing 16 MiB and sending 16 MiB - 1 with no key:
+    each is answered 401 (read after its upload), and the front's memory is as before."""
+    head = b"POST /memories HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    before = front.rss()
+
+    def upload(_):
+        s = front.raw(head % (16 * MIB))
+        s.sendall(b" " * (16 * MIB - 1))
+        return read_answer(s, 10)[0]
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(upload, range(20)))
+    assert all(a.startswith(b"HTTP/1.1 401") for a in answers), answers
+    assert all(b"x-inferscale-worker" not in a.lower() for a in answers), answers  # no pid without the key
+    grown = (front.rss() - before) / MIB
+    assert grown < 32, f"the front grew by {grown:.0f} MiB reading keyless uploads"
+
+
+def test_an_announced_size_over_the_limit_is_413_before_the_body(front):
+    s = front.raw(b"POST /memories HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                  + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (17 * MIB))
+    answer, took = read_answer(s, 10)
+    assert answer.startswith(b"HTTP/1.1 413") and b"max_body_bytes" in answer, answer
+    assert took < 1, took
+
+
+# ------------------------------------------------------------------ slow and large heads and bodies
+
+def test_a_stalled_body_is_408_within_body_timeout_s(front):
+    s = front.raw(b"POST /memories HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                  + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+    answer, took = read_answer(s, BODY_TIMEOUT_S + 10)
+    assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout_s" in answer, answer
+    assert BODY_TIMEOUT_S - 0.5 < took < BODY_TIMEOUT_S + 2, took
+
+
+def test_a_slow_head_is_408_within_header_timeout_s(front):
+    s = front.raw(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+    answer, took = read_answer(s, HEADER_TIMEOUT_S + 10)
+    assert answer.startswith(b"HTTP/1.1 408") and b"header_timeout_s" in answer, answer
+    assert HEADER_TIMEOUT_S - 0.5 < took < HEADER_TIMEOUT_S + 2, took
+
+
+def test_an_oversized_head_is_431_after_at_most_the_limit_is_read(front):
+    """A 32 MiB header, sent 8 KiB at a time: a 431 arrives once about 64 KiB are in (the
+    default ``max_header_bytes``), long before the rest is sent."""
+    s = front.raw(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    sent, answer = 0, b""
+    s.setblocking(False)
+    while sent < 32 * MIB and not answer:
+        try:
+            s.send(b"a" * 8192)
+            sent += 8192
+        except (BlockingIOError, BrokenPipeError, ConnectionResetError):
+            pass
+        time.sleep(0.002)
+        try:
+            answer = s.recv(4096)
+        except BlockingIOError:
+            pass
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 431") and b"max_header_bytes" in answer, answer
+    assert sent < 1 * MIB, sent
+
+
+# ------------------------------------------------------------------ text before tokens
+
+def test_a_15_mib_text_is_refused_in_under_a_second_and_changes_nothing(front):
+    """A memory, a search query and a chat message of 15 MiB each: refused by their length in
+    characters, before anything is tokenized (tokenizing one took a worker 14-22 s)."""
+    text = "word " * (3 * MIB)
+    before = front.http("GET", "/memories?user_id=alice").json()
+    for path, body, says in (
+            ("/memories", {"messages": text, "user_id": "alice"}, "max_fact_tokens"),
+            ("/search", {"query": text, "user_id": "alice"}, "max_query_chars"),
+            ("/v1/chat/completions", {"user": "alice", "messages": [{"role": "user", "content": text}]},
+             "max_model_len")):
+        content = json.dumps(body).encode()
+        t0 = time.monotonic()
+        r = front.http("POST", path, content=content, headers={"Content-Type": "application/json"})
+        took = time.monotonic() - t0
+        refused(r, 400, says, "characters")
+        assert took < 1.0, (path, took)
+    assert front.http("GET", "/memories?user_id=alice").json() == before
+
+
+# ------------------------------------------------------------------ 500s, links, what a client sees
+
+def test_filters_nested_2000_deep_in_a_query_string_are_400(front):
+    deep = '{"a": ' * 2000 + "1" + "}" * 2000
+    refused(front.http("GET", "/v1/memories/", params={"filters": deep}), 400, "nested too deeply")
+    refused(front.http("DELETE", "/v1/memories/", params={"filters": deep}), 400, "nested too deeply")
+
+
+def test_links_and_redirects_ignore_the_host_header(front):
+    evil = {"Host": "evil.example"}
+    for user in ("alice", "bob"):
+        r = front.http("POST", "/v3/memories/?page=1&page_size=1", json={"filters": {"user_id": user}}, headers=evil)
+        assert r.status_code == 200, r.text
+    front.http("POST", "/memories", json={"messages": "Alice owns a kayak.", "user_id": "alice"})
+    page = front.http("POST", "/v3/memories/?page=1&page_size=1", json={"filters": {"user_id": "alice"}},
+                      headers=evil).json()
+    assert page["next"] == "/v3/memories/?page=2&page_size=1", page
+    r = front.http("GET", "/v1/memories?user_id=alice", headers=evil)
+    assert r.status_code == 307 and r.headers["location"] == "/v1/memories/?user_id=alice", r.headers
+
+
+def test_no_pid_or_path_reaches_a_client_without_the_key(front):
+    for r in (httpx.get(front.url + "/memories?user_id=alice"), httpx.get(front.url + "/health"),
+              httpx.get(front.url + "/v1/models", headers={"Authorization": "Bearer wrong"})):
+        assert "x-inferscale-worker" not in r.headers, r.headers
+        assert str(Path.home()) not in r.text, r.text
+    assert front.http("GET", "/health").headers["x-inferscale-worker"] == str(front.proc.pid)
+    # and the server kept serving through all of the above
+    assert front.http("GET", "/memories?user_id=alice").status_code == 200
