@@ -17,6 +17,7 @@ from typing import Any, ContextManager, Iterable, Iterator, Sequence
 from inferscale.arguments import check_timeout
 from inferscale.components import Components
 from inferscale.config import MemoryConfig
+from inferscale.kv.background import wait_with_bar
 from inferscale.kv.pool import KVPool, StoredKV
 from inferscale.kv.reference import ReferenceModel
 from inferscale.models.kv_shape import check_kv_cache_fits
@@ -43,12 +44,14 @@ class Answering:
 
     # ------------------------------------------------------------------ KV
 
-    def wait_for_kv(self, timeout: float | None = None) -> bool:
+    def wait_for_kv(self, timeout: float | None = None, *, progress: bool = False) -> bool:
         """Block until the background encoder has encoded every queued KV (writes return
         before their KV exists: see :meth:`add`).
 
         Args:
             timeout: most seconds to wait (``None``: no limit).
+            progress: show a tqdm bar on stderr while waiting: encodes done of those queued
+                when the wait began, and their rate (``KV/s``).
 
         Returns:
             ``True`` when nothing is pending, ``False`` if ``timeout`` passed first (or at
@@ -57,7 +60,10 @@ class Answering:
         Raises:
             TypeError / ValueError: ``timeout`` is not ``None`` or a finite number >= 0.
         """
-        return self.components.kv.wait(check_timeout(timeout))
+        timeout = check_timeout(timeout)
+        if not progress:
+            return self.components.kv.wait(timeout)
+        return wait_with_bar(self.components.kv, timeout)
 
     def pending_kv(self) -> int:
         """How many ``(memory, context window)`` KV encodings are queued."""

@@ -49,7 +49,7 @@ def run_demo(
     memory = Memory(data_dir=data_dir or default_data_dir() / "demo", dtype=dtype, context_window=context_window)
     console.print(f"[bold]LoCoMo {conv.sample_id}[/]: {len(conv.turns)} turns, {len(conv.facts)} facts, from {path}")
     added = store_conversation(memory, conv, user_id, progress="ingest (embed + Chroma)")
-    memory.wait_for_kv()  # the demo compares steady-state serving: every fact's KV encoded
+    memory.wait_for_kv(progress=True)  # the demo compares steady-state serving: every fact's KV encoded
     console.print(f"stored {added} new facts; KV pool on disk: {memory.kv_footprint()['disk'] / 2**20:.1f} MiB")
 
     console.print("starting vLLM and warming up both modes...")

@@ -41,6 +41,10 @@ def test_demo_answers_questions_and_the_committed_page_has_the_shape_of_a_run(tm
     assert "Summary over 2 questions" in out
     assert "median TTFT text / inject" in out
     assert "pid=" not in out + proc.stderr  # no vLLM log line: library use is quiet
+    # while KV is encoded (a minute or two), a bar with counts and rate, not silence (issue 38)
+    bars = re.findall(r"encoding KV:\s+(\d+)%\|[^|]*\|\s*(\d+)/(\d+) \[[^\]]*?([\d.?]+)(?:KV/s|s/KV)\]", proc.stderr)
+    assert bars, proc.stderr[-2000:]
+    assert bars[-1][0] == "100" and bars[-1][1] == bars[-1][2] and int(bars[-1][2]) > 0, bars[-1]
     store = tmp_path / "store"
     assert (store / "chroma").is_dir() and any((store / "kv").iterdir())
 

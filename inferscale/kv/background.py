@@ -171,3 +171,28 @@ class BackgroundEncoder:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
+
+
+def wait_with_bar(kv, timeout: float | None, poll_s: float = 0.5) -> bool:
+    """:meth:`~inferscale.kv.manager.KVManager.wait` with a tqdm bar: the encodes done of
+    those queued when the wait began (``kv.pending()``), and their rate in ``KV/s``.
+
+    Args:
+        kv: the :class:`~inferscale.kv.manager.KVManager` whose queue is waited on.
+        timeout: most seconds to wait (``None``: no limit).
+        poll_s: seconds between updates of the bar.
+
+    Returns:
+        ``True`` when nothing is pending, ``False`` if ``timeout`` passed first.
+    """
+    from tqdm import tqdm
+
+    total = kv.pending()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with tqdm(total=total, desc="encoding KV", unit="KV", disable=total == 0) as bar:
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = kv.wait(poll_s if left is None else min(poll_s, left))
+            bar.update(max(0, total - kv.pending()) - bar.n)
+            if done or (left is not None and left <= poll_s):
+                return done or kv.pending() == 0
