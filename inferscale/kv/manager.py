@@ -53,11 +53,15 @@ class FactSpan:
         item: what the encoder runs when it is missing.
         model_key: for a quantized ``key``, the key of the same KV in the model's dtype: when
             that is in the pool, the KV is quantized from it instead of encoded again.
+        other_keys: the keys of the same KV in the other storage dtypes: once ``key`` is
+            stored, they are dropped from this machine's tiers (a storage switch replaces
+            files, it does not add to them).
     """
 
     key: str
     item: EncodeItem
     model_key: str | None = None
+    other_keys: tuple[str, ...] = ()
 
 
 class KVManager:
@@ -198,12 +202,12 @@ class KVManager:
                 context.extend(line)
             parts = dict(fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, w=w, ctx=_digest(context),
                          span=_digest(span))
-            model_key = kv_key(fact.id, **parts)
-            if self.storage == "auto":  # no storage part: keys made before the setting existed stay valid
-                spans.append(FactSpan(model_key, EncodeItem(tuple(context), span)))
-            else:
-                spans.append(FactSpan(kv_key(fact.id, store=self.storage, **parts), EncodeItem(tuple(context), span),
-                                      model_key))
+            # "auto" has no storage part: keys made before the setting existed stay valid
+            keys = {s: kv_key(fact.id, **parts) if s == "auto" else kv_key(fact.id, store=s, **parts)
+                    for s in STORAGE_DTYPES}
+            others = tuple(k for s, k in keys.items() if s != self.storage)
+            spans.append(FactSpan(keys[self.storage], EncodeItem(tuple(context), span),
+                                  None if self.storage == "auto" else keys["auto"], others))
         with self._keys_lock:
             for fact, s in zip(facts, spans):
                 self._keys[(scope_key, version, fact.id, fact.hash, fact.source_turn_ids, w)] = s.key
@@ -235,7 +239,16 @@ class KVManager:
             todo = [s for s in missing.values() if s.key not in quantized]
             for span, kv in zip(todo, self.encoder.encode([s.item for s in todo])) if todo else ():
                 self.pool.put(span.key, kv if span.model_key is None else to_storage(kv, self.storage))
+                self.drop_other_variants(span)
             return len(missing)
+
+    def drop_other_variants(self, span: FactSpan) -> None:
+        """Drop ``span``'s KV in the other storage dtypes from this machine's tiers, now that
+        its own is stored: after a ``kv_storage_dtype`` switch, a fact's old file goes as its
+        new one is written (a shared Redis keeps its copies for deployments with other
+        settings, and evicts them by its own policy)."""
+        for key in span.other_keys:
+            self.pool.remove(key, shared=False)
 
     def quantize_stored(self, spans: Sequence[FactSpan]) -> set[str]:
         """Store each quantized span whose model-dtype KV is in the pool, quantized from it
@@ -250,6 +263,7 @@ class KVManager:
             dense = self.pool.get(span.model_key)
             if dense is not None and dense.token_ids == span.item.span_ids:
                 self.pool.put(span.key, to_storage(dense, self.storage))
+                self.drop_other_variants(span)
                 done.add(span.key)
         return done
 

@@ -16,10 +16,10 @@ KV is a cache of the memory's text, which stays the system of record: an entry e
 every tier is a miss, and the request path serves that memory as text and queues its KV to
 be encoded again (:meth:`KVPool.was_evicted` tells why it was missing). Entries a request in
 flight uses are pinned (:meth:`KVPool.pinned`) and never evicted by this process, nor is the
-newest preamble's KV (every request uses it). Pins are per process: another process writing
-to the same folder (another front worker) does not see them, but planning renewed the
-entries' priority, so only a budget filled by newer KV within one request could evict them,
-and then vLLM recomputes those blocks (correct, slower: docs/decisions.md).
+newest preamble's KV (every request uses it). Pins reach every process over the folder:
+while the disk has a budget, a request's pins are also a pin file in the folder, which
+every eviction pass reads (a dead process's pin files are dropped), so another front
+worker does not evict KV a request of this one is about to load (docs/decisions.md).
 
 An entry is a :class:`~inferscale.kv.entry.FactKV` (``[num_layers, num_tokens,
 num_kv_heads, head_dim]`` pre-RoPE keys and values in the model's dtype, with their token
@@ -506,13 +506,14 @@ class KVPool:
                     else:
                         del self._pins[key]
 
-    def remove(self, key: str) -> None:
-        """Drop one entry from every tier (absent is fine)."""
+    def remove(self, key: str, *, shared: bool = True) -> None:
+        """Drop one entry from every tier (absent is fine); from this machine's tiers only
+        (device, host, disk) when ``shared`` is false."""
         with self._lock:
             self._device.pop(key)
             self._host.pop(key)
         self.disk.remove(validate_key(key))
-        if self.remote is not None:
+        if shared and self.remote is not None:
             self.remote.remove(key)
 
     def invalidate_owner(self, owner: str) -> None:
