@@ -79,6 +79,20 @@ class Answering:
         self._check_open()
         self.components.facts.check_length(require_text(text, what), what)
 
+    def kv_file_bytes(self, num_tokens: int) -> int:
+        """Bytes one fact's KV file of ``num_tokens`` tokens takes on disk, in this memory's
+        model dtype and ``kv_storage_dtype``, from the model's ``config.json`` alone (nothing
+        encoded): to size ``disk_kv_budget_bytes`` before buying disk (docs/configuration.md,
+        "Sizing a disk budget"; :func:`inferscale.kv.sizing.kv_file_bytes`). A memory's tokens
+        are :meth:`fact_tokens`; each context window w a fact is served at is a file of its own.
+
+        Raises:
+            ValueError: ``num_tokens`` is not a whole number >= 1.
+        """
+        from inferscale.kv.sizing import kv_file_bytes
+
+        return kv_file_bytes(self.model_path, self.config.resolved_dtype, self.config.kv_storage_dtype, num_tokens)
+
     def kv_footprint(self) -> dict[str, int]:
         """Bytes of fact KV held by this process's pool: ``{"device": ..., "disk": ...}``."""
         self._check_open()

@@ -37,12 +37,45 @@ def _dtype_auto() -> str:
     return AUTO_DTYPE_RULE
 
 
+#: the fact length the sizing table shows (tokens of a memory line; LoCoMo's observations
+#: average about 30 with SmolLM2's tokenizer)
+SIZING_TOKENS = 30
+
+
+def _kv_file_sizes() -> str:
+    """The default model's KV file sizes per storage dtype, as a markdown table
+    (:func:`inferscale.kv.sizing.kv_file_bytes`)."""
+    sys.path.insert(0, str(ROOT))
+    from inferscale.kv.sizing import kv_file_bytes
+    from inferscale.models.resolve import resolve_llm
+
+    model = resolve_llm()
+    rows = ["| model dtype, storage | bytes per fact token | a 30-token fact's file | vs float32 |", "|---|---|---|---|"]
+    base = kv_file_bytes(model, "float32", "auto", SIZING_TOKENS)
+    for dtype, storage in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8"), ("float32", "int4")):
+        per_token = (kv_file_bytes(model, dtype, storage, 64) - kv_file_bytes(model, dtype, storage, 32)) / 32
+        size = kv_file_bytes(model, dtype, storage, SIZING_TOKENS)
+        name = f"{dtype}, {'the model dtype (auto)' if storage == 'auto' else storage}"
+        rows.append(f"| {name} | {per_token:,.0f} | {size:,} ({size / 2**20:.2f} MiB) | {size / base:.2f}x |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def _min_disk_budget() -> str:
+    sys.path.insert(0, str(ROOT))
+    from inferscale.config import MemoryConfig
+
+    low = MemoryConfig.model_fields["disk_kv_budget_bytes"].metadata[0].ge
+    return f"{low:,} bytes ({low / 2**20:g} MiB)"
+
+
 #: fact name -> where its value comes from
 FACTS: dict[str, Callable[[], str]] = {
     "dtype-auto": _dtype_auto,
     "install-steps": lambda: _install_setting("TOTAL_STEPS"),
     "vllm-version": lambda: _install_setting("VLLM_VERSION"),
     "torch-cpu-version": lambda: _install_setting("TORCH_CPU_VERSION"),
+    "kv-file-sizes": _kv_file_sizes,
+    "min-disk-budget": _min_disk_budget,
 }
 
 
