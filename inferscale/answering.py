@@ -14,7 +14,7 @@ import threading
 import weakref
 from typing import Any, ContextManager, Iterable, Iterator, Sequence
 
-from inferscale.arguments import check_timeout
+from inferscale.arguments import check_texts, check_timeout
 from inferscale.components import Components
 from inferscale.config import MemoryConfig
 from inferscale.kv.background import wait_with_bar
@@ -78,6 +78,16 @@ class Answering:
         """Refuse a fact longer than ``config.max_fact_tokens`` (raises ``ValueError`` with the fix)."""
         self._check_open()
         self.components.facts.check_length(require_text(text, what), what)
+
+    def embed(self, texts: Sequence[str]):
+        """The embedder's unit vectors of ``texts`` (``[len(texts), dim]`` float32, torch, on
+        the CPU), as search embeds queries and memories.
+
+        Raises:
+            TypeError / ValueError: ``texts`` is not a list of non-empty strings.
+        """
+        self._check_open()
+        return self.components.embedder.encode(check_texts(texts))
 
     def kv_file_bytes(self, num_tokens: int) -> int:
         """Bytes one fact's KV file of ``num_tokens`` tokens takes on disk, in this memory's

@@ -30,7 +30,6 @@ from inferscale.store.turns import Turn
 from inferscale.types import FactInput, MemoryNotFoundError, write_results
 
 
-
 class Memory(Answering):
     """Persistent per-user memory served to vLLM as precomputed KV.
 
@@ -377,16 +376,6 @@ class Memory(Answering):
         """
         scope = self._scope(user_id, agent_id, run_id)
         return self.components.facts.find_texts(scope, args.check_texts(texts))
-
-    def embed(self, texts: Sequence[str]):
-        """The embedder's unit vectors of ``texts`` (``[len(texts), dim]`` float32, torch, on
-        the CPU), as search embeds queries and memories.
-
-        Raises:
-            TypeError / ValueError: ``texts`` is not a list of non-empty strings.
-        """
-        self._check_open()
-        return self.components.embedder.encode(args.check_texts(texts))
 
     # ------------------------------------------------------------------ lifetime
 

@@ -81,6 +81,7 @@ def front(tmp_path_factory):
     yield f
     proc.terminate()
     assert proc.wait(60) == 0, log.read_text()[-3000:]
+    assert log.read_text().rstrip().endswith("InferScale stopped"), log.read_text()[-3000:]  # a last line says so
 
 
 def refused(r: httpx.Response, status: int, *words: str) -> str:

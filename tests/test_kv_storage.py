@@ -74,6 +74,9 @@ def test_a_storage_switch_quantizes_stored_kv_replaces_its_files_and_the_connect
         assert seg.key != model_seg.key and seg.num_tokens == model_seg.num_tokens
         assert _metadata(pool, seg.key)["storage"] == storage
         assert seg.key in after and model_seg.key not in after  # replaced, not added to
+        # the size Memory.kv_file_bytes predicts, before anything was encoded, is the file's
+        assert after[seg.key] == mem.kv_file_bytes(seg.num_tokens)
+        assert before[model_seg.key] == memories["auto"].kv_file_bytes(model_seg.num_tokens)
         q, d = fresh.get(seg.key), dense_kv[model_seg.key]
         assert isinstance(q, QuantizedKV) and isinstance(d, FactKV) and q.token_ids == d.token_ids
         # bytes with scales, against this fp32 KV (bf16's ratios: int8 <= 0.55x, int4 <= 0.30x in
@@ -135,3 +138,9 @@ def test_a_bad_storage_dtype_is_refused_naming_the_setting():
     with pytest.raises(ValueError, match="kv_storage_dtype") as exc:
         MemoryConfig(kv_storage_dtype="int3")
     assert "INFERSCALE_KV_STORAGE_DTYPE" in str(exc.value)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "30"])
+def test_kv_file_bytes_refuses_what_is_not_a_token_count(memories, bad):
+    with pytest.raises(ValueError, match="num_tokens"):
+        memories["int4"].kv_file_bytes(bad)

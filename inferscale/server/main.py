@@ -248,6 +248,7 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
                 t.start()
             for t in threads:
                 t.join()
+    say("InferScale stopped")  # only after a stop asked for: an error propagates past this line
 
 
 def _device_shares(replicas: int) -> list[dict[str, str]]:
