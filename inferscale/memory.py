@@ -151,6 +151,7 @@ class Memory(Answering):
         scope = Scope.of(user_id, agent_id, run_id)
         c = self.components
         if infer:
+            c.requests.check_prompt_chars([t.content for t in turns])  # before anything is tokenized
             logged = c.turns.append(scope.key, turns)
             try:
                 return write_results(extract_and_reconcile(c.facts, scope, logged, meta, self.extractor,

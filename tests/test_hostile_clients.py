@@ -208,12 +208,15 @@ def test_an_oversized_head_is_431_after_at_most_the_limit_is_read(front):
 # ------------------------------------------------------------------ text before tokens
 
 def test_a_15_mib_text_is_refused_in_under_a_second_and_changes_nothing(front):
-    """A memory, a search query and a chat message of 15 MiB each: refused by their length in
-    characters, before anything is tokenized (tokenizing one took a worker 14-22 s)."""
+    """A memory (stored as given, or for the LLM to extract facts from), a search query and a
+    chat message of 15 MiB each: refused by their length in characters, before anything is
+    tokenized (tokenizing one took a worker 14-22 s)."""
     text = "word " * (3 * MIB)
     before = front.http("GET", "/memories?user_id=alice").json()
     for path, body, says in (
             ("/memories", {"messages": text, "user_id": "alice"}, "max_fact_tokens"),
+            ("/memories", {"messages": [{"role": "user", "content": text}], "user_id": "alice", "infer": True},
+             "max_model_len"),
             ("/search", {"query": text, "user_id": "alice"}, "max_query_chars"),
             ("/v1/chat/completions", {"user": "alice", "messages": [{"role": "user", "content": text}]},
              "max_model_len")):
