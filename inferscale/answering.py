@@ -141,7 +141,7 @@ class Answering:
         (:meth:`generate` and :meth:`stream` do)."""
         return self.components.pool.pinned(keys)
 
-    def kv_stats(self) -> dict[str, int]:
+    def kv_stats(self) -> dict[str, float]:
         """This process's KV pool counters: the memories requests were planned with, per tier
         where their KV was (``served_device``, ``served_host``, ``served_disk``,
         ``served_redis``) or served as text (``served_text``); loads this process made itself
@@ -150,11 +150,16 @@ class Answering:
         ``reencodes`` (KV written again after this process evicted it), and the bytes each
         tier holds (``device_bytes``, ``host_bytes``, ``disk_bytes``: as last counted, see
         :meth:`inferscale.kv.disk.DiskTier.estimate`); with a Redis tier, ``redis_hits``,
-        ``redis_misses``, ``redis_writes``, ``redis_errors`` and ``redis_up`` (1 or 0)."""
+        ``redis_misses``, ``redis_writes``, ``redis_errors`` and ``redis_up`` (1 or 0); and
+        the background encoder's ``encode_seconds`` (spent encoding) and
+        ``encoder_yielded_seconds`` (spent waiting for requests in flight to end), floats."""
         self._check_open()
         pool = self.components.pool
         held = pool.footprint(exact=False)
         stats = {**pool.stats, **{f"{tier}_bytes": n for tier, n in held.items()}}
+        background = self.components.kv.background
+        stats["encode_seconds"] = background.encode_s if background is not None else 0.0
+        stats["encoder_yielded_seconds"] = background.yielded_s if background is not None else 0.0
         if pool.remote is not None:
             remote = dict(pool.remote.stats)
             stats.update(redis_misses=remote["misses"], redis_writes=remote["writes"], redis_errors=remote["errors"],

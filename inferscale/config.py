@@ -153,6 +153,11 @@ class MemoryConfig(BaseSettings):
             query is its question's first ``max_query_chars`` characters.
         precompute_kv: encode a fact's KV when it is added (default); when False, KV is
             encoded the first time the fact is injected (faster writes, slower first read).
+        encode_when_idle: the background encoder (first encodes and re-encodes of evicted
+            KV) starts a batch only when no request of this process is in flight, so it
+            never competes with one for the cores or the GPU (default ``True``; a batch
+            under way is not interrupted). ``wait_for_kv`` overrides it while it waits.
+            ``False``: encode as soon as jobs are queued.
         verbose: let vLLM, torch and transformers log and show progress bars as they do on
             their own (default False: errors only, :mod:`inferscale.runtime.logs`).
         database_url: a SQLAlchemy URL of the database holding the turn log and the history
@@ -219,6 +224,7 @@ class MemoryConfig(BaseSettings):
     max_fact_tokens: int = Field(default=512, ge=8)
     max_query_chars: int = Field(default=16_384, ge=64)
     precompute_kv: bool = True
+    encode_when_idle: bool = True
     verbose: bool = False
     database_url: str | None = None
     chroma_url: str | None = None

@@ -150,3 +150,39 @@ def test_processes_sharing_a_queue_each_take_other_jobs_and_a_dead_ones_claims_a
         other.kill()
         other.wait()
     assert [j.fact_id for j in mine.take(10)] == ["f4", "f5", "f0", "g0"]  # the dead process's claim released
+
+
+def _pending_after(mem, seconds: float) -> int:
+    """The queue's pending encodes after ``seconds`` (polled, so the encoder is not asked to
+    hurry: :meth:`Memory.wait_for_kv` would override its waiting for requests)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and mem.pending_kv() > 0:
+        time.sleep(0.1)
+    return mem.pending_kv()
+
+
+def test_the_encoder_waits_for_requests_in_flight_then_encodes(mem):
+    """Issue 39: a background encode never competes with a request. While a request is in
+    flight (a ``pinned_kv`` block, as ``generate`` and the front hold one), a queued encode
+    waits; it runs once the request ends; ``wait_for_kv`` asks for it at once."""
+    mem.add("I grow tomatoes on my balcony.", user_id="u")
+    assert _pending_after(mem, 600) == 0  # no request: encoded at once (the encoder model loaded)
+    with mem.pinned_kv(()):  # a request in flight
+        mem.add("My cat sleeps in the sink.", user_id="u")
+        assert _pending_after(mem, 3) == 1  # waits for the request
+        assert mem.kv_stats()["encoder_yielded_seconds"] > 2
+    assert _pending_after(mem, 120) == 0  # the request ended: encoded
+    with mem.pinned_kv(()):
+        mem.add("My sister lives in Oslo.", user_id="u")
+        assert mem.wait_for_kv(timeout=120)  # someone waits for the KV: encoded during the request
+    assert mem.kv_stats()["encode_seconds"] > 0
+
+
+def test_with_encode_when_idle_off_the_encoder_runs_during_requests(tmp_path):
+    with Memory(data_dir=tmp_path / "store", dtype="float32", context_window=0, encode_when_idle=False) as m:
+        with m.pinned_kv(()):
+            m.add("I grow tomatoes on my balcony.", user_id="u")
+            assert _pending_after(m, 600) == 0
+        assert m.kv_stats()["encoder_yielded_seconds"] == 0

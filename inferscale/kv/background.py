@@ -34,14 +34,29 @@ class BackgroundEncoder:
         gather_s: how long the thread waits after being woken before it takes a batch
             (seconds): writes arriving together are encoded in one batch, and the writer
             that woke it returns without the encoder competing for the interpreter.
+        requests_in_flight: how many requests this process has in flight (planned, not yet
+            finished: :attr:`inferscale.kv.pool.KVPool.requests_in_flight`); before each batch
+            the thread waits until there are none, so an encode never competes with a
+            request for the cores or the GPU (issue 39), unless :meth:`wait` is waiting for
+            the KV (someone asked for it). ``None``: never wait.
 
     Attributes:
         last_error: the last failure, ``"<job>: <exception>"`` (``None`` if none).
+        encode_s: seconds spent encoding batches (wall clock). yielded_s: seconds the
+            thread waited for requests to end before a batch.
     """
 
+    #: how often the thread looks again while requests are in flight (seconds)
+    YIELD_POLL_S = 0.01
+
     def __init__(self, queue: KVJobQueue, run_batch: Callable[[Sequence[KVJob]], None], *, batch_jobs: int = 64,
-                 retry_s: float = 1.0, max_attempts: int = 3, gather_s: float = 0.02) -> None:
+                 retry_s: float = 1.0, max_attempts: int = 3, gather_s: float = 0.02,
+                 requests_in_flight: Callable[[], int] | None = None) -> None:
         self.queue = queue
+        self._requests_in_flight = requests_in_flight
+        self._waiters = 0  # wait() calls under way: they want the KV now
+        self.encode_s = 0.0
+        self.yielded_s = 0.0
         self._run_batch = run_batch
         self.batch_jobs = batch_jobs
         self.retry_s = retry_s
@@ -86,6 +101,7 @@ class BackgroundEncoder:
     def _loop(self) -> None:
         while not self._closed:
             self._running.wait()
+            self._yield_to_requests()
             self._wake.clear()
             if self.gather_s and not self._closed and self.queue.pending() < self.batch_jobs:
                 time.sleep(self.gather_s)
@@ -111,6 +127,16 @@ class BackgroundEncoder:
             for job in jobs if len(jobs) > 1 else ():  # find the job that fails
                 self._run([job])
 
+    def _yield_to_requests(self) -> None:
+        """Wait while this process has a request in flight (not while :meth:`wait` waits, nor
+        once closing)."""
+        if self._requests_in_flight is None:
+            return
+        while self._requests_in_flight() > 0 and self._waiters == 0 and not self._closed:
+            t0 = time.monotonic()
+            time.sleep(self.YIELD_POLL_S)
+            self.yielded_s += time.monotonic() - t0  # counted as it goes: a scrape sees a long wait
+
     def _run(self, jobs: Sequence[KVJob]) -> bool:
         """Encode ``jobs``; on failure count an attempt per job and drop those out of attempts.
 
@@ -120,8 +146,10 @@ class BackgroundEncoder:
         traceback per job."""
         from inferscale.runtime.outages import OUTAGES
 
+        t0 = time.monotonic()
         try:
             self._run_batch(jobs)
+            self.encode_s += time.monotonic() - t0
             self.queue.done(jobs)
             self.batches += 1
             for job in jobs:
@@ -130,6 +158,7 @@ class BackgroundEncoder:
             OUTAGES.recheck()  # a dependency this batch needed may be back
             return True
         except Exception as exc:  # noqa: BLE001 - the thread must survive a bad batch; jobs stay queued
+            self.encode_s += time.monotonic() - t0
             self.failures += 1
             self.last_error = f"{jobs[0] if len(jobs) == 1 else f'{len(jobs)} jobs'}: {type(exc).__name__}: {exc}"
             dependency = OUTAGES.dependency_of(exc)
@@ -154,15 +183,21 @@ class BackgroundEncoder:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.queue.pending() == 0:
             return True
-        self.notify()
-        while True:
+        with self._idle:
+            self._waiters += 1  # the encoder stops yielding to requests while anyone waits
+        try:
+            self.notify()
+            while True:
+                with self._idle:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    self._idle.wait(timeout=0.2 if left is None else min(0.2, left))
+                if self.queue.pending() == 0:
+                    return True
+                if self._closed or (deadline is not None and time.monotonic() >= deadline):
+                    return False
+        finally:
             with self._idle:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                self._idle.wait(timeout=0.2 if left is None else min(0.2, left))
-            if self.queue.pending() == 0:
-                return True
-            if self._closed or (deadline is not None and time.monotonic() >= deadline):
-                return False
+                self._waiters -= 1
 
     def close(self) -> None:
         """Stop the thread after its current batch (queued jobs stay for the next start)."""

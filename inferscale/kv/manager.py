@@ -82,6 +82,8 @@ class KVManager:
         store: where a job's fact is read when the job runs (required with ``jobs``).
         storage: ``kv_storage_dtype``: ``"auto"`` (the model's dtype) or ``"int8"`` / ``"int4"``
             (:mod:`inferscale.kv.quant`); fact KV only, the preamble stays in the model's dtype.
+        encode_when_idle: the background encoder waits, before each batch, until no request
+            of this process is in flight (``encode_when_idle``; :class:`BackgroundEncoder`).
 
     Raises:
         ValueError: an unknown ``storage``.
@@ -101,6 +103,7 @@ class KVManager:
         store: FactStore | None = None,
         verbose: bool = False,
         storage: str = "auto",
+        encode_when_idle: bool = True,
     ) -> None:
         if storage not in STORAGE_DTYPES:
             raise ValueError(f"kv_storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage!r}")
@@ -124,7 +127,9 @@ class KVManager:
         self._encode_lock = threading.Lock()  # one encode at a time: the caller's or the background's
         self.jobs = jobs
         self.store = store
-        self.background = BackgroundEncoder(jobs, self.run_jobs) if jobs is not None else None
+        self.background = BackgroundEncoder(
+            jobs, self.run_jobs, requests_in_flight=(lambda: pool.requests_in_flight) if encode_when_idle else None,
+        ) if jobs is not None else None
 
     @property
     def encoder(self) -> KVEncoder:

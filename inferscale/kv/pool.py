@@ -128,6 +128,7 @@ class KVPool:
         # deletes Redis missed during an outage wait in a file of the folder (one per Redis)
         self.remote = RedisTier(self.redis_url, self.root / (".redis-pending-" + hashlib.sha256(
             redacted(self.redis_url).encode()).hexdigest()[:16])) if self.redis_url else None
+        self._requests = 0  # pinned() blocks open: requests in flight in this process
         self._lock = threading.RLock()
         # one disk write and its eviction at a time in this process: a write burst (the
         # encoder and the request path both writing) holds the folder to its budget plus one entry
@@ -488,9 +489,12 @@ class KVPool:
     def pinned(self, keys: Iterable[str]) -> Iterator[None]:
         """Keep ``keys`` from eviction while the block runs (a request's life): in this
         process and in every other process that evicts from the folder (a pin file,
-        :meth:`DiskTier.pin`: the front's other workers)."""
+        :meth:`DiskTier.pin`: the front's other workers). Each block counts as a request in
+        flight (:attr:`requests_in_flight`), with or without keys: every request of this
+        process, in any mode, holds one from planning to its last token."""
         keys = list(keys)
         with self._lock:
+            self._requests += 1
             for key in keys:
                 self._pins[key] = self._pins.get(key, 0) + 1
         pin_file = self.disk.pin(keys) if keys else None  # the disk's reserve evicts even without a budget
@@ -499,12 +503,19 @@ class KVPool:
         finally:
             self.disk.unpin(pin_file)
             with self._lock:
+                self._requests -= 1
                 for key in keys:
                     left = self._pins[key] - 1
                     if left:
                         self._pins[key] = left
                     else:
                         del self._pins[key]
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests of this process now between planning and their last token (:meth:`pinned`
+        blocks open): the background encoder waits for none before each batch."""
+        return self._requests
 
     def remove(self, key: str, *, shared: bool = True) -> None:
         """Drop one entry from every tier (absent is fine); from this machine's tiers only

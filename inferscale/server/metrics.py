@@ -16,12 +16,13 @@ class KVPoolCollector(Collector):
     (:meth:`inferscale.Memory.kv_stats`): ``inferscale_kv_hits_total{tier}``,
     ``inferscale_kv_misses_total``, ``inferscale_kv_evictions_total{tier}``,
     ``inferscale_kv_evicted_bytes_total{tier="disk"}``, ``inferscale_kv_writes_total``,
-    ``inferscale_kv_reencodes_total`` and ``inferscale_kv_bytes{tier}`` (held now); with a
+    ``inferscale_kv_reencodes_total``, ``inferscale_kv_encode_seconds_total``,
+    ``inferscale_kv_encoder_yielded_seconds_total`` and ``inferscale_kv_bytes{tier}`` (held now); with a
     Redis tier, ``inferscale_kv_hits_total{tier="redis"}``, ``inferscale_kv_redis_misses_total``,
     ``inferscale_kv_redis_writes_total``, ``inferscale_kv_redis_errors_total`` and
     ``inferscale_kv_redis_up`` (0 during an outage)."""
 
-    def __init__(self, kv_stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, kv_stats: Callable[[], dict[str, float]]) -> None:
         self.kv_stats = kv_stats
 
     def collect(self) -> Iterator[Metric]:
@@ -52,6 +53,10 @@ class KVPoolCollector(Collector):
         yield CounterMetricFamily("inferscale_kv_writes", "fact KV entries written", s["writes"])
         yield CounterMetricFamily("inferscale_kv_reencodes", "fact KV written again after it was evicted",
                                   s["reencodes"])
+        yield CounterMetricFamily("inferscale_kv_encode_seconds", "seconds the background encoder spent encoding "
+                                  "fact KV", s["encode_seconds"])
+        yield CounterMetricFamily("inferscale_kv_encoder_yielded_seconds", "seconds the background encoder waited "
+                                  "for requests in flight to end before a batch", s["encoder_yielded_seconds"])
         if "redis_up" in s:
             yield CounterMetricFamily("inferscale_kv_redis_misses", "fact KV asked of Redis and not found there "
                                       "(or Redis down)", s["redis_misses"])
@@ -70,7 +75,7 @@ class FrontMetrics:
         kv_stats: the KV pool's counters (:meth:`inferscale.Memory.kv_stats`); ``None``: not exported.
     """
 
-    def __init__(self, kv_stats: Callable[[], dict[str, int]] | None = None) -> None:
+    def __init__(self, kv_stats: Callable[[], dict[str, float]] | None = None) -> None:
         self.registry = CollectorRegistry()
         if kv_stats is not None:
             self.registry.register(KVPoolCollector(kv_stats))

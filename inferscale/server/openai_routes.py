@@ -53,11 +53,12 @@ def router() -> APIRouter:
         return JSONResponse(listing)
 
     @r.post("/v1/completions", summary="vLLM's completions, without memory")
-    async def completions(request: Request, upstream: UpstreamDep, metrics: MetricsDep) -> Response:
+    async def completions(request: Request, memory: MemoryDep, upstream: UpstreamDep, metrics: MetricsDep) -> Response:
         body = await _json_body(request)
         body = without_server_fields(body)
         key = _route_key(body, request.headers)
-        return await _until_disconnected(request, _forward(upstream, key, "/v1/completions", body, None, metrics))
+        return await _until_disconnected(request, _forward(upstream, key, "/v1/completions", body, None, metrics,
+                                                           memory.pinned_kv(())))  # in flight: the encoder waits
 
     @r.post("/v1/chat/completions", summary="Chat with memory")
     async def chat(request: Request, memory: MemoryDep, upstream: UpstreamDep, metrics: MetricsDep) -> Response:
@@ -79,7 +80,8 @@ def router() -> APIRouter:
         if "model" not in plan.body:
             plan.body["model"] = await upstream.model_name()
         planned = plan.block.plan if plan.block is not None else None
-        pins = memory.pinned_kv(planned.keys) if planned is not None else None
+        # held for every chat, with or without KV: a request in flight, which the encoder waits for
+        pins = memory.pinned_kv(planned.keys if planned is not None else ())
         return await _until_disconnected(
             request, _forward(upstream, key, "/v1/chat/completions", plan.body, plan, metrics, pins))
 
