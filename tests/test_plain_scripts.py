@@ -5,6 +5,7 @@ next process that opens the data dir."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -43,8 +44,12 @@ def test_the_readmes_use_block_runs_as_a_plain_script(tmp_path):
     assert proc.stderr == "", proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     # the answer line: text, then TTFT (seconds), injected and prefilled tokens
-    text, ttft, injected, prefilled = lines[-1].rsplit(" ", 3)
-    assert text.strip() and float(ttft) > 0 and int(injected) > 0 and int(prefilled) > 0, lines[-1]
+    text, ttft, injected, prefilled = lines[-2].rsplit(" ", 3)
+    assert text.strip() and float(ttft) > 0 and int(injected) > 0 and int(prefilled) > 0, lines[-2]
+    # then where each memory's KV came from: the fact just added, as KV or as text and why
+    sources = ast.literal_eval(lines[-1])
+    assert len(sources) == 1 and all(s in ("device", "host", "disk", "redis", "quantized now", "encoded now")
+                                     or s.startswith("text: ") for s in sources.values()), lines[-1]
     assert (tmp_path / "memory" / "chroma").is_dir()  # ./memory, relative to where it ran
 
 
