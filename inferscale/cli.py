@@ -348,6 +348,7 @@ def bench_tiers(
     touch_interval: float = typer.Option(1.0, min=0.0, help="Seconds between renewals of an entry's recency on disk (the pool's 60 s, scaled to the time-compressed trace)."),
     half_life: float = typer.Option(60.0, min=0.001, help="Seconds in which a use's weight halves under the lrfu policy (the pool's hour, scaled as the touch interval is)."),
     policies: str = typer.Option("lru,lrfu", help="Eviction policies to replay, comma-separated: lru, lrfu."),
+    encoders: str = typer.Option("eager", help="When the background encoder runs, comma-separated: eager (at once), idle (only while no request is in flight); each policy is replayed once per encoder."),
     dtype: str = _DTYPE,
 ) -> None:
     """The KV pool under disk budgets: share of fact tokens served as KV, TTFT p50/p99 and re-encodes on a Zipf replay."""
@@ -363,7 +364,8 @@ def bench_tiers(
                                          questions=questions, warmup=warmup, zipf=zipf, k=k, budgets=shares,
                                          context_window=context_window, dtype=dtype,
                                          touch_interval_s=touch_interval, half_life_s=half_life,
-                                         policies=[p.strip() for p in policies.split(",") if p.strip()]))
+                                         policies=[p.strip() for p in policies.split(",") if p.strip()],
+                                         encoders=[e.strip() for e in encoders.split(",") if e.strip()]))
 
 
 @bench_app.command("footprint")

@@ -349,9 +349,10 @@ def test_retrieval_bench_compares_dense_and_hybrid_on_held_out_conversations(tmp
 
 
 def test_tiers_replay_keeps_each_budget_and_serves_what_it_evicted_as_text(tmp_path, locomo_path):
-    """``inferscale bench tiers`` on one user: the unbounded pool serves every retrieved fact
-    as KV; at 25% of the pool the disk holds to its budget (plus one fact), some memories
-    come as text and are encoded again; the page and plot are written."""
+    """``inferscale bench tiers`` on one user, with the encoder eager and idle: the unbounded
+    pool serves every retrieved fact as KV; at 25% of the pool the disk holds to its budget
+    (plus one fact), some memories come as text and are encoded again; the page and plot are
+    written."""
     from inferscale.bench.tiers import make_trace, run, user_weights
 
     weights = user_weights(3, 1.0)
@@ -363,10 +364,13 @@ def test_tiers_replay_keeps_each_budget_and_serves_what_it_evicted_as_text(tmp_p
         run(locomo_path, tmp_path / "out", tmp_path / "store", budgets=(1.0, 0.0))
     with pytest.raises(ValueError, match="policies are some of"):
         run(locomo_path, tmp_path / "out", tmp_path / "store", policies=("fifo",))
+    with pytest.raises(ValueError, match="encoders are some of"):
+        run(locomo_path, tmp_path / "out", tmp_path / "store", encoders=("lazy",))
     summary = run(locomo_path, tmp_path / "out", tmp_path / "store", users=1, questions=14, warmup=4,
-                  budgets=(1.0, 0.25))
-    assert [(c["policy"], c["share"]) for c in summary["cells"]] == [("lru", 1.0), ("lru", 0.25), ("lrfu", 1.0),
-                                                                      ("lrfu", 0.25)]
+                  budgets=(1.0, 0.25), policies=("lrfu",), encoders=("eager", "idle"))
+    assert [(c["policy"], c["encoder"], c["share"]) for c in summary["cells"]] == [
+        ("lrfu", "eager", 1.0), ("lrfu", "eager", 0.25), ("lrfu", "idle", 1.0), ("lrfu", "idle", 0.25)]
+    assert all(c["encode_s_per_100_questions"] >= 0 for c in summary["cells"])
     largest = max(p.stat().st_size for p in (tmp_path / "store" / "kv").glob("*/*.safetensors"))
     ceiling = summary["clairvoyant_kv_token_share"]
     assert ceiling["1"] == 1.0 and 0 < ceiling["0.25"] < 1.0

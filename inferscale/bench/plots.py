@@ -92,14 +92,18 @@ def plot_tiers(summary: dict, path: Path) -> None:
     """Per disk budget (share of the full pool) and eviction policy: fact tokens served as KV
     (with the clairvoyant ceiling), and TTFT p50 / p99."""
     cells = summary["cells"]
-    policies = list(dict.fromkeys(c.get("policy", "lru") for c in cells))
+
+    def arm(c: dict) -> str:  # a policy, and when several encoders ran, which
+        return c.get("policy", "lru") + (f" / {c.get('encoder', 'eager')}" if len(summary.get("encoders", ())) > 1
+                                         else "")
+    policies = list(dict.fromkeys(arm(c) for c in cells))
     shares = list(dict.fromkeys(c["share"] for c in cells))
     labels = [f"{s:.0%}" for s in shares]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / (len(policies) + 1)
     ceilings = summary.get("clairvoyant_kv_token_share", {})
     for i, policy in enumerate(policies):
-        by_share = {c["share"]: c for c in cells if c.get("policy", "lru") == policy}
+        by_share = {c["share"]: c for c in cells if arm(c) == policy}
         xs = [j + i * width for j in range(len(shares))]
         bars = left.bar(xs, [100 * by_share[s]["kv_token_share"] for s in shares], width, label=policy)
         for bar, s in zip(bars, shares):

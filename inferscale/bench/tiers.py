@@ -49,6 +49,9 @@ NAME = "tiers"
 MIB = 2**20
 #: eviction policies the replay compares (``lru``: the disk tier with no half-life)
 POLICIES = ("lru", "lrfu")
+#: when the background encoder runs: at once (``eager``) or while no request is in flight (``idle``)
+ENCODERS = ("eager", "idle")
+ENCODER_TEXT = {"eager": "eager: as soon as a miss is queued", "idle": "idle: only while no question is in flight"}
 
 
 def user_weights(users: int, s: float) -> list[float]:
@@ -72,7 +75,7 @@ def make_trace(question_counts: Sequence[int], n: int, s: float, seed: int = 0) 
 def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, questions: int = 300, warmup: int = 100,
         zipf: float = 1.1, k: int = 10, budgets: Sequence[float] = (1.0, 0.5, 0.25, 0.1), context_window: int = 0,
         dtype: str = "auto", seed: int = 0, touch_interval_s: float = 1.0, half_life_s: float = 60.0,
-        policies: Sequence[str] = POLICIES) -> dict:
+        policies: Sequence[str] = POLICIES, encoders: Sequence[str] = ("eager",)) -> dict:
     """Build the store (once), replay the trace at each budget; writes ``tiers.{json,md,png}``.
 
     Args:
@@ -90,6 +93,10 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
             (:attr:`inferscale.kv.disk.DiskTier.HALF_LIFE_S`) scaled as the touch interval is
             (default 60 s).
         policies: eviction policies to replay, from :data:`POLICIES`.
+        encoders: when the background encoder runs, from :data:`ENCODERS`: ``eager`` (as soon
+            as a miss is queued, competing with the next questions) and ``idle`` (only while no
+            request is in flight: ``MemoryConfig.encode_when_idle``). Each policy is replayed
+            once per encoder, in one process, so the two compare side by side.
 
     Returns:
         The summary written to ``tiers.json``.
@@ -105,6 +112,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
     if not policies or any(p not in POLICIES for p in policies) or not half_life_s > 0:
         raise ValueError(f"policies are some of {list(POLICIES)} and the half-life a positive number of seconds, "
                          f"got {list(policies)} and {half_life_s}")
+    if not encoders or any(e not in ENCODERS for e in encoders):
+        raise ValueError(f"encoders are some of {list(ENCODERS)}, got {list(encoders)}")
     convs = load_locomo(data)
     scopes = [f"tiers-{i}" for i in range(users)]
     asked = [[q.question for q in convs[i % len(convs)].qa if q.category in (1, 2, 3, 4)] for i in range(users)]
@@ -121,24 +130,25 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
         facts = sum(mem.count(user_id=s) for s in scopes)
         dtype_used = mem.config.resolved_dtype
         cells, refs, tokens = [], None, {}
-        for policy in policies:
+        for policy, encoder in [(p, e) for p in policies for e in encoders]:
             pool.set_disk_budget(None)
             _encode_all(mem, scopes, context_window)  # what the last policy's (or run's) budgets evicted
             _reset_priorities(mem.kv_dir)  # every policy starts from the same order
             pool.disk.HALF_LIFE_S = half_life_s if policy == "lrfu" else None
+            mem.components.kv.background.yield_to_requests = encoder == "idle"
             full = _fact_bytes(mem.kv_dir)
             for share in budgets:
                 budget = None if share >= 1 else max(int(full * share), 1 << 20)
                 evicted = pool.set_disk_budget(budget)  # lowest priority out first, now
                 record = [] if refs is None and budget is None else None
                 cell = _replay(mem, share, budget, evicted, trace, asked, scopes, warmup, k, tokens, record)
-                cells.append({"policy": policy, **cell})
+                cells.append({"policy": policy, "encoder": encoder, **cell})
                 if record is not None:
                     refs, sizes = record, _owner_bytes(mem.kv_dir)
         pool.set_disk_budget(None)
-    by_policy: dict[str, dict] = {}
+    by_arm: dict[tuple, dict] = {}
     for cell in cells:
-        base = by_policy.setdefault(cell["policy"], cell)  # the policy's first (largest) budget
+        base = by_arm.setdefault((cell["policy"], cell["encoder"]), cell)  # the arm's first (largest) budget
         cell["ttft_p99_vs_first"] = cell["ttft_p99_s"] / base["ttft_p99_s"]
         cell["ttft_p50_vs_first"] = cell["ttft_p50_s"] / base["ttft_p50_s"]
     ceilings = {}
@@ -149,7 +159,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
     summary = {"name": NAME, "users": users, "facts": facts, "questions": questions, "warmup": warmup, "zipf": zipf,
                "k": k, "context_window": context_window, "dtype": dtype_used,
                "full_pool_bytes": full, "touch_interval_s": touch_interval_s, "half_life_s": half_life_s,
-               "policies": list(policies), "clairvoyant_kv_token_share": ceilings, "cells": cells,
+               "policies": list(policies), "encoders": list(encoders), "clairvoyant_kv_token_share": ceilings,
+               "cells": cells,
                "machine": machine()}
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
     plot_tiers(summary, Path(out_dir) / f"{NAME}.png")
@@ -223,9 +234,11 @@ def _replay(mem: Memory, share: float, budget: int | None, evicted_at_open: int,
             else:
                 text_tokens += t
             all_memories += 1
+    counted_encode_s = mem.kv_stats()["encode_seconds"] - stats0["encode_seconds"]  # before the wait below
     mem.wait_for_kv()
     stats = mem.kv_stats()
     return {"share": share, "budget_bytes": budget, "counted": len(ttft),
+            "encode_s_per_100_questions": 100 * counted_encode_s / max(len(ttft), 1),
             "kv_token_share": kv_tokens / max(kv_tokens + text_tokens, 1),
             "kv_memory_share": kv_memories / max(all_memories, 1),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
@@ -242,13 +255,18 @@ def to_markdown(summary: dict) -> str:
     for c in summary["cells"]:
         budget = "none (unbounded)" if c["budget_bytes"] is None else f"{c['budget_bytes'] / MIB:,.0f} MiB"
         ceiling = ceilings.get(f"{c['share']:g}")
-        rows.append([c.get("policy", "lru"), f"{c['share']:.0%}", budget, f"{c['kv_token_share']:.1%}",
+        rows.append([c.get("policy", "lru"), c.get("encoder", "eager"), f"{c['share']:.0%}", budget,
+                     f"{c['kv_token_share']:.1%}",
                      "" if ceiling is None else f"{ceiling:.1%}", f"{c['kv_memory_share']:.1%}",
-                     f"{c['ttft_p50_s'] * 1e3:.1f}", f"{c['ttft_p99_s'] * 1e3:.1f} ({c['ttft_p99_vs_first']:.2f}x)",
-                     c["reencodes"], c["disk_evictions"], f"{c['disk_bytes_end'] / MIB:,.0f}"])
-    table = markdown_table(["policy", "disk budget", "bytes", "fact tokens as KV", "clairvoyant (Belady)",
-                            "memories as KV", "TTFT p50 (ms)", "TTFT p99 (ms, vs unbounded)", "re-encodes",
-                            "evictions", "disk at end (MiB)"], rows)
+                     f"{c['ttft_p50_s'] * 1e3:.1f} ({c['ttft_p50_vs_first']:.2f}x)",
+                     f"{c['ttft_p99_s'] * 1e3:.1f} ({c['ttft_p99_vs_first']:.2f}x)",
+                     c["reencodes"], "" if "encode_s_per_100_questions" not in c else
+                     f"{c['encode_s_per_100_questions']:.1f}", c["disk_evictions"],
+                     f"{c['disk_bytes_end'] / MIB:,.0f}"])
+    table = markdown_table(["policy", "encoder", "disk budget", "bytes", "fact tokens as KV", "clairvoyant (Belady)",
+                            "memories as KV", "TTFT p50 (ms, vs unbounded)", "TTFT p99 (ms, vs unbounded)",
+                            "re-encodes",
+                            "encoder s / 100 questions", "evictions", "disk at end (MiB)"], rows)
     half_life = summary.get("half_life_s")
     return f"""# The KV pool under a disk budget: Zipf replay
 
@@ -256,17 +274,18 @@ def to_markdown(summary: dict) -> str:
 full pool {summary['full_pool_bytes'] / MIB:,.0f} MiB of fact KV ({summary['dtype']}, w = {summary['context_window']});
 {summary['questions']} questions a budget with Zipf user popularity (s = {summary['zipf']}), k = {summary['k']}, the first
 {summary['warmup']} not counted (they fill the cache); one engine, questions one after another, misses
-re-encoded in the background meanwhile; recency on disk renewed at most every {summary['touch_interval_s']:g} s
+re-encoded in the background ({', '.join(ENCODER_TEXT[e] for e in summary.get('encoders', ['eager']))}); recency on disk renewed at most every {summary['touch_interval_s']:g} s
 (the pool's 60 s scaled to the time-compressed trace){'' if half_life is None else f", lrfu's half-life {half_life:g} s (the pool's hour, scaled alike)"}.
 Each policy replays every budget, largest first, from the full pool with every entry's priority
 reset. "Clairvoyant" is Belady's MIN on the same reference string (the facts the unbounded replay
 retrieved, in order): what a cache that knows the future would serve, the ceiling of any policy.
-TTFT p99 is compared with the same policy's unbounded replay.
+TTFT p50 and p99 are compared with the same policy's and encoder's unbounded replay; "encoder s"
+is the background encoder's busy time during the counted questions, per 100 of them.
 Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores; commit {m.get('commit', '?')}.
 
 {table}
 
-Reproduce: `inferscale bench tiers --questions {summary['questions']} --warmup {summary['warmup']} --out docs/results/tiers`
+Reproduce: `inferscale bench tiers --questions {summary['questions']} --warmup {summary['warmup']} --policies {','.join(summary['policies'])} --encoders {','.join(summary.get('encoders', ['eager']))} --budgets {','.join(f"{b:g}" for b in dict.fromkeys(c['share'] for c in summary['cells']))} --out <folder>`
 (module docstring of `inferscale/bench/tiers.py` for the method). The same policies on a longer trace, offline
 (no model, the store's search only): [policies](policies.md), from `scripts/tiers_policies.py`, which also
 replays more users: over 120, the facts 3,000 questions ask about are a third of the pool and a quarter of

@@ -35,12 +35,15 @@ class BackgroundEncoder:
             (seconds): writes arriving together are encoded in one batch, and the writer
             that woke it returns without the encoder competing for the interpreter.
         requests_in_flight: how many requests this process has in flight (planned, not yet
-            finished: :attr:`inferscale.kv.pool.KVPool.requests_in_flight`); before each batch
-            the thread waits until there are none, so an encode never competes with a
-            request for the cores or the GPU (issue 39), unless :meth:`wait` is waiting for
-            the KV (someone asked for it). ``None``: never wait.
+            finished: :attr:`inferscale.kv.pool.KVPool.requests_in_flight`); while
+            :attr:`yield_to_requests`, before each batch the thread waits until there are
+            none, so an encode never competes with a request for the cores or the GPU
+            (issue 39), unless :meth:`wait` is waiting for the KV (someone asked for it).
+        yield_to_requests: wait for requests in flight (default ``True`` when
+            ``requests_in_flight`` is given; ``MemoryConfig.encode_when_idle``).
 
     Attributes:
+        yield_to_requests: as the argument; may be changed while the thread runs.
         last_error: the last failure, ``"<job>: <exception>"`` (``None`` if none).
         encode_s: seconds spent encoding batches (wall clock). yielded_s: seconds the
             thread waited for requests to end before a batch.
@@ -51,9 +54,10 @@ class BackgroundEncoder:
 
     def __init__(self, queue: KVJobQueue, run_batch: Callable[[Sequence[KVJob]], None], *, batch_jobs: int = 64,
                  retry_s: float = 1.0, max_attempts: int = 3, gather_s: float = 0.02,
-                 requests_in_flight: Callable[[], int] | None = None) -> None:
+                 requests_in_flight: Callable[[], int] | None = None, yield_to_requests: bool = True) -> None:
         self.queue = queue
         self._requests_in_flight = requests_in_flight
+        self.yield_to_requests = yield_to_requests and requests_in_flight is not None
         self._waiters = 0  # wait() calls under way: they want the KV now
         self.encode_s = 0.0
         self.yielded_s = 0.0
@@ -130,9 +134,8 @@ class BackgroundEncoder:
     def _yield_to_requests(self) -> None:
         """Wait while this process has a request in flight (not while :meth:`wait` waits, nor
         once closing)."""
-        if self._requests_in_flight is None:
-            return
-        while self._requests_in_flight() > 0 and self._waiters == 0 and not self._closed:
+        while (self.yield_to_requests and self._requests_in_flight() > 0 and self._waiters == 0
+               and not self._closed):
             t0 = time.monotonic()
             time.sleep(self.YIELD_POLL_S)
             self.yielded_s += time.monotonic() - t0  # counted as it goes: a scrape sees a long wait

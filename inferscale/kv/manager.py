@@ -127,9 +127,8 @@ class KVManager:
         self._encode_lock = threading.Lock()  # one encode at a time: the caller's or the background's
         self.jobs = jobs
         self.store = store
-        self.background = BackgroundEncoder(
-            jobs, self.run_jobs, requests_in_flight=(lambda: pool.requests_in_flight) if encode_when_idle else None,
-        ) if jobs is not None else None
+        self.background = BackgroundEncoder(jobs, self.run_jobs, requests_in_flight=lambda: pool.requests_in_flight,
+                                            yield_to_requests=encode_when_idle) if jobs is not None else None
 
     @property
     def encoder(self) -> KVEncoder:
