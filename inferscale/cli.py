@@ -1,4 +1,4 @@
-"""``inferscale`` command line: ``demo``, ``serve``, ``copy-to-chroma``, ``models prepare`` and ``bench``."""
+"""``inferscale`` command line: ``demo``, ``serve``, ``mcp``, ``copy-to-chroma``, ``models prepare`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -547,6 +547,55 @@ def serve(
                    say=console.print)
     except (OSError, ModelNotFoundError, StoreError, RuntimeError, ValueError) as exc:  # VLLMStartError is a RuntimeError
         _fail(str(exc))
+
+
+@app.command("mcp")
+def mcp_stdio(
+    data_dir: Optional[Path] = typer.Option(None, help="Memory store (default: $INFERSCALE_DATA_DIR or ~/.local/share/inferscale)."),
+) -> None:
+    """Serve memory to an MCP client over stdio (Claude Desktop, Cursor, agent SDKs): tools add, search,
+    get_all, update, delete and answer. Settings from INFERSCALE_*; stdout carries MCP's JSON-RPC only,
+    logs go to stderr (docs/adapters.md)."""
+    import contextlib
+    import logging
+    import sys
+
+    from inferscale.config import MemoryConfig
+    from inferscale.mcp_server.app import run_stdio
+    from inferscale.mcp_server.tools import MemoryTools
+    from inferscale.memory import Memory
+    from inferscale.models.resolve import ModelNotFoundError
+    from inferscale.store import serve_lock
+    from inferscale.store.records import StoreError
+
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="inferscale mcp: %(levelname)s %(message)s")
+    overrides: dict = {}
+    if data_dir is not None:
+        if data_dir.exists() and not data_dir.is_dir():
+            _fail(f"--data-dir {data_dir} is a file: give a folder (created when missing)")
+        overrides["data_dir"] = data_dir
+    try:
+        config = MemoryConfig(**overrides)
+    except (TypeError, ValueError) as exc:
+        _fail(str(exc))
+    lock = None
+    if config.chroma_url is None:  # an embedded store has one process writing it
+        try:
+            lock = serve_lock.hold(config.data_dir)
+        except serve_lock.DataDirServed as exc:
+            _fail(f"another InferScale process (pid {exc.pid}) is serving {config.data_dir}: connect the MCP client "
+                  "to that server's /mcp endpoint (docs/server.md), or give another --data-dir")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # nothing but JSON-RPC on stdout, from the first byte
+            memory = Memory(config)
+    except (OSError, ModelNotFoundError, StoreError, RuntimeError, TypeError, ValueError) as exc:
+        _fail(str(exc))
+    try:
+        run_stdio(MemoryTools(memory))
+    finally:
+        memory.close()
+        if lock is not None:
+            lock.close()
 
 
 @bench_app.command("serve")

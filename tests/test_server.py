@@ -298,6 +298,29 @@ def test_server_only_fields_in_vllm_xargs_are_dropped_and_models_name_no_path(se
     assert str(Path.home()) not in text and os.sep + "models" + os.sep not in text, text
 
 
+def test_mcp_answer_on_the_front_injects_the_users_memories(server):
+    """``/mcp``'s ``answer`` tool on a real ``inferscale serve``: the chat route's own request
+    (memory block, injection plan) sent to vLLM; alice's memories come as KV and are used."""
+    import asyncio
+
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    async def ask() -> dict:
+        transport = streamable_http_client(f"{server.url}/mcp", http_client=httpx2.AsyncClient(headers=AUTH,
+                                                                                               timeout=300))
+        async with Client(transport) as client:
+            result = await client.call_tool("answer", {"question": "What is my dog called?", "user_id": "alice",
+                                                       "max_tokens": 16})
+            assert not result.is_error, result.content
+            return result.structured_content
+
+    answer = asyncio.run(ask())
+    assert set(answer["kv_memory_ids"]) == server.ids["alice"] and answer["injected_tokens"] > 0, answer
+    assert "Rex" in answer["text"], answer
+
+
 def test_one_server_per_data_dir_and_front_metrics(server):
     exe = Path(sys.executable).with_name("inferscale")
     second = subprocess.run([str(exe), "serve", "--port", str(free_port()), "--data-dir", str(server.data_dir)],

@@ -6,6 +6,7 @@ Routes:
     Mem0-style memory routes (:mod:`inferscale.server.memories`)
     Mem0's Platform API for Mem0's own clients: ``/v1/ping/``, ``/v1/memories/``, ``/v3/memories/add/``
     and the rest (:mod:`inferscale.server.mem0_platform`)
+    ``/mcp``  the memory tools over MCP's streamable HTTP transport (:mod:`inferscale.mcp_server`)
     ``GET /health``  the front is up; ``GET /ready``  vLLM answers too (neither needs the key)
     ``GET /metrics``  vLLM's Prometheus metrics (the connector's ``vllm:inferscale_*``
     counters among them; with several replicas, labelled ``replica``) followed by the
@@ -36,6 +37,9 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
+from inferscale.mcp_server.answers import UpstreamAnswers
+from inferscale.mcp_server.app import HttpEndpoint
+from inferscale.mcp_server.tools import MemoryTools
 from inferscale.memory import Memory
 from inferscale.server import mem0_platform, memories, openai_routes, ops
 from inferscale.server.errors import install_error_handlers, install_outage_watch
@@ -63,12 +67,14 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
             the head's are the server's (:func:`~inferscale.server.limits.uvicorn_config`).
     """
     limits = limits or FrontLimits()
+    mcp = HttpEndpoint(MemoryTools(memory, UpstreamAnswers(memory, upstream)))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         # with several replicas, a hung one is passed over (with one there is nowhere else to go)
         watch = asyncio.create_task(upstream.watch()) if len(upstream) > 1 else None
-        yield
+        async with mcp.running():  # MCP's session manager lives as long as the app
+            yield
         if watch is not None:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -99,5 +105,6 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
     app.include_router(ops.router())
     app.include_router(openai_routes.router())
     app.include_router(memories.router())
+    app.add_route("/mcp", mcp, include_in_schema=False)  # behind the gate's key check like every route
     app.include_router(mem0_platform.router())  # last: it answers every other /v1/, /v2/, /v3/ path
     return app
