@@ -287,7 +287,7 @@ Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores; commit {m.get('commit
 
 Reproduce: `inferscale bench tiers --questions {summary['questions']} --warmup {summary['warmup']} --policies {','.join(summary['policies'])} --encoders {','.join(summary.get('encoders', ['eager']))} --budgets {','.join(f"{b:g}" for b in dict.fromkeys(c['share'] for c in summary['cells']))} --out <folder>`
 (module docstring of `inferscale/bench/tiers.py` for the method). The same policies on a longer trace, offline
-(no model, the store's search only): [policies](policies.md), from `scripts/tiers_policies.py`, which also
+(no model, the store's search only): [policies](../tiers/policies.md), from `scripts/tiers_policies.py`, which also
 replays more users: over 120, the facts 3,000 questions ask about are a third of the pool and a quarter of
 the pool serves 88% of fact tokens as KV under every policy. What a fleet needs over days, not one trace,
 is the simulator's answer: [Sizing a fleet](../../sizing.md).
