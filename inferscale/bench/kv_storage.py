@@ -99,6 +99,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (
             for storage in STORAGE_DTYPES[1:]:  # one engine for all three
                 memories[storage] = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False,
                                            kv_storage_dtype=storage, engine=base.engine)
+            for m in memories.values():  # the three dtypes side by side: none replaces another's files
+                m.components.kv.keep_other_storages = True
             ref = base.reference_model()
 
             def answer(job: tuple[str, int, int, int, int]) -> tuple[str, dict]:

@@ -122,6 +122,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, sample: int = 0, question
         if storage != "auto":  # same store, same engine: only the stored KV's dtype differs
             memories[storage] = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False,
                                        kv_storage_dtype=storage, engine=memory.engine)
+    for m in memories.values():  # storage dtypes side by side: none replaces another's files
+        m.components.kv.keep_other_storages = True
     user_id = scope_of(conv)
     ensure_conversation(memory, conv)
     windows = sorted({w for m, w in parsed if m == "inject"})

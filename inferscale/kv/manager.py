@@ -120,6 +120,9 @@ class KVManager:
         self.max_tokens = max_tokens
         self._encoder: KVEncoder | None = None
         self._preamble: FactSpan | None = None
+        #: keep a fact's KV in every storage dtype written (benchmarks that compare storage
+        #: dtypes over one store set it; by default a write replaces the other dtypes' files)
+        self.keep_other_storages = False
         # fact KV keys by (scope, turn-log version, fact id, text hash, sources, w): the hot
         # path names a retrieved fact's KV without SQL, tokenizing or hashing (bounded LRU)
         self._keys: OrderedDict[tuple, str] = OrderedDict()
@@ -251,6 +254,8 @@ class KVManager:
         its own is stored: after a ``kv_storage_dtype`` switch, a fact's old file goes as its
         new one is written (a shared Redis keeps its copies for deployments with other
         settings, and evicts them by its own policy)."""
+        if self.keep_other_storages:
+            return
         for key in span.other_keys:
             self.pool.remove(key, shared=False)
 
