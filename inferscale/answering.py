@@ -152,7 +152,10 @@ class Answering:
         :meth:`inferscale.kv.disk.DiskTier.estimate`); with a Redis tier, ``redis_hits``,
         ``redis_misses``, ``redis_writes``, ``redis_errors`` and ``redis_up`` (1 or 0); and
         the background encoder's ``encode_seconds`` (spent encoding) and
-        ``encoder_yielded_seconds`` (spent waiting for requests in flight to end), floats."""
+        ``encoder_yielded_seconds`` (spent waiting for requests in flight to end), floats;
+        capture on a miss (``capture_kv``): ``served_captured`` (memories planned with KV a
+        request captured, also in their tier's ``served_*``) and ``encodes_skipped_captured``
+        (background encodes not run because a request had captured the memory's KV)."""
         self._check_open()
         pool = self.components.pool
         held = pool.footprint(exact=False)
@@ -160,6 +163,7 @@ class Answering:
         background = self.components.kv.background
         stats["encode_seconds"] = background.encode_s if background is not None else 0.0
         stats["encoder_yielded_seconds"] = background.yielded_s if background is not None else 0.0
+        stats["encodes_skipped_captured"] = self.components.kv.jobs_captured
         if pool.remote is not None:
             remote = dict(pool.remote.stats)
             stats.update(redis_misses=remote["misses"], redis_writes=remote["writes"], redis_errors=remote["errors"],

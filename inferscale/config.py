@@ -158,6 +158,13 @@ class MemoryConfig(BaseSettings):
             never competes with one for the cores or the GPU (default ``True``; a batch
             under way is not interrupted). ``wait_for_kv`` overrides it while it waits.
             ``False``: encode as soon as jobs are queued.
+        capture_kv: capture on a miss (default ``True``): a memory served as text in an
+            inject-mode request (not encoded yet, evicted, Redis down) keeps the KV that
+            request's own prefill computed, read out of vLLM's paged cache by the connector and
+            stored as that memory's "captured" KV; the next request injects it, and the
+            background encoder drops a job whose memory was captured meanwhile. So a miss costs
+            the prefill text mode pays anyway, once. Encoded KV (Context-Window Encoding) is
+            preferred where both exist. ``False``: misses are encoded by the background encoder.
         verbose: let vLLM, torch and transformers log and show progress bars as they do on
             their own (default False: errors only, :mod:`inferscale.runtime.logs`).
         database_url: a SQLAlchemy URL of the database holding the turn log and the history
@@ -225,6 +232,7 @@ class MemoryConfig(BaseSettings):
     max_query_chars: int = Field(default=16_384, ge=64)
     precompute_kv: bool = True
     encode_when_idle: bool = True
+    capture_kv: bool = True
     verbose: bool = False
     database_url: str | None = None
     chroma_url: str | None = None

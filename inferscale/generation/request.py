@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Protocol, Sequence
 
 from inferscale.checks import check_bool
 from inferscale.facts.writes import FactService
 from inferscale.kv.disk import DiskFullError
+from inferscale.kv.capture import CaptureRequest
 from inferscale.kv.injection import InjectionPlan
 from inferscale.kv.manager import KVManager
 from inferscale.generation.options import GenerationOptions
@@ -41,8 +42,11 @@ class EngineLike(Protocol):
 #: ``"encoded now"`` (``wait_for_kv``), or the memory came as text: ``"text: not encoded yet"``,
 #: ``"text: evicted"`` (its KV was evicted past a tier budget; queued to be encoded again) or
 #: ``"text: Redis unavailable"`` (in no local tier, and the shared Redis tier did not answer).
+#: A tier followed by ``" (captured)"`` names KV an earlier request captured when it served
+#: the memory as text (``capture_kv``), not KV the encoder made.
 KV_SOURCES = ("device", "host", "disk", "redis", "quantized now", "encoded now", "text: not encoded yet", "text: evicted",
-              "text: Redis unavailable", "text: KV disk full")
+              "text: Redis unavailable", "text: KV disk full", "device (captured)", "host (captured)",
+              "disk (captured)", "redis (captured)")
 
 
 @dataclass(frozen=True)
@@ -282,10 +286,22 @@ class RequestBuilder:
             self.kv.quantize_stored(self.kv.fact_spans(scope.key, missing, w))
             ready = [self.kv.stored(k) for k in keys]
             missing = [r for r, ok in zip(ranked, ready) if not ok]
+        captured: set[str] = set()
+        if missing and self.kv.capture:  # KV a request captured when the memory came as text
+            ckeys = self.kv.captured_keys(missing)
+            for r, key, tier in zip(missing, ckeys, pool.tiers(ckeys)):
+                if tier is not None:
+                    captured.add(r.id)
+                    found[r.id] = tier
+                    keys[ranked.index(r)] = key
+            if captured:
+                ready = [ok or r.id in captured for r, ok in zip(ranked, ready)]
+                missing = [r for r in missing if r.id not in captured]
         redis_down = pool.remote is not None and not pool.remote.available
-        sources = {r.id: found[r.id] or ("quantized now" if ok else "text: evicted" if pool.was_evicted(k) else
-                                         "text: Redis unavailable" if redis_down else
-                                         "text: KV disk full" if pool.disk_full else "text: not encoded yet")
+        sources = {r.id: f"{found[r.id]} (captured)" if r.id in captured else
+                   found[r.id] or ("quantized now" if ok else "text: evicted" if pool.was_evicted(k) else
+                                   "text: Redis unavailable" if redis_down else
+                                   "text: KV disk full" if pool.disk_full else "text: not encoded yet")
                    for r, k, ok in zip(ranked, keys, ready)}
         try:  # first: without the preamble's KV nothing can be injected, and facts' KV would be stored in vain
             self.kv.ensure([preamble])
@@ -311,8 +327,10 @@ class RequestBuilder:
         kv_keys = {PREAMBLE_OWNER: preamble.key, **{r.id: key for r, key in zip(ranked[:n_kv], keys[:n_kv])}}
         pool.use(kv_keys.values())  # recency on disk: what requests use is evicted last
         pool.count_served(found[r.id] for r in ranked)  # None: in no tier when planned (text, or encoded now)
+        pool.count_captured(len(captured))
+        capture = self.kv.capture_request if self.kv.capture and n_kv < len(ranked) and not pool.disk_full else None
         return _Selection(ranked, kv_keys, tuple(hits), retrieval,
-                          tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]), sources)
+                          tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]), sources, capture)
 
 
 @dataclass(frozen=True)
@@ -328,11 +346,18 @@ class _Selection:
     kv_ids: tuple[str, ...]
     text_ids: tuple[str, ...]
     kv_sources: dict[str, str] = field(default_factory=dict)
+    #: :meth:`KVManager.capture_request` when the memories served as text are to be captured
+    capture: Callable[[Sequence[tuple[str, int, tuple[int, ...]]]], CaptureRequest | None] | None = None
 
     def plan(self, segments: Sequence[Segment]) -> InjectionPlan:
         """The injection of the preamble and the stored facts' lines, laid out as ``segments``
-        (:func:`plan_segments`)."""
-        return plan_segments(self.kv_keys, segments)
+        (:func:`plan_segments`), asking the connector to capture the lines served as text."""
+        plan = plan_segments(self.kv_keys, segments)
+        if self.capture is None:
+            return plan
+        text = set(self.text_ids)
+        request = self.capture([(seg.owner, seg.start, seg.token_ids) for seg in segments if seg.owner in text])
+        return plan if request is None else replace(plan, capture=request)
 
 
 def plan_segments(kv_keys: dict[str, str], segments: Sequence[Segment]) -> InjectionPlan:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from inferscale.kv.capture import CAPTURE_FIELD, CaptureRequest
 from inferscale.kv.pool import StoredKV, validate_key
 from inferscale.kv.quant import QuantizedKV, QuantizedRun, dequantize_many
 from inferscale.kv.rope import RopeRotator
@@ -68,10 +69,13 @@ class InjectionPlan:
     Attributes:
         memory_end: prompt tokens covered by the segments (tokens).
         segments: contiguous from position 0 to ``memory_end``.
+        capture: the memory lines served as text whose KV the connector keeps
+            (:mod:`inferscale.kv.capture`; ``None``: none).
     """
 
     memory_end: int
     segments: tuple[PlannedSegment, ...]
+    capture: CaptureRequest | None = None
 
     def __post_init__(self) -> None:
         pos = 0
@@ -85,14 +89,14 @@ class InjectionPlan:
             raise ValueError(f"segments cover {pos} tokens but memory_end is {self.memory_end}")
 
     @classmethod
-    def of(cls, segments: Iterable[tuple[str, int, int]]) -> "InjectionPlan":
+    def of(cls, segments: Iterable[tuple[str, int, int]], capture: CaptureRequest | None = None) -> "InjectionPlan":
         """Plan from ``(key, start, num_tokens)`` triples; ``memory_end`` is where they stop.
 
         Raises:
             ValueError: a malformed key, or segments with gaps or overlaps.
         """
         segs = tuple(PlannedSegment(k, s, n) for k, s, n in segments)
-        return cls(segs[-1].end if segs else 0, segs)
+        return cls(segs[-1].end if segs else 0, segs, capture)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -104,8 +108,11 @@ class InjectionPlan:
 
     def to_params(self) -> dict:
         """The request's ``kv_transfer_params`` (JSON-serialisable)."""
-        return {PARAMS_KEY: {"memory_end": self.memory_end,
-                             "segments": [[s.key, s.start, s.num_tokens] for s in self.segments]}}
+        entry: dict[str, Any] = {"memory_end": self.memory_end,
+                                 "segments": [[s.key, s.start, s.num_tokens] for s in self.segments]}
+        if self.capture is not None:
+            entry[CAPTURE_FIELD] = self.capture.to_params()
+        return {PARAMS_KEY: entry}
 
     @classmethod
     def from_params(cls, params: Any) -> "InjectionPlan | None":

@@ -13,7 +13,6 @@ old text's KV served for the new text; the old KV written after the update is re
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from inferscale.kv.background import BackgroundEncoder
+from inferscale.kv.capture import CaptureRequest, captured_key, token_digest
 from inferscale.kv.encoder import EncodeItem, KVEncoder
 from inferscale.kv.jobs import KVJob, KVJobQueue
 from inferscale.kv.pool import KVPool, kv_key, to_storage
@@ -40,8 +40,7 @@ KV_FORMAT = 2
 _KEY_CACHE_SIZE = 200_000
 
 
-def _digest(ids: Sequence[int]) -> str:
-    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:24]
+_digest = token_digest
 
 
 @dataclass(frozen=True)
@@ -84,6 +83,10 @@ class KVManager:
             (:mod:`inferscale.kv.quant`); fact KV only, the preamble stays in the model's dtype.
         encode_when_idle: the background encoder waits, before each batch, until no request
             of this process is in flight (``encode_when_idle``; :class:`BackgroundEncoder`).
+        capture: capture on a miss (``capture_kv``): requests ask the connector to keep the
+            KV of memories they serve as text (:meth:`capture_request`), lookups fall back to
+            captured KV (:meth:`captured_keys`), and a job whose memory was captured
+            meanwhile is dropped, not encoded.
 
     Raises:
         ValueError: an unknown ``storage``.
@@ -104,10 +107,14 @@ class KVManager:
         verbose: bool = False,
         storage: str = "auto",
         encode_when_idle: bool = True,
+        capture: bool = True,
     ) -> None:
         if storage not in STORAGE_DTYPES:
             raise ValueError(f"kv_storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage!r}")
         self.storage = storage
+        self.capture = capture
+        #: background jobs dropped because a request had captured the memory's KV meanwhile
+        self.jobs_captured = 0
         self.model_path = model_path
         self.verbose = verbose
         self.fingerprint = fingerprint
@@ -212,7 +219,9 @@ class KVManager:
             # "auto" has no storage part: keys made before the setting existed stay valid
             keys = {s: kv_key(fact.id, **parts) if s == "auto" else kv_key(fact.id, store=s, **parts)
                     for s in STORAGE_DTYPES}
-            others = tuple(k for s, k in keys.items() if s != self.storage)
+            # encoded KV replaces the fact's KV in the other storage dtypes and its captured KV
+            others = tuple(k for s, k in keys.items() if s != self.storage) + (
+                captured_key(fact.id, self.capture_parts(), _digest(span)),)
             spans.append(FactSpan(keys[self.storage], EncodeItem(tuple(context), span),
                                   None if self.storage == "auto" else keys["auto"], others))
         with self._keys_lock:
@@ -221,6 +230,27 @@ class KVManager:
             while len(self._keys) > _KEY_CACHE_SIZE:
                 self._keys.popitem(last=False)
         return spans
+
+    def capture_parts(self) -> dict:
+        """What a captured entry's key depends on besides its memory and tokens: the KV
+        format, the model, its dtype and the storage dtype (:func:`~inferscale.kv.capture.captured_key`)."""
+        parts: dict = dict(fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype)
+        if self.storage != "auto":
+            parts["store"] = self.storage
+        return parts
+
+    def captured_keys(self, facts: Sequence[FactRecord]) -> list[str]:
+        """The pool key of each fact's captured KV (present or not)."""
+        parts = self.capture_parts()
+        return [captured_key(f.id, parts, _digest(self.prompts.fact_line_ids(f.text))) for f in facts]
+
+    def capture_request(self, spans: Sequence[tuple[str, int, list[int] | tuple[int, ...]]]) -> CaptureRequest | None:
+        """What a request asks the connector to keep: ``(fact id, start, token ids)`` of each
+        memory line it serves as text (``None`` when capture is off or there are none)."""
+        if not self.capture or not spans:
+            return None
+        return CaptureRequest(self.capture_parts(), self.storage, self.pool.disk_budget_bytes,
+                              tuple((owner, start, len(ids), _digest(ids)) for owner, start, ids in spans))
 
     def stored(self, key: str) -> bool:
         """Whether the KV of ``key`` is in the pool (no load)."""
@@ -309,6 +339,11 @@ class KVManager:
             assert self.store is not None, "a KVManager with a job queue needs the store"
             records = self.store.get(Scope.from_key(scope_key), ids)  # deleted facts are absent
             spans += list(zip(records, self.fact_spans(scope_key, records, w)))
+        if self.capture and spans:  # a request captured the memory's KV meanwhile: nothing to encode
+            ckeys = self.captured_keys([r for r, _ in spans])
+            have = self.pool.present(ckeys)
+            self.jobs_captured += sum(k in have for k in ckeys)
+            spans = [pair for pair, k in zip(spans, ckeys) if k not in have]
         self.ensure([self.preamble_span(), *(s for _, s in spans)])
         # an update or delete that landed during the encode: drop the KV of the old text
         by_scope: dict[str, list[str]] = defaultdict(list)

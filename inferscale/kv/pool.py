@@ -143,7 +143,8 @@ class KVPool:
         self.stats = {"device_hits": 0, "host_hits": 0, "disk_hits": 0, "misses": 0, "writes": 0,
                       "device_evictions": 0, "host_evictions": 0, "disk_evictions": 0, "disk_evicted_bytes": 0,
                       "reencodes": 0, "redis_hits": 0,
-                      "served_device": 0, "served_host": 0, "served_disk": 0, "served_redis": 0, "served_text": 0}
+                      "served_device": 0, "served_host": 0, "served_disk": 0, "served_redis": 0, "served_text": 0,
+                      "served_captured": 0}
 
     @classmethod
     def shared(cls, root: Path, device: torch.device | str, device_budget_bytes: int, host_budget_bytes: int = 0,
@@ -479,6 +480,13 @@ class KVPool:
         with self._lock:
             for tier in tiers:
                 self.stats[f"served_{tier or 'text'}"] += 1
+
+    def count_captured(self, n: int) -> None:
+        """Count ``n`` memories planned with KV a request captured (``served_captured``, also
+        counted in their tier's ``served_*``)."""
+        if n:
+            with self._lock:
+                self.stats["served_captured"] += n
 
     def was_evicted(self, key: str) -> bool:
         """Whether this process evicted ``key`` (and has not stored it again since)."""

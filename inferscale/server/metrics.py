@@ -51,6 +51,11 @@ class KVPoolCollector(Collector):
                                   "was planned (served as text, or encoded or quantized on the request path)",
                                   s["served_text"])
         yield CounterMetricFamily("inferscale_kv_writes", "fact KV entries written", s["writes"])
+        yield CounterMetricFamily("inferscale_kv_captured_hits", "retrieved memories served as KV that an earlier "
+                                  "request captured when it served them as text (also in inferscale_kv_hits)",
+                                  s["served_captured"])
+        yield CounterMetricFamily("inferscale_kv_encodes_skipped_captured", "background encodes not run because a "
+                                  "request had captured the memory's KV", s["encodes_skipped_captured"])
         yield CounterMetricFamily("inferscale_kv_reencodes", "fact KV written again after it was evicted",
                                   s["reencodes"])
         yield CounterMetricFamily("inferscale_kv_encode_seconds", "seconds the background encoder spent encoding "

@@ -26,15 +26,22 @@ written, with the values, through the attention backend's own ``do_kv_cache_upda
 segment that cannot be read at that point reports its blocks through
 ``get_block_ids_with_load_errors`` so vLLM recomputes them.
 
-The connector never saves KV (``save_kv_layer`` is a no-op): fact KV is produced by
-:class:`inferscale.kv.encoder.KVEncoder`.
+Capture on a miss (:mod:`inferscale.kv.capture`): a request may also name the memory lines
+it carries as text. The scheduler side tracks the request's blocks until those lines are
+computed and sends them to the worker, which, after that step's forward pass
+(``wait_for_save``), reads their K and V back out of the paged cache, hands them to one
+writer thread, and returns: the writer inverse-rotates the keys to pre-RoPE, converts to
+the storage dtype and stores them in the pool, so the next request injects them. Nothing
+a request waits for: a capture that fails is logged and counted, never raised.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +56,10 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from inferscale.runtime.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.runtime.devices import best_device
+from inferscale.kv.capture import CAPTURE_FIELD, CacheLayout, CaptureRequest, CaptureSpan, LayoutError, plan_captures
+from inferscale.kv.entry import FactKV, to_storage
 from inferscale.kv.injection import (
+    PARAMS_KEY,
     InjectionPlan,
     LayerWriter,
     MissingKVError,
@@ -84,8 +94,30 @@ class LoadSpec:
 
 
 @dataclass
+class CaptureSpec:
+    """Worker instruction: after this step, read ``spans`` (computed by then) out of ``block_ids``
+    and store them in ``storage`` (the pool's folder kept to ``disk_budget_bytes``)."""
+
+    req_id: str
+    spans: list[CaptureSpan]
+    block_ids: list[int]
+    storage: str
+    disk_budget_bytes: int | None
+
+
+@dataclass
+class _Capturing:
+    """Scheduler side: a request's spans still to capture, and its blocks so far."""
+
+    request: CaptureRequest
+    spans: list[CaptureSpan]
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
 class InferScaleConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+    captures: list[CaptureSpec] = field(default_factory=list)
 
 
 #: counters of :class:`InjectionStats` (sums over the interval; seconds are wall time)
@@ -102,6 +134,11 @@ STAT_DOCS = {
     "fallbacks": "requests with a segment absent or not matching the prompt; the rest is prefilled (scheduler)",
     "missing_segments": "segments not in the pool, unreadable, or stored without token ids (scheduler)",
     "mismatched_segments": "segments whose stored tokens differ from the prompt's at their positions (scheduler)",
+    "captures": "memory lines served as text whose KV was read out of the paged cache and stored (worker)",
+    "captured_tokens": "tokens of those lines (worker)",
+    "capture_read_s": "seconds reading captured KV out of the paged cache, on the request's step (worker)",
+    "capture_errors": "captures that could not be stored (a full disk, an unreadable cache layout) (worker)",
+    "capture_skipped": "memory lines named for capture whose tokens are not the prompt's there (scheduler)",
 }
 STAT_FIELDS = tuple(STAT_DOCS)
 
@@ -195,6 +232,14 @@ class InferScaleConnector(KVConnectorBase_V1):
         # worker side
         self._rotator = RopeRotator(vllm_config.model_config.hf_config) if role == KVConnectorRole.WORKER else None
         self._failed_blocks: set[int] = set()
+        # capture on a miss: scheduler-side state per request; worker-side layers, the
+        # learned cache layout (None: not learned yet; False: this cache cannot be read)
+        self._capturing: dict[str, _Capturing] = {}
+        self._layers: list[tuple[int, Any]] = []
+        self._layout: CacheLayout | bool | None = None
+        self._num_blocks = getattr(kv_cache_config, "num_blocks", 0)
+        self._writer: ThreadPoolExecutor | None = None
+        self._stats_lock = threading.Lock()
 
     # ---------------- scheduler side ----------------
 
@@ -204,6 +249,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         except ValueError as exc:  # a bad request must never take the engine down
             logger.warning("request %s: %s; prefilling instead", request.request_id, exc)
             return 0, False
+        if plan is not None:
+            self._track_capture(request)
         if plan is None or plan.memory_end <= num_computed_tokens:
             return 0, False
         if plan.memory_end >= request.num_prompt_tokens:
@@ -214,6 +261,20 @@ class InferScaleConnector(KVConnectorBase_V1):
             return 0, False
         self._pending[request.request_id] = (plan, num_computed_tokens)
         return plan.memory_end - num_computed_tokens, False
+
+    def _track_capture(self, request: "Request") -> None:
+        """Note the memory lines ``request`` asks to capture (those whose tokens are the prompt's)."""
+        try:
+            capture = CaptureRequest.from_params(request.kv_transfer_params[PARAMS_KEY].get(CAPTURE_FIELD))
+        except ValueError as exc:
+            logger.warning("request %s: %s; nothing captured", request.request_id, exc)
+            return
+        if capture is None or request.request_id in self._capturing or request.prompt_token_ids is None:
+            return
+        spans, skipped = plan_captures(capture, request.prompt_token_ids)
+        self._stats.data["capture_skipped"] += skipped
+        if spans:
+            self._capturing[request.request_id] = _Capturing(capture, spans)
 
     def _verified(self, request: "Request", plan: InjectionPlan) -> InjectionPlan | None:
         """The plan cut to its longest prefix of segments whose stored tokens are the prompt's
@@ -271,27 +332,65 @@ class InferScaleConnector(KVConnectorBase_V1):
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self._to_load and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
                 meta.loads.append(LoadSpec(req_id, *self._to_load.pop(req_id), list(cached.new_block_ids[i][0])))
+        if self._capturing:
+            self._due_captures(scheduler_output, meta)
         return meta
+
+    def _due_captures(self, scheduler_output: "SchedulerOutput", meta: InferScaleConnectorMetadata) -> None:
+        """Follow capturing requests' blocks; send the worker each span computed by the end of this step."""
+        steps: list[tuple[str, int, list[int] | None, bool]] = [
+            (r.req_id, r.num_computed_tokens, list(r.block_ids[0]), True) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            steps.append((req_id, cached.num_computed_tokens[i], None if new is None else list(new[0]),
+                          req_id in cached.resumed_req_ids))
+        for req_id, computed, blocks, replace in steps:
+            state = self._capturing.get(req_id)
+            if state is None:
+                continue
+            if blocks is not None:
+                state.block_ids = blocks if replace else state.block_ids + blocks
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            due = [s for s in state.spans if s.end <= done]
+            if not due:
+                continue
+            state.spans = [s for s in state.spans if s.end > done]
+            meta.captures.append(CaptureSpec(req_id, due, list(state.block_ids), state.request.storage,
+                                             state.request.disk_budget_bytes))
+            if not state.spans:
+                del self._capturing[req_id]
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._pending.pop(request.request_id, None)
         self._to_load.pop(request.request_id, None)
+        self._capturing.pop(request.request_id, None)
         injected = self._injected.pop(request.request_id, None)
         return False, None if injected is None else report_params(injected)
 
     # ---------------- worker side ----------------
 
+    def _attention_layers(self, forward_context: "ForwardContext") -> list[tuple[int, Any]]:
+        """``(layer index, attention layer)`` of every layer with a paged cache, in index order (kept)."""
+        if not self._layers:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            self._layers = sorted(
+                ((extract_layer_index(name), layer) for name, layer in forward_context.no_compile_layers.items()
+                 if getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl")),
+                key=lambda pair: pair[0])
+        return self._layers
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, InferScaleConnectorMetadata) or not meta.loads:
+        if not isinstance(meta, InferScaleConnectorMetadata):
             return
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        writers = [
-            LayerWriter(extract_layer_index(name), layer.kv_cache.device, layer.kv_cache.dtype, _writer(layer))
-            for name, layer in forward_context.no_compile_layers.items()
-            if getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl")
-        ]
+        if meta.captures:
+            self._attention_layers(forward_context)  # wait_for_save reads them after the forward pass
+        if not meta.loads:
+            return
+        writers = [LayerWriter(index, layer.kv_cache.device, layer.kv_cache.dtype, _writer(layer))
+                   for index, layer in self._attention_layers(forward_context)]
         assert self._rotator is not None, "start_load_kv runs on the worker side only"
         stats = self._stats.data
         for load in meta.loads:
@@ -316,7 +415,8 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This side's counters since the last call (vLLM sums worker and scheduler sides)."""
-        return self._stats.take()
+        with self._stats_lock:
+            return self._stats.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -335,10 +435,91 @@ class InferScaleConnector(KVConnectorBase_V1):
         return  # loads complete inside start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # fact KV comes from the encoder, never from served requests
+        return  # captures are read once the step's forward pass is done (wait_for_save)
 
     def wait_for_save(self) -> None:
-        return
+        """After the step's forward pass: read the due captures out of the paged cache (copies)
+        and queue them for the writer thread; the step goes on at once."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, InferScaleConnectorMetadata) or not meta.captures or not self._layers:
+            return
+        layout = self._cache_layout()
+        if layout is None:
+            with self._stats_lock:
+                self._stats.data["capture_errors"] += sum(len(c.spans) for c in meta.captures)
+            return
+        t0 = time.perf_counter()
+        for capture in meta.captures:
+            positions = torch.cat([torch.arange(s.start, s.end) for s in capture.spans])
+            per_layer = [layout.read(layer.kv_cache, capture.block_ids, positions) for _, layer in self._layers]
+            keys = torch.stack([k for k, _ in per_layer])  # [L, N, H, D], rotated at their positions
+            values = torch.stack([v for _, v in per_layer])
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferscale-capture")
+            self._writer.submit(self._store_captures, capture, keys, values, positions)
+        with self._stats_lock:
+            self._stats.data["capture_read_s"] += time.perf_counter() - t0
+
+    def _cache_layout(self) -> CacheLayout | None:
+        """The paged cache's layout, learned once from the first layer's writer (``None``:
+        it cannot be read, and nothing is captured; said once)."""
+        if self._layout is None:
+            _, layer = self._layers[0]
+            cache = layer.kv_cache
+            impl = layer.impl
+            num_kv_heads = getattr(impl, "num_kv_heads", None)
+            head_size = getattr(impl, "head_size", None)
+            try:
+                if not (num_kv_heads and head_size and self._num_blocks):
+                    raise LayoutError("the attention layer does not say its KV heads and head size")
+                self._layout = CacheLayout.calibrate(
+                    cache, self._num_blocks, self._block_size, num_kv_heads, head_size,
+                    lambda k, v, c, s: impl.do_kv_cache_update(layer, k, v, c, s))
+            except (LayoutError, RuntimeError, TypeError, ValueError) as exc:
+                logger.warning("InferScale cannot read this engine's paged cache (%s): memories served as text are "
+                               "not captured; the background encoder stores their KV", exc)
+                self._layout = False
+        return self._layout or None
+
+    def _store_captures(self, capture: CaptureSpec, keys: torch.Tensor, values: torch.Tensor,
+                        positions: torch.Tensor) -> None:
+        """The writer thread: keys back to pre-RoPE, the storage dtype, the pool (errors counted, never raised)."""
+        assert self._rotator is not None
+        stored = tokens = errors = 0
+        try:
+            keys = self._rotator.unrotate(keys, positions.to(keys.device))
+            if capture.disk_budget_bytes != self._pool.disk_budget_bytes:
+                self._pool.set_disk_budget(capture.disk_budget_bytes)
+            offset = 0
+            for span in capture.spans:
+                n = len(span.token_ids)
+                kv = FactKV(keys[:, offset:offset + n].contiguous(), values[:, offset:offset + n].contiguous(),
+                            span.token_ids)
+                offset += n
+                try:
+                    self._pool.put(span.key, to_storage(kv, capture.storage))
+                    stored, tokens = stored + 1, tokens + n
+                except Exception as exc:  # a full disk, an unwritable folder: the memory stays text
+                    errors += 1
+                    logger.warning("request %s: captured KV %s not stored: %s", capture.req_id, span.key, exc)
+        except Exception:  # never let a capture take the engine down
+            errors += len(capture.spans) - stored
+            logger.exception("request %s: capturing KV failed", capture.req_id)
+        with self._stats_lock:
+            self._stats.data["captures"] += stored
+            self._stats.data["captured_tokens"] += tokens
+            self._stats.data["capture_errors"] += errors
+
+    def wait_for_captures(self) -> None:
+        """Block until every queued capture is stored (tests and shutdown)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        """Store the queued captures, then stop the writer thread."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
 
 
 def _writer(layer: Any):
