@@ -348,7 +348,7 @@ def bench_tiers(
     touch_interval: float = typer.Option(1.0, min=0.0, help="Seconds between renewals of an entry's recency on disk (the pool's 60 s, scaled to the time-compressed trace)."),
     half_life: float = typer.Option(60.0, min=0.001, help="Seconds in which a use's weight halves under the lrfu policy (the pool's hour, scaled as the touch interval is)."),
     policies: str = typer.Option("lru,lrfu", help="Eviction policies to replay, comma-separated: lru, lrfu."),
-    encoders: str = typer.Option("eager", help="When the background encoder runs, comma-separated: eager (at once), idle (only while no request is in flight); each policy is replayed once per encoder."),
+    encoders: str = typer.Option("eager", help="How a miss gets its KV, comma-separated: eager (encoded at once), idle (encoded only while no request is in flight), capture (kept from the request's own prefill, the encoder idle); each policy is replayed once per arm."),
     dtype: str = _DTYPE,
 ) -> None:
     """The KV pool under disk budgets: share of fact tokens served as KV, TTFT p50/p99 and re-encodes on a Zipf replay."""

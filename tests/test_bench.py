@@ -349,10 +349,10 @@ def test_retrieval_bench_compares_dense_and_hybrid_on_held_out_conversations(tmp
 
 
 def test_tiers_replay_keeps_each_budget_and_serves_what_it_evicted_as_text(tmp_path, locomo_path):
-    """``inferscale bench tiers`` on one user, with the encoder eager and idle: the unbounded
-    pool serves every retrieved fact as KV; at 25% of the pool the disk holds to its budget
-    (plus one fact), some memories come as text and are encoded again; the page and plot are
-    written."""
+    """``inferscale bench tiers`` on one user, misses encoded while idle and captured: the
+    unbounded pool serves every retrieved fact as KV; at 25% of the pool the disk holds to its
+    budget (plus one fact) and some memories come as text, encoded again in one arm and kept
+    from the questions' own prefill in the other; the page and plot are written."""
     from inferscale.bench.tiers import make_trace, run, user_weights
 
     weights = user_weights(3, 1.0)
@@ -367,18 +367,22 @@ def test_tiers_replay_keeps_each_budget_and_serves_what_it_evicted_as_text(tmp_p
     with pytest.raises(ValueError, match="encoders are some of"):
         run(locomo_path, tmp_path / "out", tmp_path / "store", encoders=("lazy",))
     summary = run(locomo_path, tmp_path / "out", tmp_path / "store", users=1, questions=14, warmup=4,
-                  budgets=(1.0, 0.25), policies=("lrfu",), encoders=("eager", "idle"))
+                  budgets=(1.0, 0.25), policies=("lrfu",), encoders=("idle", "capture"))
     assert [(c["policy"], c["encoder"], c["share"]) for c in summary["cells"]] == [
-        ("lrfu", "eager", 1.0), ("lrfu", "eager", 0.25), ("lrfu", "idle", 1.0), ("lrfu", "idle", 0.25)]
+        ("lrfu", "idle", 1.0), ("lrfu", "idle", 0.25), ("lrfu", "capture", 1.0), ("lrfu", "capture", 0.25)]
     assert all(c["encode_s_per_100_questions"] >= 0 for c in summary["cells"])
     largest = max(p.stat().st_size for p in (tmp_path / "store" / "kv").glob("*/*.safetensors"))
     ceiling = summary["clairvoyant_kv_token_share"]
     assert ceiling["1"] == 1.0 and 0 < ceiling["0.25"] < 1.0
     for unbounded, quarter in (summary["cells"][:2], summary["cells"][2:]):
         assert unbounded["budget_bytes"] is None and unbounded["kv_token_share"] == 1.0
-        assert unbounded["reencodes"] == 0
+        assert unbounded["reencodes"] == 0 and unbounded["captured_served"] == 0
         assert quarter["budget_bytes"] == int(summary["full_pool_bytes"] * 0.25)
-        assert quarter["evicted_at_open"] > 0 and quarter["kv_token_share"] < 1.0 and quarter["reencodes"] > 0
+        assert quarter["evicted_at_open"] > 0 and quarter["kv_token_share"] < 1.0
         assert quarter["disk_bytes_end"] <= quarter["budget_bytes"] + largest
+    idle, capture = summary["cells"][1], summary["cells"][3]
+    assert idle["reencodes"] > 0 and idle["encodes_skipped_captured"] == 0  # misses encoded again
+    assert capture["encodes_skipped_captured"] > 0  # misses kept from the questions' own prefill instead
+    assert capture["reencodes"] < idle["reencodes"]
     assert "clairvoyant (Belady)" in (tmp_path / "out" / "tiers.md").read_text()
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"tiers.json", "tiers.md", "tiers.png"}

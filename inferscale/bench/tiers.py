@@ -49,9 +49,14 @@ NAME = "tiers"
 MIB = 2**20
 #: eviction policies the replay compares (``lru``: the disk tier with no half-life)
 POLICIES = ("lru", "lrfu")
-#: when the background encoder runs: at once (``eager``) or while no request is in flight (``idle``)
-ENCODERS = ("eager", "idle")
-ENCODER_TEXT = {"eager": "eager: as soon as a miss is queued", "idle": "idle: only while no question is in flight"}
+#: how a miss gets its KV: encoded at once (``eager``) or while no request is in flight
+#: (``idle``), or captured from the request's own prefill with the encoder idle (``capture``:
+#: ``MemoryConfig.capture_kv``, issue 39)
+ENCODERS = ("eager", "idle", "capture")
+ENCODER_TEXT = {"eager": "eager: encoded as soon as a miss is queued",
+                "idle": "idle: encoded only while no question is in flight",
+                "capture": "capture: kept from the question's own prefill (the encoder idle, dropping jobs a "
+                           "question captured)"}
 
 
 def user_weights(users: int, s: float) -> list[float]:
@@ -93,10 +98,12 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
             (:attr:`inferscale.kv.disk.DiskTier.HALF_LIFE_S`) scaled as the touch interval is
             (default 60 s).
         policies: eviction policies to replay, from :data:`POLICIES`.
-        encoders: when the background encoder runs, from :data:`ENCODERS`: ``eager`` (as soon
-            as a miss is queued, competing with the next questions) and ``idle`` (only while no
-            request is in flight: ``MemoryConfig.encode_when_idle``). Each policy is replayed
-            once per encoder, in one process, so the two compare side by side.
+        encoders: how a miss gets its KV, from :data:`ENCODERS`: ``eager`` (encoded as soon
+            as a miss is queued, competing with the next questions), ``idle`` (encoded only
+            while no request is in flight: ``MemoryConfig.encode_when_idle``) and ``capture``
+            (kept from the request's own prefill: ``MemoryConfig.capture_kv``, the encoder
+            idle). Each policy is replayed once per arm, in one process, so they compare side
+            by side; every arm starts from the same encoded pool, with no captured KV.
 
     Returns:
         The summary written to ``tiers.json``.
@@ -135,7 +142,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
             _encode_all(mem, scopes, context_window)  # what the last policy's (or run's) budgets evicted
             _reset_priorities(mem.kv_dir)  # every policy starts from the same order
             pool.disk.HALF_LIFE_S = half_life_s if policy == "lrfu" else None
-            mem.components.kv.background.yield_to_requests = encoder == "idle"
+            mem.components.kv.background.yield_to_requests = encoder != "eager"
+            mem.components.kv.capture = encoder == "capture"
             full = _fact_bytes(mem.kv_dir)
             for share in budgets:
                 budget = None if share >= 1 else max(int(full * share), 1 << 20)
@@ -168,7 +176,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
 
 
 def _encode_all(mem: Memory, scopes: Sequence[str], w: int) -> None:
-    """Encode the preamble's KV and every fact's of ``scopes`` at ``w`` that the pool lacks."""
+    """Encode the preamble's KV and every fact's of ``scopes`` at ``w`` that the pool lacks, and
+    drop their captured KV."""
     from inferscale.store.records import Scope
 
     kv = mem.components.kv
@@ -177,6 +186,8 @@ def _encode_all(mem: Memory, scopes: Sequence[str], w: int) -> None:
         key = Scope(scope).key
         records, _ = mem.components.store.load_scope(key)
         spans += kv.fact_spans(key, records, w)
+        for captured in kv.captured_keys(records):  # what an earlier arm captured: every arm starts alike
+            mem.components.pool.remove(captured)
     kv.ensure(spans)
 
 
@@ -243,6 +254,8 @@ def _replay(mem: Memory, share: float, budget: int | None, evicted_at_open: int,
             "kv_memory_share": kv_memories / max(all_memories, 1),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "reencodes": stats["reencodes"] - stats0["reencodes"],
+            "captured_served": stats["served_captured"] - stats0["served_captured"],
+            "encodes_skipped_captured": stats["encodes_skipped_captured"] - stats0["encodes_skipped_captured"],
             "disk_evictions": stats["disk_evictions"] - stats0["disk_evictions"],
             "evicted_at_open": evicted_at_open, "disk_bytes_end": _fact_bytes(mem.kv_dir),
             "seconds": time.perf_counter() - t0}
@@ -260,12 +273,13 @@ def to_markdown(summary: dict) -> str:
                      "" if ceiling is None else f"{ceiling:.1%}", f"{c['kv_memory_share']:.1%}",
                      f"{c['ttft_p50_s'] * 1e3:.1f} ({c['ttft_p50_vs_first']:.2f}x)",
                      f"{c['ttft_p99_s'] * 1e3:.1f} ({c['ttft_p99_vs_first']:.2f}x)",
-                     c["reencodes"], "" if "encode_s_per_100_questions" not in c else
+                     c["reencodes"], f"{c.get('captured_served', 0)} / {c.get('encodes_skipped_captured', 0)}",
+                     "" if "encode_s_per_100_questions" not in c else
                      f"{c['encode_s_per_100_questions']:.1f}", c["disk_evictions"],
                      f"{c['disk_bytes_end'] / MIB:,.0f}"])
     table = markdown_table(["policy", "encoder", "disk budget", "bytes", "fact tokens as KV", "clairvoyant (Belady)",
                             "memories as KV", "TTFT p50 (ms, vs unbounded)", "TTFT p99 (ms, vs unbounded)",
-                            "re-encodes",
+                            "re-encodes", "captured KV served / encodes it saved",
                             "encoder s / 100 questions", "evictions", "disk at end (MiB)"], rows)
     half_life = summary.get("half_life_s")
     return f"""# The KV pool under a disk budget: Zipf replay
@@ -273,8 +287,8 @@ def to_markdown(summary: dict) -> str:
 {summary['users']} users (LoCoMo's conversations repeated into more users), {summary['facts']:,} facts,
 full pool {summary['full_pool_bytes'] / MIB:,.0f} MiB of fact KV ({summary['dtype']}, w = {summary['context_window']});
 {summary['questions']} questions a budget with Zipf user popularity (s = {summary['zipf']}), k = {summary['k']}, the first
-{summary['warmup']} not counted (they fill the cache); one engine, questions one after another, misses
-re-encoded in the background ({', '.join(ENCODER_TEXT[e] for e in summary.get('encoders', ['eager']))}); recency on disk renewed at most every {summary['touch_interval_s']:g} s
+{summary['warmup']} not counted (they fill the cache); one engine, questions one after another; a miss is
+served as text and then ({'; '.join(ENCODER_TEXT[e] for e in summary.get('encoders', ['eager']))}); recency on disk renewed at most every {summary['touch_interval_s']:g} s
 (the pool's 60 s scaled to the time-compressed trace){'' if half_life is None else f", lrfu's half-life {half_life:g} s (the pool's hour, scaled alike)"}.
 Each policy replays every budget, largest first, from the full pool with every entry's priority
 reset. "Clairvoyant" is Belady's MIN on the same reference string (the facts the unbounded replay
