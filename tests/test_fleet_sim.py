@@ -142,6 +142,22 @@ def test_bytes_for_the_target_scale_with_the_storage_dtype_and_gpu_time_with_k()
     refs_per_hour = 20_000 * 5 / 24 * 10
     expected = 0.1 * refs_per_hour * cost.tokens_per_miss(30.1) * cost.seconds_per_token
     assert cells["int8"].target_gpu_s_per_hour == pytest.approx(expected, rel=1e-6)
+    # what misses cost as text, and what hits save, at the budgets: shares of the same references
+    cell = cells["int8"]
+    miss = cell.served.miss_share
+    per_token = cost.seconds_per_token * 30.1
+    assert cell.miss_text_gpu_s_per_hour == pytest.approx(refs_per_hour * miss * per_token, rel=1e-6)
+    assert cell.hit_saved_gpu_s_per_hour == pytest.approx(refs_per_hour * (1 - miss) * per_token, rel=1e-6)
+    assert cell.reencode_gpu_s_per_hour / cell.miss_text_gpu_s_per_hour == pytest.approx(
+        cost.tokens_per_miss(30.1) / 30.1)
+
+
+def test_the_break_even_share_of_kv_is_where_hits_save_what_re_encodes_cost():
+    from inferscale.bench.fleet_report import break_even_kv_share
+
+    # 34 + 5 x 37.1 + 30.1 = 249.6 tokens a re-encode against 30.1 a hit saves: 89.2%
+    assert break_even_kv_share(EncodeCost(), 30.1) == pytest.approx(249.6 / 279.7)
+    assert break_even_kv_share(EncodeCost(context_turns=0, preamble_tokens=0), 30.1) == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize(("make", "message"), [

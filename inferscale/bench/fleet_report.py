@@ -38,6 +38,9 @@ class Cell:
         held_bytes: bytes each tier holds in steady state (its budget, or less when every fact fits).
         served: shares of retrieved fact tokens per tier at these budgets.
         misses_per_hour, reencode_gpu_s_per_hour: facts re-encoded per hour and their GPU seconds.
+        miss_text_gpu_s_per_hour: GPU seconds per hour the misses' own text prefill takes in their
+            requests (what text mode pays for them anyway; with capture on a miss, all they cost).
+        hit_saved_gpu_s_per_hour: GPU seconds per hour of fact prefill the hits save.
         lru_hours: how long an unused fact stays in the deepest tier (characteristic time; ``inf``: all fit).
         target: the sizing target (share of fact tokens served as KV).
         target_depth_bytes: LRU stack bytes that serve ``target`` (fleet total).
@@ -65,6 +68,8 @@ class Cell:
     target_served: Served
     target_gpu_s_per_hour: float
     target_hours: float
+    miss_text_gpu_s_per_hour: float = 0.0
+    hit_saved_gpu_s_per_hour: float = 0.0
 
 
 def analytic_cell(model: Analytic, tiers: Tiers, dtype: str, *, shape: KVShape = KVShape(),
@@ -103,7 +108,19 @@ def analytic_cell(model: Analytic, tiers: Tiers, dtype: str, *, shape: KVShape =
     return Cell(w.users, w.k, w.user_zipf, w.fact_zipf, dtype, tiers.machines, fact_bytes, footprint,
                 tiers.budgets(), tuple(held), served, misses, misses * gpu_s_per_miss,
                 deepest / w.requests_per_hour, target, need, target_served,
-                refs_per_hour * target_served.miss_share * gpu_s_per_miss, target_time / w.requests_per_hour)
+                refs_per_hour * target_served.miss_share * gpu_s_per_miss, target_time / w.requests_per_hour,
+                misses * w.tokens_per_fact * cost.seconds_per_token,
+                refs_per_hour * (1 - served.miss_share) * w.tokens_per_fact * cost.seconds_per_token)
+
+
+def break_even_kv_share(cost: EncodeCost, tokens_per_fact: float) -> float:
+    """The share of fact tokens served as KV below which re-encoding every miss costs more GPU
+    time than the hits save: a hit saves the fact's prefill (``t`` tokens), a miss adds its
+    re-encode (``r`` tokens, :meth:`EncodeCost.tokens_per_miss`), so ``h t = (1 - h) r`` at
+    ``h = r / (r + t)``. With capture on a miss a miss adds nothing, and every hit is a saving
+    (break-even 0)."""
+    r = cost.tokens_per_miss(tokens_per_fact)
+    return r / (r + tokens_per_fact)
 
 
 @dataclass(frozen=True)
@@ -341,6 +358,23 @@ def to_markdown(summary: dict) -> str:
                      f"{c['target_hours']:.3g}"])
     lines.append(markdown_table(["users", "k", "dtype", "all facts' KV", "needed (fleet)", "of all", "machines",
                                  "disk per machine", "served: device / host / disk", "GPU-s/h", "hours"], rows))
+    even = break_even_kv_share(EncodeCost(**cost), st["tokens_per_fact"])
+    lines += ["", "## What a miss costs: re-encoded (before) or captured (after)", "",
+              "GPU seconds per hour at the budgets. A miss is served as text: its fact's prefill runs in its "
+              "request either way (text GPU-s/h, what prompt text costs for it). Re-encoding it then adds "
+              f"{cost['preamble_tokens']} + {cost['context_turns']} x {cost['tokens_per_turn']} + "
+              f"{st['tokens_per_fact']} tokens of prefill; capturing it from the request's own prefill "
+              "(`capture_kv`, issue 39) adds none (a copy of its KV out of the paged cache, no compute). "
+              f"Break-even share of fact tokens as KV: **{_pct(even)} re-encoding every miss, 0% capturing** "
+              "(every hit then saves, and no miss costs more than its text).", ""]
+    rows = []
+    for c in head:
+        saved, text, re = c["hit_saved_gpu_s_per_hour"], c["miss_text_gpu_s_per_hour"], c["reencode_gpu_s_per_hour"]
+        rows.append([f"{c['users']:,}", c["k"], c["dtype"], _pct(c["served"]["kv_share"]), f"{text:,.0f}",
+                     f"{re:,.0f} ({re / text:.1f}x text)" if text else f"{re:,.0f}", "0 (0.0x text)",
+                     f"{saved:,.0f}", f"{saved - re:+,.0f}", f"{saved:+,.0f}"])
+    lines.append(markdown_table(["users", "k", "dtype", "KV", "misses' text prefill", "before: re-encodes",
+                                 "after: captures", "hits save", "net before", "net after"], rows))
     lines += ["", "## At the budgets", "",
               "Shares of retrieved fact tokens served per tier; hit rate of a tier = what it serves of what "
               "reaches it (-: nothing reaches it). Hours: how long an unused fact stays in the deepest tier.", ""]
