@@ -202,6 +202,29 @@ def test_a_memory_added_over_http_is_used_by_the_next_chat(server):
     assert "teal" in resp.choices[0].message.content.lower()
 
 
+def test_memories_a_chat_serves_as_text_are_captured_in_vllms_process(server):
+    """Capture on a miss through ``inferscale serve`` (issue 39): a chat right after an add
+    serves the new memories as text; the connector in vLLM's process reads their KV out of the
+    paged cache (its chat template put each memory line where the front planned it: nothing
+    skipped), and the next chat serves every one as KV."""
+    facts = [f"My colleague number {i} is called {name}." for i, name in enumerate(
+        ("Ana", "Bruno", "Chloe", "Dmitri", "Eva", "Farid", "Greta", "Hugo", "Ines", "Jonas"))]
+    captures, skipped = server.counter("captures"), server.counter("capture_skipped")
+    r = server.http("POST", "/memories", json={"messages": [{"role": "user", "content": f} for f in facts],
+                                              "user_id": "erin"})
+    assert r.status_code == 200, r.text
+    first = report(chat(server, "Who is my colleague number 3?", user="erin", memory={"k": 10}))
+    as_text = {i for i, s in first["kv_sources"].items() if s.startswith("text")}
+    assert as_text, first["kv_sources"]  # the encoder cannot have stored ten memories' KV already
+    second = report(chat(server, "Who is my colleague number 3?", user="erin", memory={"k": 10}))
+    assert not [s for s in second["kv_sources"].values() if s.startswith("text")], second["kv_sources"]
+    assert {second["kv_sources"][i] for i in as_text} <= {"device (captured)", "disk (captured)", "device", "disk"}
+    assert second["injected_tokens"] == second["kv_tokens"] > first["injected_tokens"]
+    assert server.counter("captures") - captures == len(as_text)
+    assert server.counter("capture_skipped") == skipped
+    assert "inferscale_kv_captured_hits_total" in server.http("GET", "/metrics").text
+
+
 def test_missing_and_corrupted_kv_fall_back_to_the_text_answer(server):
     """Deleting or corrupting a user's fact KV on disk: the connector cannot verify those
     segments, injects only the preamble, and the answer is the text-mode answer."""
