@@ -226,8 +226,10 @@ def test_memories_a_chat_serves_as_text_are_captured_in_vllms_process(server):
 
 
 def test_missing_and_corrupted_kv_fall_back_to_the_text_answer(server):
-    """Deleting or corrupting a user's fact KV on disk: the connector cannot verify those
-    segments, injects only the preamble, and the answer is the text-mode answer."""
+    """Deleting or corrupting a user's fact KV on disk: the front sees the deleted file gone
+    (as it sees a file another process evicted) and serves that memory as text; the connector
+    cannot verify the corrupted segment, injects only the preamble, and the answer is the
+    text-mode answer."""
     user = "dave"
     messages = [{"role": "user", "content": t} for t in ("I live in Lisbon.", "I play the cello.")]
     r = server.http("POST", "/memories", json={"messages": messages, "user_id": user})
@@ -247,8 +249,9 @@ def test_missing_and_corrupted_kv_fall_back_to_the_text_answer(server):
     missing, fallbacks = server.counter("missing_segments"), server.counter("fallbacks")
     got = chat(server, q, user=user, **kw)
     mem = report(got)
-    assert set(mem["kv_memory_ids"]) == set(ids)               # the front planned them as KV ...
-    assert 0 < mem["injected_tokens"] < mem["kv_tokens"]       # ... the connector injected the preamble only
+    assert mem["kv_sources"][ids[0]] == "text: evicted"        # the front sees the deleted file gone ...
+    assert mem["kv_memory_ids"] == [ids[1]]                    # ... and plans the corrupted one as KV ...
+    assert 0 < mem["injected_tokens"] < mem["kv_tokens"]       # ... which the connector refuses: the preamble only
     assert got.choices[0].message.content == text.choices[0].message.content
     assert server.counter("missing_segments") > missing and server.counter("fallbacks") > fallbacks
 

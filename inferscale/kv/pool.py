@@ -448,18 +448,36 @@ class KVPool:
         return self.tiers([key])[0]
 
     def tiers(self, keys: Sequence[str]) -> list[str | None]:
-        """:meth:`tier` of each key, with one Redis round trip for all the local misses."""
+        """:meth:`tier` of each key, with one Redis round trip for all those not on disk.
+
+        An entry in this process's memory tiers counts only while it is still on disk or in
+        Redis, where vLLM's connector reads it: another process over the folder (the
+        connector storing captured KV, another worker of the front) may have evicted its
+        file. Such an entry is dropped from the memory tiers and reads as evicted
+        (:meth:`was_evicted`)."""
         found: list[str | None] = []
         with self._lock:
             for key in keys:
                 found.append("device" if key in self._device else "host" if key in self._host else None)
-        for i, key in enumerate(keys):
-            if found[i] is None and self._path(key).exists():
+        on_disk = [self._path(key).exists() for key in keys]
+        for i in range(len(keys)):
+            if found[i] is None and on_disk[i]:
                 found[i] = "disk"
-        rest = [key for key, where in zip(keys, found) if where is None]
-        if rest and self.remote is not None:
-            present = self.remote.present(rest)
-            found = [where or ("redis" if key in present else None) for key, where in zip(keys, found)]
+        elsewhere = [i for i in range(len(keys)) if not on_disk[i]]
+        present = self.remote.present([keys[i] for i in elsewhere]) if elsewhere and self.remote is not None else set()
+        stale = []
+        for i in elsewhere:
+            if keys[i] in present:
+                found[i] = found[i] or "redis"
+            elif found[i] is not None:
+                stale.append(keys[i])
+                found[i] = None
+        if stale:
+            with self._lock:
+                for key in stale:
+                    self._device.pop(key)
+                    self._host.pop(key)
+                    self._evicted[key] = None
         return found
 
     def memory_keys(self) -> list[str]:
