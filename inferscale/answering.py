@@ -161,9 +161,10 @@ class Answering:
         held = pool.footprint(exact=False)
         stats = {**pool.stats, **{f"{tier}_bytes": n for tier, n in held.items()}}
         background = self.components.kv.background
-        stats["encode_seconds"] = background.encode_s if background is not None else 0.0
+        kv = self.components.kv  # a job's wait for a capture to land is not encoding
+        stats["encode_seconds"] = background.encode_s - kv.capture_wait_s if background is not None else 0.0
         stats["encoder_yielded_seconds"] = background.yielded_s if background is not None else 0.0
-        stats["encodes_skipped_captured"] = self.components.kv.jobs_captured
+        stats["encodes_skipped_captured"] = kv.jobs_captured
         if pool.remote is not None:
             remote = dict(pool.remote.stats)
             stats.update(redis_misses=remote["misses"], redis_writes=remote["writes"], redis_errors=remote["errors"],

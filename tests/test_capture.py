@@ -157,6 +157,20 @@ def test_a_miss_is_captured_and_the_next_request_injects_it_with_the_same_logpro
     assert not memory.components.pool.contains(keys[0])
 
 
+def test_a_job_queued_by_a_miss_waits_for_its_capture_instead_of_encoding(memory):
+    """A one-token answer ends in the step that captured its memories, while the connector's
+    writer thread may still be storing them: the background encoder, let go at that moment,
+    waits for the capture rather than encoding."""
+    add_unencoded(memory, "cap-e", FACTS[:3])
+    before = memory.kv_stats()
+    memory.generate(QUESTION, user_id="cap-e", k=3, max_tokens=1, temperature=0)
+    memory.components.kv.background.resume()
+    assert memory.wait_for_kv(timeout=600)
+    after = memory.kv_stats()
+    assert after["encodes_skipped_captured"] - before["encodes_skipped_captured"] == 3
+    assert after["writes"] == before["writes"]  # nothing encoded: the front wrote no KV
+
+
 def test_captured_encoded_and_text_memories_are_injected_together_correctly(memory, encoder):
     records = add_unencoded(memory, "cap-b", FACTS[:2])
     memory.generate(QUESTION, user_id="cap-b", k=2, max_tokens=1, temperature=0)

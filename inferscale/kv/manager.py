@@ -14,6 +14,7 @@ old text's KV served for the new text; the old KV written after the update is re
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,12 @@ KV_FORMAT = 2
 
 #: Fact KV keys kept by :meth:`KVManager.fact_keys` (~200 bytes each: ~40 MB when full).
 _KEY_CACHE_SIZE = 200_000
+
+#: Seconds a background job waits for KV a request asked the connector to capture before
+#: encoding it: the connector stores a capture milliseconds after the request's prefill
+#: (tests/test_capture.py); a capture that never lands (a cache the connector cannot read)
+#: costs one wait, then the encode.
+CAPTURE_WAIT_S = 5.0
 
 
 _digest = token_digest
@@ -115,6 +122,11 @@ class KVManager:
         self.capture = capture
         #: background jobs dropped because a request had captured the memory's KV meanwhile
         self.jobs_captured = 0
+        # captured keys requests asked for, and when (monotonic seconds): a job for one of them
+        # waits a moment for the connector's write instead of encoding it (bounded)
+        self._capture_asked: OrderedDict[str, float] = OrderedDict()
+        #: seconds background jobs waited for captures to land (inside the encoder's busy time)
+        self.capture_wait_s = 0.0
         self.model_path = model_path
         self.verbose = verbose
         self.fingerprint = fingerprint
@@ -249,8 +261,37 @@ class KVManager:
         memory line it serves as text (``None`` when capture is off or there are none)."""
         if not self.capture or not spans:
             return None
-        return CaptureRequest(self.capture_parts(), self.storage, self.pool.disk_budget_bytes,
-                              tuple((owner, start, len(ids), _digest(ids)) for owner, start, ids in spans))
+        parts = self.capture_parts()
+        request = CaptureRequest(parts, self.storage, self.pool.disk_budget_bytes,
+                                 tuple((owner, start, len(ids), _digest(ids)) for owner, start, ids in spans))
+        now = time.monotonic()
+        with self._keys_lock:
+            for owner, _, _, digest in request.spans:
+                key = captured_key(owner, parts, digest)
+                self._capture_asked[key] = now
+                self._capture_asked.move_to_end(key)
+            while len(self._capture_asked) > _KEY_CACHE_SIZE:
+                self._capture_asked.popitem(last=False)
+        return request
+
+    def _captured_now(self, keys: Sequence[str]) -> set[str]:
+        """The ``keys`` the pool holds, after waiting up to :data:`CAPTURE_WAIT_S` (at least half a
+        second) for those a request asked the connector to capture (it stores them from a thread of
+        vLLM's process, just after the request's prefill; a job must not encode them meanwhile)."""
+        t0 = time.monotonic()
+        have = self.pool.present(keys)
+        with self._keys_lock:
+            asked = [self._capture_asked.get(k) for k in keys]
+        pending = [t for k, t in zip(keys, asked) if k not in have and t is not None]
+        # the write lands milliseconds after the prefill; a request that ran longer than the
+        # wait was captured long before it ended, so half a second past now covers the rest
+        deadline = max(max(pending, default=0.0) + CAPTURE_WAIT_S, time.monotonic() + 0.5)
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+            have = self.pool.present(keys)
+            pending = [t for k, t in zip(keys, asked) if k not in have and t is not None]
+        self.capture_wait_s += time.monotonic() - t0
+        return have
 
     def stored(self, key: str) -> bool:
         """Whether the KV of ``key`` is in the pool (no load)."""
@@ -341,7 +382,7 @@ class KVManager:
             spans += list(zip(records, self.fact_spans(scope_key, records, w)))
         if self.capture and spans:  # a request captured the memory's KV meanwhile: nothing to encode
             ckeys = self.captured_keys([r for r, _ in spans])
-            have = self.pool.present(ckeys)
+            have = self._captured_now(ckeys)
             self.jobs_captured += sum(k in have for k in ckeys)
             spans = [pair for pair, k in zip(spans, ckeys) if k not in have]
         self.ensure([self.preamble_span(), *(s for _, s in spans)])
