@@ -322,15 +322,18 @@ class RequestBuilder:
         order = [i for i, ok in enumerate(ready) if ok] + [i for i, ok in enumerate(ready) if not ok]
         ranked, keys = [ranked[i] for i in order], [keys[i] for i in order]
         n_kv = sum(ready)
+        capture = self.kv.capture and n_kv < len(ranked) and not pool.disk_full
         if n_kv < len(ranked):
+            if capture:
+                self.kv.expect_captures(ranked[n_kv:])  # before the jobs: their encode waits for it
             self.kv.schedule(scope.key, ranked[n_kv:], w)
         kv_keys = {PREAMBLE_OWNER: preamble.key, **{r.id: key for r, key in zip(ranked[:n_kv], keys[:n_kv])}}
         pool.use(kv_keys.values())  # recency on disk: what requests use is evicted last
         pool.count_served(found[r.id] for r in ranked)  # None: in no tier when planned (text, or encoded now)
         pool.count_captured(len(captured))
-        capture = self.kv.capture_request if self.kv.capture and n_kv < len(ranked) and not pool.disk_full else None
         return _Selection(ranked, kv_keys, tuple(hits), retrieval,
-                          tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]), sources, capture)
+                          tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]), sources,
+                          self.kv.capture_request if capture else None)
 
 
 @dataclass(frozen=True)

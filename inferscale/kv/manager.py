@@ -261,18 +261,22 @@ class KVManager:
         memory line it serves as text (``None`` when capture is off or there are none)."""
         if not self.capture or not spans:
             return None
-        parts = self.capture_parts()
-        request = CaptureRequest(parts, self.storage, self.pool.disk_budget_bytes,
-                                 tuple((owner, start, len(ids), _digest(ids)) for owner, start, ids in spans))
+        return CaptureRequest(self.capture_parts(), self.storage, self.pool.disk_budget_bytes,
+                              tuple((owner, start, len(ids), _digest(ids)) for owner, start, ids in spans))
+
+    def expect_captures(self, facts: Sequence[FactRecord]) -> None:
+        """Note that a request about to run serves ``facts`` as text and asks for their capture:
+        a background job for them waits for it (:meth:`_captured_now`). Called before their
+        jobs are queued, so the encoder, woken by the queue, never misses the note."""
+        if not self.capture or not facts:
+            return
         now = time.monotonic()
         with self._keys_lock:
-            for owner, _, _, digest in request.spans:
-                key = captured_key(owner, parts, digest)
+            for key in self.captured_keys(facts):
                 self._capture_asked[key] = now
                 self._capture_asked.move_to_end(key)
             while len(self._capture_asked) > _KEY_CACHE_SIZE:
                 self._capture_asked.popitem(last=False)
-        return request
 
     def _captured_now(self, keys: Sequence[str]) -> set[str]:
         """The ``keys`` the pool holds, after waiting up to :data:`CAPTURE_WAIT_S` (at least half a
