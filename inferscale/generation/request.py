@@ -40,7 +40,8 @@ class EngineLike(Protocol):
 #: hold the KV in its own device tier) or only in the shared ``"redis"`` tier (the connector
 #: reads it from there), was ``"quantized now"`` from model-dtype KV, was
 #: ``"encoded now"`` (``wait_for_kv``), or the memory came as text: ``"text: not encoded yet"``,
-#: ``"text: evicted"`` (its KV was evicted past a tier budget; queued to be encoded again) or
+#: ``"text: evicted"`` (its KV was evicted past a tier budget; captured by this request, or
+#: queued to be encoded again where the connector is not seen to capture) or
 #: ``"text: Redis unavailable"`` (in no local tier, and the shared Redis tier did not answer).
 #: A tier followed by ``" (captured)"`` names KV an earlier request captured when it served
 #: the memory as text (``capture_kv``), not KV the encoder made.
@@ -323,10 +324,15 @@ class RequestBuilder:
         ranked, keys = [ranked[i] for i in order], [keys[i] for i in order]
         n_kv = sum(ready)
         capture = self.kv.capture and n_kv < len(ranked) and not pool.disk_full
+        self.kv.captures_seen |= bool(captured)
         if n_kv < len(ranked):
             if capture:
                 self.kv.expect_captures(ranked[n_kv:])  # before the jobs: their encode waits for it
-            self.kv.schedule(scope.key, ranked[n_kv:], w)
+            if not (capture and self.kv.captures_seen):
+                # once captures are seen landing, a miss is captured by its own request and never
+                # encoded: it costs its text prefill once (a connector that cannot capture is
+                # never seen to, and its misses are encoded as before)
+                self.kv.schedule(scope.key, ranked[n_kv:], w)
         kv_keys = {PREAMBLE_OWNER: preamble.key, **{r.id: key for r, key in zip(ranked[:n_kv], keys[:n_kv])}}
         pool.use(kv_keys.values())  # recency on disk: what requests use is evicted last
         pool.count_served(found[r.id] for r in ranked)  # None: in no tier when planned (text, or encoded now)

@@ -127,6 +127,8 @@ class KVManager:
         self._capture_asked: OrderedDict[str, float] = OrderedDict()
         #: seconds background jobs waited for captures to land (inside the encoder's busy time)
         self.capture_wait_s = 0.0
+        #: a capture was seen in the pool: the connector captures, so a miss need not be encoded
+        self.captures_seen = False
         self.model_path = model_path
         self.verbose = verbose
         self.fingerprint = fingerprint
@@ -295,6 +297,7 @@ class KVManager:
             have = self.pool.present(keys)
             pending = [t for k, t in zip(keys, asked) if k not in have and t is not None]
         self.capture_wait_s += time.monotonic() - t0
+        self.captures_seen |= bool(have)
         return have
 
     def stored(self, key: str) -> bool:
