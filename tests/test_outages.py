@@ -80,6 +80,7 @@ def _until_ok(call, seconds: float = 120):
 
 def test_postgresql_and_chroma_outages_answer_503_with_retry_after_and_log_one_line_each_way(
         postgres, chroma, tmp_path, unused_port, caplog):
+    OUTAGES.ok()  # an earlier test's unreachable upstream may have left one marked down in this process
     caplog.set_level(logging.WARNING)
     settings = dict(dtype="float32", context_window=0, precompute_kv=False, database_url=postgres.url,
                     chroma_url=chroma["url"])

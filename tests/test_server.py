@@ -211,12 +211,12 @@ def test_memories_a_chat_serves_as_text_are_captured_in_vllms_process(server):
         ("Ana", "Bruno", "Chloe", "Dmitri", "Eva", "Farid", "Greta", "Hugo", "Ines", "Jonas"))]
     captures, skipped = server.counter("captures"), server.counter("capture_skipped")
     r = server.http("POST", "/memories", json={"messages": [{"role": "user", "content": f} for f in facts],
-                                              "user_id": "erin"})
+                                              "user_id": "colleagues"})
     assert r.status_code == 200, r.text
-    first = report(chat(server, "Who is my colleague number 3?", user="erin", memory={"k": 10}))
+    first = report(chat(server, "Who is my colleague number 3?", user="colleagues", memory={"k": 10}))
     as_text = {i for i, s in first["kv_sources"].items() if s.startswith("text")}
     assert as_text, first["kv_sources"]  # the encoder cannot have stored ten memories' KV already
-    second = report(chat(server, "Who is my colleague number 3?", user="erin", memory={"k": 10}))
+    second = report(chat(server, "Who is my colleague number 3?", user="colleagues", memory={"k": 10}))
     assert not [s for s in second["kv_sources"].values() if s.startswith("text")], second["kv_sources"]
     assert {second["kv_sources"][i] for i in as_text} <= {"device (captured)", "disk (captured)", "device", "disk"}
     assert second["injected_tokens"] == second["kv_tokens"] > first["injected_tokens"]

@@ -205,6 +205,7 @@ class RequestBuilder:
             UnknownScopeError: the scope has no facts and no turns (unless ``allow_unknown_scope``).
             ValueError: the prompt plus ``max_tokens`` exceeds ``max_model_len``; a bad history.
         """
+        require_text(query, "query")
         history = check_history(history)
         followup = check_history(followup, "followup")
         check_bool("allow_unknown_scope", allow_unknown_scope)
