@@ -47,7 +47,6 @@ _KEY_CACHE_SIZE = 200_000
 CAPTURE_WAIT_S = 5.0
 
 
-_digest = token_digest
 
 
 @dataclass(frozen=True)
@@ -181,7 +180,7 @@ class KVManager:
         template that renders the date)."""
         ids = self.prompts.preamble_ids
         if self._preamble is None or self._preamble.item.span_ids != ids:
-            key = kv_key(PREAMBLE_OWNER, fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, ids=_digest(ids))
+            key = kv_key(PREAMBLE_OWNER, fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, ids=token_digest(ids))
             self._preamble = FactSpan(key, EncodeItem((), ids))
         return self._preamble
 
@@ -228,14 +227,14 @@ class KVManager:
             context = list(self.prompts.context_preamble_ids)  # date-free: keys stay valid across days
             for line in lines:
                 context.extend(line)
-            parts = dict(fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, w=w, ctx=_digest(context),
-                         span=_digest(span))
+            parts = dict(fmt=KV_FORMAT, fp=self.fingerprint, dtype=self.dtype, w=w, ctx=token_digest(context),
+                         span=token_digest(span))
             # "auto" has no storage part: keys made before the setting existed stay valid
             keys = {s: kv_key(fact.id, **parts) if s == "auto" else kv_key(fact.id, store=s, **parts)
                     for s in STORAGE_DTYPES}
             # encoded KV replaces the fact's KV in the other storage dtypes and its captured KV
             others = tuple(k for s, k in keys.items() if s != self.storage) + (
-                captured_key(fact.id, self.capture_parts(), _digest(span)),)
+                captured_key(fact.id, self.capture_parts(), token_digest(span)),)
             spans.append(FactSpan(keys[self.storage], EncodeItem(tuple(context), span),
                                   None if self.storage == "auto" else keys["auto"], others))
         with self._keys_lock:
@@ -256,7 +255,7 @@ class KVManager:
     def captured_keys(self, facts: Sequence[FactRecord]) -> list[str]:
         """The pool key of each fact's captured KV (present or not)."""
         parts = self.capture_parts()
-        return [captured_key(f.id, parts, _digest(self.prompts.fact_line_ids(f.text))) for f in facts]
+        return [captured_key(f.id, parts, token_digest(self.prompts.fact_line_ids(f.text))) for f in facts]
 
     def capture_request(self, spans: Sequence[tuple[str, int, list[int] | tuple[int, ...]]]) -> CaptureRequest | None:
         """What a request asks the connector to keep: ``(fact id, start, token ids)`` of each
@@ -264,7 +263,7 @@ class KVManager:
         if not self.capture or not spans:
             return None
         return CaptureRequest(self.capture_parts(), self.storage, self.pool.disk_budget_bytes,
-                              tuple((owner, start, len(ids), _digest(ids)) for owner, start, ids in spans))
+                              tuple((owner, start, len(ids), token_digest(ids)) for owner, start, ids in spans))
 
     def expect_captures(self, facts: Sequence[FactRecord]) -> None:
         """Note that a request about to run serves ``facts`` as text and asks for their capture:

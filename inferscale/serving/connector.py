@@ -510,11 +510,6 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._stats.data["captured_tokens"] += tokens
             self._stats.data["capture_errors"] += errors
 
-    def wait_for_captures(self) -> None:
-        """Block until every queued capture is stored (tests and shutdown)."""
-        if self._writer is not None:
-            self._writer.submit(lambda: None).result()
-
     def shutdown(self) -> None:
         """Store the queued captures, then stop the writer thread."""
         if self._writer is not None:
