@@ -18,6 +18,7 @@ _METHODS = (
     "add", "add_facts", "log_turns", "get", "get_all", "search", "update", "delete", "delete_all", "history",
     "reset", "inject", "prepare", "generate", "count", "close",
     "wait_for_kv", "pending_kv", "get_turns", "delete_turns", "find_texts", "count_turns", "owner_of", "scopes",
+    "kv_entries", "chats",
 )
 
 

@@ -36,6 +36,7 @@ from inferscale.store.sql import Database
 from inferscale.store.chroma import FactStore
 from inferscale.store.records import SCHEMA_VERSION, StoreError
 from inferscale.store.turns import TurnLog
+from inferscale.store.chat_log import ChatLog
 
 @dataclass(frozen=True)
 class Components:
@@ -49,6 +50,7 @@ class Components:
         kv_dir: the KV pool's disk folder (``<data_dir>/kv``; vLLM's connector reads it).
         store: Chroma, the system of record. turns: the conversation log.
         history_log: ADD / UPDATE / DELETE events. kv_jobs: the durable KV encode queue.
+        chats: what each chat served by the front used (in the history's database).
         pool: fact KV (device LRU tier over safetensors files).
         embedder: query and fact embeddings. index: exact top-k per scope.
         kv: Context-Window Encoding, KV naming and the background encoder.
@@ -72,6 +74,7 @@ class Components:
     kv: KVManager
     facts: FactService
     requests: RequestBuilder
+    chats: ChatLog
 
 
 def resolve_models(config: MemoryConfig) -> tuple[Path, Path | str, Any]:
@@ -113,6 +116,7 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
     try:
         store = FactStore(data / "chroma", config.chroma_server())
         turns, history_log = _logs(config)
+        chats = ChatLog(history_log.db)
         kv_jobs = KVJobQueue(data / "kv_jobs.sqlite")
     except (StoreError, ImportError):
         raise
@@ -145,7 +149,7 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
         raise
     return Components(config=config, model_path=model_path, tokenizer=tokenizer, prompts=prompts, device=device,
                       kv_dir=kv_dir, store=store, turns=turns, history_log=history_log, kv_jobs=kv_jobs, pool=pool,
-                      embedder=embedder, index=index, kv=kv, facts=facts, requests=requests)
+                      embedder=embedder, index=index, kv=kv, facts=facts, requests=requests, chats=chats)
 
 
 def _logs(config: MemoryConfig) -> tuple[TurnLog, HistoryLog]:

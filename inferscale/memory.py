@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import inferscale.arguments as args
 from inferscale.checks import check_bool, check_id, result_limit
 from inferscale.answering import Answering
+from inferscale.inspection import Inspection
 from inferscale.components import Components, open_components, resolve_models
 from inferscale.config import MemoryConfig
 from inferscale.facts.extraction import (FactExtractor, LLMFactExtractor, Reconciler, SimilarityReconciler,
@@ -27,10 +28,10 @@ from inferscale.facts.extraction import (FactExtractor, LLMFactExtractor, Reconc
 from inferscale.runtime.lifecycle import close_at_exit
 from inferscale.store.records import Scope
 from inferscale.store.turns import Turn
-from inferscale.types import FactInput, MemoryNotFoundError, write_results
+from inferscale.types import FactInput, MemoryNotFoundError, SearchResults, write_results
 
 
-class Memory(Answering):
+class Memory(Answering, Inspection):
     """Persistent per-user memory served to vLLM as precomputed KV.
 
     Args:
@@ -241,14 +242,18 @@ class Memory(Answering):
         return {"message": "Memory deleted successfully!"}
 
     def delete_all(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> dict:
-        """Delete every memory of the scope (its turn log stays)."""
-        n = len(self.components.facts.delete_all(self._scope(user_id, agent_id, run_id)))
+        """Delete every memory of the scope and its chat reports (its turn log stays)."""
+        scope = self._scope(user_id, agent_id, run_id)
+        n = len(self.components.facts.delete_all(scope))
+        self.components.chats.delete_scope(scope.key)  # its chat reports quote the memories
         return {"message": f"{n} {'memory' if n == 1 else 'memories'} deleted successfully!"}
 
     def reset(self) -> None:
-        """Delete everything in the data dir's store: every scope's memories, turns, history and KV."""
+        """Delete everything in the data dir's store: every scope's memories, turns, history, chat
+        reports and KV."""
         self._check_open()
         self.components.facts.reset(self.components.turns)
+        self.components.chats.clear()
 
     def delete_turns(self, turn_ids: Sequence[str], *, user_id: str | None = None, agent_id: str | None = None,
                      run_id: str | None = None) -> int:
@@ -305,7 +310,7 @@ class Memory(Answering):
         self._check_open()
         scope, filters = args.scope_and_filters(user_id, agent_id, run_id, filters)
         hits = self.components.facts.search(scope, query, result_limit(limit, top_k), threshold, filters, mode)
-        return {"results": [r.to_item(s) for r, s in hits]}
+        return SearchResults([r.to_item(s) for r, s in hits], query, mode or self.config.search_mode)
 
     def get_all(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
                 limit: int | None = None, filters: dict | None = None, top_k: int | None = None) -> dict:

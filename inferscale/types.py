@@ -157,6 +157,27 @@ class Generation:
     tool_calls: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
 
+    def _repr_html_(self) -> str:
+        """Jupyter's rich display: the prompt's layout and each memory's source (:mod:`inferscale.display`)."""
+        from inferscale.display import generation_html
+
+        return generation_html(self)
+
+
+class SearchResults(dict):
+    """:meth:`Memory.search`'s answer: Mem0's ``{"results": [...]}`` dict, which Jupyter shows as
+    a ranking table (:func:`inferscale.display.search_html`); ``query`` and ``mode`` say what was
+    searched. A plain dict in every other way (JSON, equality, pickling)."""
+
+    def __init__(self, results: list[dict], query: str | None = None, mode: str | None = None) -> None:
+        super().__init__(results=results)
+        self.query, self.mode = query, mode
+
+    def _repr_html_(self) -> str:
+        from inferscale.display import search_html
+
+        return search_html(self.get("results", []), self.query, self.mode)
+
 
 @dataclass(frozen=True)
 class GenerationChunk:

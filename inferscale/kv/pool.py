@@ -485,6 +485,14 @@ class KVPool:
         with self._lock:
             return self._device.keys() + self._host.keys()
 
+    def held(self, owner: str) -> dict[str, tuple[str, StoredKV]]:
+        """This process's in-memory entries of ``owner`` (a fact id): ``{key: (tier, entry)}``,
+        read without counting a use (for reports: :mod:`inferscale.kv.inventory`)."""
+        prefix = f"{owner}/"
+        with self._lock:
+            return {key: (tier.name, tier._entries[key]) for tier in (self._device, self._host)
+                    for key in tier.keys() if key.startswith(prefix)}
+
     def use(self, keys: Iterable[str]) -> None:
         """Mark ``keys`` as used by a request now (their disk recency, :meth:`DiskTier.touch`)."""
         for key in keys:

@@ -12,6 +12,8 @@ Routes:
     counters among them; with several replicas, labelled ``replica``) followed by the
     front's ``inferscale_*`` ones
     ``GET /docs``  OpenAPI documentation
+    ``GET /ui``  a page of scopes, memories, their KV, chats and the pool (its files need no key;
+    its data routes under ``/ui/api/`` do: :mod:`inferscale.server.ui`)
 
 Every response to a client that sent the key (or every response, where no key is set) carries
 ``X-InferScale-Worker`` (the front process's pid); chat and
@@ -41,10 +43,11 @@ from inferscale.mcp_server.answers import UpstreamAnswers
 from inferscale.mcp_server.app import HttpEndpoint
 from inferscale.mcp_server.tools import MemoryTools
 from inferscale.memory import Memory
-from inferscale.server import mem0_platform, memories, openai_routes, ops
+from inferscale.server import mem0_platform, memories, openai_routes, ops, ui
 from inferscale.server.errors import install_error_handlers, install_outage_watch
 from inferscale.server.limits import AUTHORIZED, FrontLimits, RequestGate
 from inferscale.server.metrics import FrontMetrics
+from inferscale.server.pool_history import PoolHistory
 from inferscale.server.upstream import Replicas
 
 #: routes answered without an API key (liveness probes carry no data)
@@ -68,13 +71,20 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
     """
     limits = limits or FrontLimits()
     mcp = HttpEndpoint(MemoryTools(memory, UpstreamAnswers(memory, upstream)))
+    pool = memory.components.pool
+    history = PoolHistory(memory.kv_stats, {"device": pool.device_budget_bytes, "host": pool.host_budget_bytes,
+                                            "disk": pool.disk_budget_bytes})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         # with several replicas, a hung one is passed over (with one there is nowhere else to go)
         watch = asyncio.create_task(upstream.watch()) if len(upstream) > 1 else None
+        sampler = asyncio.create_task(history.run())  # the pool over time, for the page at /ui
         async with mcp.running():  # MCP's session manager lives as long as the app
             yield
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
         if watch is not None:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -100,11 +110,12 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
         return response
 
     # added last, so it runs outermost: the key and the announced size before any body byte is read
-    app.add_middleware(RequestGate, api_key=api_key, limits=limits, open_paths=_OPEN_PATHS)
+    app.add_middleware(RequestGate, api_key=api_key, limits=limits, open_paths=_OPEN_PATHS | ui.UI_PATHS)
     install_error_handlers(app)
     app.include_router(ops.router())
     app.include_router(openai_routes.router())
     app.include_router(memories.router())
+    app.include_router(ui.router(history))
     app.add_route("/mcp", mcp, include_in_schema=False)  # behind the gate's key check like every route
     app.include_router(mem0_platform.router())  # last: it answers every other /v1/, /v2/, /v3/ path
     return app

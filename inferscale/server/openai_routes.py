@@ -17,6 +17,7 @@ from typing import Any, ContextManager
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -32,6 +33,7 @@ from inferscale.server.chat import (
     split_messages,
     without_server_fields,
 )
+from inferscale.server.chat_report import ChatReport
 from inferscale.server.deps import MemoryDep, MetricsDep, UpstreamDep
 from inferscale.server.metrics import FrontMetrics
 from inferscale.server.upstream import Replicas
@@ -67,6 +69,7 @@ def router() -> APIRouter:
         messages = check_messages(body, memory.components.requests.check_prompt_chars)
         default_max_tokens = memory.config.default_max_tokens  # for chats that send no max_tokens
         t0 = time.perf_counter()
+        report = None
         if options.mode == "none":
             plan = ChatPlan(forward_body(body, None, None, default_max_tokens), None, "none")
             key = _route_key(body, request.headers)
@@ -76,6 +79,7 @@ def router() -> APIRouter:
             instructions, rest, query = split_messages(messages)
             block = await run_in_threadpool(_memory_block, memory, scope, query, options, instructions)
             plan = ChatPlan(forward_body(body, block, rest, default_max_tokens), block, options.mode)
+            report = ChatReport(memory, scope.key, query, plan, t0)  # what it used: for the page at /ui
         metrics.observe(plan, time.perf_counter() - t0)
         if "model" not in plan.body:
             plan.body["model"] = await upstream.model_name()
@@ -83,7 +87,7 @@ def router() -> APIRouter:
         # held for every chat, with or without KV: a request in flight, which the encoder waits for
         pins = memory.pinned_kv(planned.keys if planned is not None else ())
         return await _until_disconnected(
-            request, _forward(upstream, key, "/v1/chat/completions", plan.body, plan, metrics, pins))
+            request, _forward(upstream, key, "/v1/chat/completions", plan.body, plan, metrics, pins, report))
 
     return r
 
@@ -148,17 +152,19 @@ async def _until_disconnected(request: Request, work):
 
 
 async def _forward(upstream: Replicas, key: str, path: str, body: dict, plan: ChatPlan | None,
-                   metrics: FrontMetrics, pins: ContextManager | None = None) -> Response:
+                   metrics: FrontMetrics, pins: ContextManager | None = None, report: ChatReport | None = None
+                   ) -> Response:
     """Send ``body`` to routing key ``key``'s vLLM replica; a streamed answer is relayed as it
     comes, with the memory report in its first chunk; a whole one gets it as a ``memory``
     field. Both carry it in ``X-InferScale-*`` headers too (clients that drop unknown body
     fields, such as LangChain's ``ChatOpenAI``, can read those: ``include_response_headers=True``).
-    ``pins`` (the request's KV kept from eviction) is held until the answer is whole."""
+    ``pins`` (the request's KV kept from eviction) is held until the answer is whole; ``report``
+    (a chat with memory) is written to the chat log once it is."""
     stack = ExitStack()
     if pins is not None:
         stack.enter_context(pins)
     try:
-        response = await _send(upstream, key, path, body, plan, metrics, stack)
+        response = await _send(upstream, key, path, body, plan, metrics, stack, report)
     except BaseException:
         stack.close()
         raise
@@ -168,7 +174,7 @@ async def _forward(upstream: Replicas, key: str, path: str, body: dict, plan: Ch
 
 
 async def _send(upstream: Replicas, key: str, path: str, body: dict, plan: ChatPlan | None,
-                metrics: FrontMetrics, stack: ExitStack) -> Response:
+                metrics: FrontMetrics, stack: ExitStack, report: ChatReport | None = None) -> Response:
     """:func:`_forward`'s work; a streamed answer closes ``stack`` when its relay ends."""
     stream = bool(body.get("stream"))
     replica, r = await upstream.send(key, "POST", path, json=body, stream=stream)
@@ -177,23 +183,35 @@ async def _send(upstream: Replicas, key: str, path: str, body: dict, plan: ChatP
         headers.update(plan.headers())
     if not stream:
         if r.status_code != 200 or plan is None:
+            if report is not None:
+                await report.write(r.status_code, replica.index)
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
                             headers=headers)
         out = r.json()
         injected = injected_tokens(out.pop("kv_transfer_params", None))
         metrics.injected.inc(injected)
         out["memory"] = {**plan.report(injected), "replica": replica.index}
-        return JSONResponse(out, headers={**headers, "x-inferscale-injected-tokens": str(injected)})
+        written = None
+        if report is not None:  # written after the answer is sent: the client does not wait for it
+            report.usage(out.get("usage") or {})
+            report.finish(200, replica.index, injected)
+            written = BackgroundTask(report.write)
+        return JSONResponse(out, headers={**headers, "x-inferscale-injected-tokens": str(injected)},
+                            background=written)
     resp = r
     if resp.status_code != 200:
         content = await resp.aread()
         await resp.aclose()
+        if report is not None:
+            await report.write(resp.status_code, replica.index)
         return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"),
                         headers=headers)
 
     async def relay():
         first = plan is not None
         async for line in resp.aiter_lines():
+            if report is not None:
+                report.stream_line(line)
             if first and line.startswith("data: {"):
                 chunk = json.loads(line[len("data: "):])
                 chunk["memory"] = {**plan.report(None), "replica": replica.index}
@@ -203,6 +221,8 @@ async def _send(upstream: Replicas, key: str, path: str, body: dict, plan: ChatP
     async def finish():
         await resp.aclose()
         stack.close()
+        if report is not None:  # after the last byte: the client does not wait for it
+            await report.write(200, replica.index)
 
     return Relay(relay(), finish, media_type="text/event-stream", headers=headers)
 

@@ -161,7 +161,7 @@ def openai_server_command(python: str, model_path: Path, *, served_model_name: s
            "--served-model-name", served_model_name, "--host", host, "--port", str(port), "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_memory_bytes),
            "--kv-transfer-config", json.dumps(kv_transfer_config(kv_dir, device_budget_bytes)),
-           "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--max-num-seqs", str(max_num_seqs),
+           "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager", "--seed", "0", "--max-num-seqs", str(max_num_seqs),
            # structured outputs (json_schema, forced tool calls) without free whitespace between JSON
            # tokens: small models otherwise loop on newlines until max_tokens (seen with SmolLM2)
            "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS)]

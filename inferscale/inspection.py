@@ -1,0 +1,70 @@
+"""The inspecting half of :class:`~inferscale.memory.Memory`: what the store holds and what chats
+used. Its calls read only; the page at ``/ui`` (:mod:`inferscale.server.ui`) and Jupyter's
+rich display (:mod:`inferscale.display`) are built on them."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from inferscale.checks import check_id, check_int
+from inferscale.components import Components
+from inferscale.config import MemoryConfig
+from inferscale.kv.inventory import kv_entries
+
+
+class Inspection:
+    """What :class:`~inferscale.memory.Memory` shows of itself (not used on its own)."""
+
+    components: Components
+    config: MemoryConfig
+
+    def kv_entries(self, memory_ids: Sequence[str] | None = None, *, user_id: str | None = None,
+                   agent_id: str | None = None, run_id: str | None = None,
+                   context_window: int | None = None) -> dict[str, list[dict]]:
+        """Where each memory's KV is and how it was made (:func:`inferscale.kv.inventory.kv_entries`):
+        per memory id, its entries (``key``, ``made``: encoded at w or captured, ``in_use``,
+        ``tiers``, ``storage`` dtype, ``bytes``, ``tokens``, ``last_use``), the one a request
+        at ``context_window`` (default ``config.context_window``) would inject first.
+
+        Args:
+            memory_ids: memories of the scope (default: all of them).
+
+        Raises:
+            inferscale.types.MemoryNotFoundError: an id the scope does not hold.
+            ValueError / TypeError: a bad id or context window.
+        """
+        scope = self._scope(user_id, agent_id, run_id)
+        w = self.config.context_window if context_window is None else check_int("context_window", context_window)
+        facts = self.components.facts
+        if memory_ids is None:
+            records = facts.list(scope, None)
+        else:
+            if isinstance(memory_ids, str) or not isinstance(memory_ids, Sequence):
+                raise TypeError(f"memory_ids must be a list of memory ids, got {type(memory_ids).__name__}")
+            records = [facts.get(scope, check_id("memory_id", i)) for i in memory_ids]
+        return kv_entries(self.components.kv, scope.key, records, w)
+
+    def chats(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
+              limit: int = 50) -> list[dict]:
+        """The scope's newest chat reports (chats ``inferscale serve`` answered with memory),
+        newest first: ``{"id", "created_at", "query", "mode", "memories" ([{"id", "memory",
+        "score", "as" ("kv" or "text"), "source"}] in rank order), "kv_tokens", "injected_tokens",
+        "prompt_tokens", "prefilled_tokens", "completion_tokens", "ttft_s" (streamed chats;
+        seconds), "latency_s", "retrieval_ms", "stream", "replica", "status"}`` (see
+        :mod:`inferscale.store.chat_log`).
+
+        Raises:
+            TypeError / ValueError: ``limit`` is not an int in 1..1000.
+        """
+        scope = self._scope(user_id, agent_id, run_id)
+        check_int("limit", limit, 1, maximum=1000)
+        return self.components.chats.recent(scope.key, limit)
+
+    def _repr_html_(self) -> str:
+        """Jupyter's rich display: scopes and the KV pool (:func:`inferscale.display.memory_html`)."""
+        from inferscale.display import memory_html
+
+        pool = self.components.pool
+        budgets = {"device": pool.device_budget_bytes, "host": pool.host_budget_bytes,
+                   "disk": pool.disk_budget_bytes}
+        return memory_html(self.scopes(), self.kv_stats(), budgets, self.config.data_dir)
