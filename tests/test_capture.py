@@ -184,8 +184,17 @@ def test_captured_encoded_and_text_memories_are_injected_together_correctly(memo
     assert kinds[text] == "text: not encoded yet" and kinds[encoded] in ("disk", "device")
     assert sorted(s for i, s in kinds.items() if i not in (text, encoded)) in (
         ["disk (captured)"] * 2, ["device (captured)"] * 2, ["device (captured)", "disk (captured)"])
+    # where each memory's KV is and how it was made (the page at /ui and Memory.kv_entries)
+    entries = memory.kv_entries(user_id="cap-b")
+    assert entries[text] == [] and [e["made"] for e in entries[encoded]] == ["encoded (w=0)"]
+    for r in records:
+        (e,) = entries[r.id]
+        assert e["made"] == "captured" and e["in_use"] and "disk" in e["tiers"] and e["storage"] == "model"
+        assert e["tokens"] == len(memory.components.prompts.fact_line_ids(r.text)) and e["bytes"] > 0
     out = memory.generate(QUESTION, user_id="cap-b", k=4, max_tokens=1, temperature=0, logprobs=5)
     assert out.num_injected_tokens == inj.plan.memory_end
+    shown = out._repr_html_()  # a notebook's picture of the prompt: each memory as KV (captured) or text
+    assert shown.count(">KV<") == 3 and shown.count(">text<") == 1 and "(captured)" in shown
     # vLLM's first-token logprobs match the transformers reference over the same injected KV
     ref = ReferenceModel(encoder).next_token_logprobs(
         inj.prompt_token_ids, [(s.start, memory.components.pool.get(s.key)) for s in inj.plan.segments])

