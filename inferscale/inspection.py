@@ -10,6 +10,7 @@ from inferscale.checks import check_id, check_int
 from inferscale.components import Components
 from inferscale.config import MemoryConfig
 from inferscale.kv.inventory import kv_entries
+from inferscale.store.records import Scope
 
 
 class Inspection:
@@ -17,6 +18,14 @@ class Inspection:
 
     components: Components
     config: MemoryConfig
+
+    def scopes(self) -> list[dict]:
+        """Every scope that holds memories, oldest first: ``[{"user_id" / "agent_id" /
+        "run_id" (those set), "memories" (count), "created_at" (its first write),
+        "updated_at" (its last write)}]``, from the history log (one query)."""
+        self._check_open()
+        return [{**Scope.from_key(key).as_dict(), "memories": n, "created_at": first, "updated_at": last}
+                for key, n, first, last in self.components.history_log.scopes()]
 
     def kv_entries(self, memory_ids: Sequence[str] | None = None, *, user_id: str | None = None,
                    agent_id: str | None = None, run_id: str | None = None,

@@ -351,14 +351,6 @@ class Memory(Answering, Inspection):
             raise MemoryNotFoundError(f"memory {memory_id!r} not found")
         return Scope.from_key(key).as_dict()
 
-    def scopes(self) -> list[dict]:
-        """Every scope that holds memories, oldest first: ``[{"user_id" / "agent_id" /
-        "run_id" (those set), "memories" (count), "created_at" (its first write),
-        "updated_at" (its last write)}]``, from the history log (one query)."""
-        self._check_open()
-        return [{**Scope.from_key(key).as_dict(), "memories": n, "created_at": first, "updated_at": last}
-                for key, n, first, last in self.components.history_log.scopes()]
-
     def count(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> int:
         """How many memories the scope holds."""
         return self.components.facts.count(self._scope(user_id, agent_id, run_id))

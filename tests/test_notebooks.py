@@ -19,7 +19,7 @@ def _code_cells(nb) -> list:
 
 #: What each notebook's output must show: the memory reached an answer (or a tool call).
 REMEMBERED = {"quickstart": "Biscuit", "langchain": "Biscuit", "llama_index": "Biscuit",
-              "langchain_agent": "'args': {'city': 'Lisbon'}"}
+              "langchain_agent": "'args': {'city': 'Lisbon'}", "inspect": "Pixel"}
 
 
 @pytest.mark.parametrize("name", sorted(REMEMBERED))
@@ -34,3 +34,11 @@ def test_notebook_runs_without_errors(name, tmp_path):
     assert REMEMBERED[name] in text
     if name == "quickstart":
         assert any("image/png" in o.get("data", {}) for o in outputs)  # the TTFT-vs-k plot
+    if name == "inspect":  # the rich reprs (issue 41): Memory, a search, two Generations
+        shown = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
+        assert len(shown) == 4, shown
+        assert "KV pool" in shown[0] and "user_id=ada" in shown[0]
+        assert "hybrid ranking" in shown[1] and "Pixel" in shown[1]
+        assert "memory as KV" in shown[2] and ">text<" not in shown[2]  # every memory injected
+        assert ">text<" in shown[3] and "not encoded yet" in shown[3]  # the new memory as text, and why
+        assert all("text/plain" in o["data"] for o in outputs if "text/html" in o.get("data", {}))
