@@ -263,23 +263,32 @@ def bench_quality(
     data: Optional[Path] = _DATA,
     out: Path = typer.Option(Path("results/quality"), help="Results folder (resumes what it holds)."),
     store: Optional[Path] = _STORE,
-    samples: str = typer.Option("0,1,8", help="LoCoMo conversation indices, comma-separated."),
-    questions: int = typer.Option(10, min=1, help="Questions per conversation (categories 1-4, spread evenly)."),
-    k: str = typer.Option("5,10,20,50", help="Facts per request, comma-separated."),
-    modes: str = typer.Option("text,inject-w0,inject-w5,inject-w20,inject-w50",
-                              help="text and/or inject-w<N>, comma-separated."),
-    max_tokens: int = typer.Option(32, min=1, help="Answer budget (tokens)."),
+    tuning: str = typer.Option("0,1,2", help="Tuning-set conversation indices, comma-separated."),
+    held_out: str = typer.Option("3,4,5,6,7,8,9", help="Held-out conversation indices, comma-separated."),
+    tuning_questions: int = typer.Option(5, min=1, help="Questions per tuning conversation."),
+    questions: int = typer.Option(29, min=1, help="Questions per held-out conversation (7 x 29 = 203 answers a cell)."),
+    k: str = typer.Option("10,50", help="Memories per request, comma-separated."),
+    modes: str = typer.Option("text,inject-w0,inject-w5,inject-w20,inject-w50,captured",
+                              help="text, inject-w<N> and/or captured, comma-separated (text is always scored)."),
+    max_tokens: int = typer.Option(24, min=1, help="Answer budget (tokens)."),
+    concurrency: int = typer.Option(4, min=1, help="Questions in flight (vLLM batches their generations)."),
+    capture_traffic: Optional[int] = typer.Option(
+        None, min=1, help="Other questions of a conversation served first in mode captured (default: all)."),
     dtype: str = _DTYPE,
     fresh: bool = _FRESH,
+    report_only: bool = typer.Option(False, "--report-only", help="Summarize the answers in --out without answering more."),
 ) -> None:
-    """Token F1, gold-answer NLL and evidence recall@k on LoCoMo: prompt text vs KV injection."""
+    """Prompt text vs injected KV (encoded at w, or captured) on LoCoMo: paired gold-answer NLL and token F1
+    with bootstrap CIs, held-out and tuning conversations apart, by category; evidence recall@k."""
     from inferscale.bench.quality import run
 
     data, store = _bench_paths(data, store)
-    ks, picked = _ints(k, "k"), _ints(samples, "samples")
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    _run_bench("quality", out, lambda: run(data, out, store, samples=picked, questions=questions, ks=ks,
-                                           modes=mode_list, max_tokens=max_tokens, dtype=dtype, fresh=fresh))
+    _run_bench("quality", out, lambda: run(
+        data, out, store, tuning=_ints(tuning, "tuning"), held_out=_ints(held_out, "held-out"),
+        tuning_questions=tuning_questions, questions=questions, ks=_ints(k, "k"), modes=mode_list,
+        max_tokens=max_tokens, concurrency=concurrency, capture_traffic=capture_traffic, dtype=dtype, fresh=fresh,
+        report_only=report_only))
 
 
 @bench_app.command("kv-storage")

@@ -165,23 +165,27 @@ def test_latency_refuses_other_settings_in_the_same_folder(latency_run):
     assert (out / "latency.jsonl").read_text() == before
 
 
-def test_quality_scores_every_mode(tmp_path, store, locomo_path, latency_run):
-    _bench("quality", "--data", str(locomo_path), "--out", str(tmp_path), "--store", str(store), "--samples", "0",
-           "--questions", "1", "--k", "5", "--modes", "text,inject-w0", "--max-tokens", "8")
+def test_quality_pairs_text_encoded_and_captured_kv_on_the_same_answers(tmp_path, store, locomo_path, latency_run):
+    _bench("quality", "--data", str(locomo_path), "--out", str(tmp_path), "--store", str(store), "--tuning", "0",
+           "--held-out", "1", "--tuning-questions", "1", "--questions", "2", "--k", "5",
+           "--modes", "inject-w0,captured", "--max-tokens", "4", "--capture-traffic", "12")
     rows = _rows(tmp_path / "quality.jsonl")
-    answers = [r for r in rows if "mode" in r]
-    assert {r["mode"] for r in answers} == {"text", "inject-w0"}
+    answers = [r for r in rows if "seconds" in r]
+    assert sorted(r["split"] for r in answers) == ["held_out", "held_out", "tuning"]
     for r in answers:
-        assert 0.0 <= r["f1"] <= 1.0 and r["nll"] > 0 and r["answer"]
-    by_mode = {r["mode"]: r for r in answers}
-    assert by_mode["inject-w0"]["injected_tokens"] > 0 and by_mode["text"]["injected_tokens"] == 0
-    recall = next(r for r in rows if "recall" in r)["recall"]["5"]
-    assert recall is None or 0.0 <= recall <= 1.0
+        for mode in ("text", "inject-w0", "captured"):  # text is always scored: every comparison is against it
+            assert r[mode]["nll"] > 0 and 0.0 <= r[mode]["f1"] <= 1.0 and r[mode]["memories"] == 5
+        assert r["text"]["injected_tokens"] == 0 and r["inject-w0"]["kv_memories"] == 5
+        assert r["inject-w0"]["injected_tokens"] > 0
+    traffic = [r for r in rows if "traffic_questions" in r]
+    assert [t["traffic_questions"] for t in traffic] == [12, 12] and all(t["captured"] > 0 for t in traffic)  # the other questions' memories captured
+    assert sum(r["captured"]["kv_memories"] for r in answers) > 0  # served from what that traffic captured
     summary = json.loads((tmp_path / "quality.json").read_text())
-    assert "inject-w0 k=5" in summary["vs_text"]
-    (cat,) = {r["category"] for r in answers}
-    assert {(c["mode"], c["category"], c["n"]) for c in summary["by_category"]} == {("text", cat, 1), ("inject-w0", cat, 1)}
-    assert "## By LoCoMo category at k=5" in (tmp_path / "quality.md").read_text()
+    cell = {(c["split"], c["mode"]): c for c in summary["cells"]}
+    held = cell[("held_out", "captured")]
+    assert held["n"] == 2 and held["nll_change_ci"][0] <= held["nll_change"] <= held["nll_change_ci"][1]
+    assert 0 < held["kv_share"] <= 1 and cell[("held_out", "inject-w0")]["kv_share"] == 1
+    assert "## Held out, k = 5" in (tmp_path / "quality.md").read_text()
     assert (tmp_path / "quality.png").stat().st_size > 10_000
 
 

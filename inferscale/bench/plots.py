@@ -53,10 +53,11 @@ def plot_throughput(summary: dict, path: Path) -> None:
 
 
 def plot_quality(summary: dict, path: Path) -> None:
-    """Token F1 and answer NLL vs k per mode, and retrieval recall@k."""
+    """Token F1 and answer NLL vs k per mode (held-out answers), and retrieval recall@k."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for mode in dict.fromkeys(c["mode"] for c in summary["cells"]):
-        cs = [c for c in summary["cells"] if c["mode"] == mode]
+    cells = [c for c in summary["cells"] if c.get("split", "held_out") == "held_out"]  # the held-out answers
+    for mode in dict.fromkeys(c["mode"] for c in cells):
+        cs = sorted((c for c in cells if c["mode"] == mode), key=lambda c: c["k"])
         ks = [c["k"] for c in cs]
         axes[0].plot(ks, [c["f1_mean"] for c in cs], marker="o", label=mode)
         axes[1].plot(ks, [c["nll_mean"] for c in cs], marker="o", label=mode)

@@ -1,24 +1,37 @@
-"""Answer quality: prompt text vs KV injection at several context windows, on LoCoMo.
+"""Answer quality: prompt text vs injected KV (encoded at several context windows, or captured),
+paired, on LoCoMo's held-out conversations.
 
-For each chosen conversation and question (categories 1-4) and each k, the same
-top-k facts are served in every mode (``text``, ``inject-w0``, ``inject-w5``, ...), and
-three numbers are recorded:
+For each chosen question (categories 1-4) and each k, the same top-k memories are served in
+every mode, and each answer is scored twice:
 
-- token F1 of the generated answer (greedy, up to 32 tokens) against the gold answer,
-  normalised as LoCoMo's own evaluation does (:func:`inferscale.datasets.locomo.token_f1`);
 - the gold answer's negative log-likelihood per token (nats), teacher-forced through the
-  transformers reference path with the same prompt and, for ``inject`` modes, the same
-  injected KV (:class:`inferscale.kv.reference.ReferenceModel`);
-- evidence recall@k of the retrieval: the share of the question's evidence turns
-  (LoCoMo ``evidence`` dialogue ids) that are a source turn of some retrieved fact
-  (questions without evidence are left out of the mean).
+  transformers reference path with the same prompt and, in KV modes, the same KV
+  (:class:`inferscale.kv.reference.ReferenceModel`);
+- token F1 of the greedy answer vLLM generates from that very request (LoCoMo's normalisation,
+  :func:`inferscale.datasets.locomo.token_f1`).
+
+Modes: ``text`` (the memory block prefilled, Mem0-style), ``inject-w<N>`` (every memory's KV
+encoded with Context-Window Encoding after the N turns before it, encoded first if missing),
+and ``captured``: what a store serves with capture on a miss and no encoder
+(:mod:`inferscale.kv.capture`): memories whose KV an earlier request captured are injected, the
+rest come as text (and are captured by this request). Before a conversation's answers, its other
+questions (every category, the chosen ones left out) are served once at the largest k as that
+earlier traffic; each answer records the share of its memories that came as captured KV.
+
+Conversations are split into a **tuning** set (default 0-2: where settings were chosen) and a
+**held-out** set (3-9), reported apart. Each mode is compared with ``text`` on the same answers:
+the relative change of the mean NLL (ratio of means minus 1) and the absolute change of the mean
+F1, each with a 95% bootstrap interval over answers resampled in pairs
+(:func:`inferscale.bench.kv_storage.bootstrap`). Evidence recall@k of the retrieval is kept too.
 
 Reproduce: ``inferscale bench quality`` (see ``--help``).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -27,13 +40,31 @@ from tqdm import tqdm
 from inferscale.bench.common import (
     ResultLog, ensure_conversation, markdown_table, mean, pick_questions, scope_of, write_outputs,
 )
-from inferscale.bench.latency import parse_mode
 from inferscale.bench.plots import plot_quality
 from inferscale.datasets.locomo import CATEGORIES, load_locomo, token_f1
-from inferscale.memory import Memory
+from inferscale.generation.request import PreparedRequest, generation_chunks
 from inferscale.kv.reference import ReferenceModel
+from inferscale.memory import Memory
+from inferscale.store.records import Scope
 
 NAME = "quality"
+MODES = ("text", "inject-w0", "inject-w5", "inject-w20", "inject-w50", "captured")
+#: the context window the ``captured`` mode's memory asks for: one no mode here encodes (and
+#: the run checks that none of its memories came as encoded KV), so only captured KV is found
+CAPTURE_ONLY_W = 1
+
+
+def parse_mode(name: str) -> tuple[str, int | None]:
+    """``"text"`` -> ``("text", None)``; ``"inject-w20"`` -> ``("inject", 20)``; ``"captured"`` -> ``("captured", None)``.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if name in ("text", "captured"):
+        return name, None
+    if name.startswith("inject-w") and name[len("inject-w"):].isdigit():
+        return "inject", int(name[len("inject-w"):])
+    raise ValueError(f"unknown mode {name!r}: use text, inject-w<N> (N = context window in turns) or captured")
 
 
 def evidence_recall(evidence: Sequence[str], memories: Sequence[dict]) -> float | None:
@@ -46,7 +77,8 @@ def evidence_recall(evidence: Sequence[str], memories: Sequence[dict]) -> float 
 
 def answer_nll(memory: Memory, ref: ReferenceModel, user_id: str, question: str, answer: str, k: int,
                mode: str, w: int) -> float:
-    """Mean NLL (nats per token) of ``answer`` after the prompt served in ``mode`` with top-``k`` facts."""
+    """Mean NLL (nats per token) of ``answer`` after the prompt served in ``mode`` with top-``k``
+    facts at context window ``w`` (missing KV encoded first)."""
     answer_ids = memory.tokenizer(answer, add_special_tokens=False).input_ids
     req = memory.prepare(question, user_id=user_id, k=k, context_window=w, mode=mode, wait_for_kv=True)
     if req.plan is None:
@@ -54,16 +86,35 @@ def answer_nll(memory: Memory, ref: ReferenceModel, user_id: str, question: str,
     return ref.answer_nll(req.prompt_token_ids, answer_ids, memory.injected_kv(req))
 
 
-def run(data: Path, out_dir: Path, store_dir: Path, *, samples: Sequence[int] = (0, 1, 8),
-        questions: int = 10, ks: Sequence[int] = (5, 10, 20, 50),
-        modes: Sequence[str] = ("text", "inject-w0", "inject-w5", "inject-w20", "inject-w50"),
-        max_tokens: int = 32, dtype: str = "auto", fresh: bool = False) -> dict:
+def request_nll(memory: Memory, ref: ReferenceModel, req: PreparedRequest, answer_ids: Sequence[int]) -> float:
+    """Mean NLL (nats per token) of ``answer_ids`` after the prompt of ``req``, with its planned KV."""
+    if req.plan is None:
+        return ref.answer_nll(req.prompt_token_ids, answer_ids)
+    pool = memory.components.pool
+    segments = [(seg.start, pool.get(seg.key)) for seg in req.plan.segments]
+    missing = [seg.key for seg, (_, kv) in zip(req.plan.segments, segments) if kv is None]
+    if missing:
+        raise RuntimeError(f"planned KV left the pool before it was read: {missing[:3]}")
+    return ref.answer_nll(req.prompt_token_ids, answer_ids, segments)
+
+
+def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (0, 1, 2),
+        held_out: Sequence[int] = (3, 4, 5, 6, 7, 8, 9), tuning_questions: int = 5, questions: int = 29,
+        ks: Sequence[int] = (10, 50), modes: Sequence[str] = MODES, max_tokens: int = 24, dtype: str = "auto",
+        concurrency: int = 4, capture_traffic: int | None = None, fresh: bool = False,
+        report_only: bool = False) -> dict:
     """Run (or resume) the benchmark; writes ``quality.{jsonl,json,md,png}`` to ``out_dir``.
 
     Args:
-        samples: LoCoMo conversation indices. questions: per conversation (categories 1-4,
-            spread evenly). ks: facts per request. modes: see
-            :func:`inferscale.bench.latency.parse_mode`. max_tokens: answer budget (tokens).
+        tuning / held_out: LoCoMo conversation indices of each split.
+        tuning_questions / questions: questions per conversation in each split (categories
+            1-4, spread evenly; conversations with fewer give all they have).
+        ks: memories per request. modes: see :func:`parse_mode` (``text`` is always scored:
+            every comparison is against it). max_tokens: answer budget (tokens).
+        concurrency: questions in flight (vLLM batches their generations; greedy answers).
+        capture_traffic: how many of a conversation's other questions are served before its
+            answers in the ``captured`` mode (spread evenly; ``None``: all of them).
+        report_only: summarize what ``out_dir`` holds without answering more.
 
     Returns:
         The summary written to ``quality.json``.
@@ -71,123 +122,225 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, samples: Sequence[int] = 
     Raises:
         ValueError: bad settings, or results in ``out_dir`` made with other settings.
     """
+    modes = list(dict.fromkeys(["text", *modes]))
     parsed = {m: parse_mode(m) for m in modes}
     convs = load_locomo(data)
-    bad = [s for s in samples if not 0 <= s < len(convs)]
-    if bad:
-        raise ValueError(f"--samples must be in 0..{len(convs) - 1}, got {bad}")
-    settings = {"samples": [convs[s].sample_id for s in samples], "questions": questions, "ks": list(ks),
-                "modes": list(modes), "max_tokens": max_tokens, "dtype": dtype, "data": str(data)}
+    bad = [s for s in (*tuning, *held_out) if not 0 <= s < len(convs)]
+    if bad or set(tuning) & set(held_out):
+        raise ValueError(f"conversations must be distinct indices in 0..{len(convs) - 1}, got tuning {list(tuning)} "
+                         f"and held-out {list(held_out)}")
+    settings = {"tuning": [convs[s].sample_id for s in tuning], "held_out": [convs[s].sample_id for s in held_out],
+                "tuning_questions": tuning_questions, "questions": questions, "ks": list(ks), "modes": modes,
+                "max_tokens": max_tokens, "dtype": dtype, "data": str(data), "capture_traffic": capture_traffic}
     log = ResultLog(out_dir, NAME, settings, fresh=fresh)
-    memory = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False)
-    work = []
-    for s in samples:
-        conv = convs[s]
-        if max(ks) > len(conv.facts):
-            raise ValueError(f"k={max(ks)} exceeds the {len(conv.facts)} facts of {conv.sample_id}")
-        work.append((conv, pick_questions(conv, questions)))
-    ref = None
-    for conv, picked in work:
-        ensure_conversation(memory, conv)
-        user_id = scope_of(conv)
-        todo = [(qi, k, m) for qi in range(len(picked)) for k in ks for m in modes
-                if not log.done(_key(conv.sample_id, qi, k, m))]
-        for qi, qa in enumerate(picked):
-            rk = f"{conv.sample_id}|q={qi}|recall"
-            if not log.done(rk):
-                hits = memory.search(qa.question, user_id=user_id, limit=max(ks))["results"]
-                log.add(rk, {"sample": conv.sample_id, "question": qi, "category": qa.category, "recall": {
-                    str(k): evidence_recall(qa.evidence, hits[:k]) for k in ks}})
-        for qi, k, name in tqdm(todo, desc=f"quality {conv.sample_id}", unit="answer"):
-            qa = picked[qi]
-            mode, w = parsed[name]
-            gold = str(qa.answer)
-            t0 = time.perf_counter()
-            g = memory.generate(qa.question, user_id=user_id, k=k, context_window=w, mode=mode,
-                                max_tokens=max_tokens, wait_for_kv=True)
-            ref = ref or memory.reference_model()
-            log.add(_key(conv.sample_id, qi, k, name), {
-                "sample": conv.sample_id, "question": qi, "category": qa.category, "k": k, "mode": name,
-                "answer": g.text, "gold": gold, "f1": token_f1(g.text, gold),
-                "nll": answer_nll(memory, ref, user_id, qa.question, gold, k, mode, w),
-                "injected_tokens": g.num_injected_tokens, "prompt_tokens": g.num_prompt_tokens,
-                "seconds": time.perf_counter() - t0,
-            })
-    log.commit()
+    picked: dict[int, list] = {}
+    todo: list[tuple[str, int, int, int]] = []
+    for split, indices, n in (("tuning", tuning, tuning_questions), ("held_out", held_out, questions)):
+        for s in indices:
+            picked[s] = pick_questions(convs[s], min(n, sum(q.category in (1, 2, 3, 4) for q in convs[s].qa)))
+        for qi in range(n):  # question-major: a stopped run has answers from every conversation
+            todo += [(split, s, qi, k) for s in indices if qi < len(picked[s]) for k in ks
+                     if not log.done(_key(convs[s].sample_id, qi, k))]
+    planned = sum(len(picked[s]) for s in (*tuning, *held_out)) * len(ks)
+    memories: list[Memory] = []
+    interrupted = False
+    try:
+        if todo and not report_only:
+            base = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False)
+            memories.append(base)
+            base.components.kv.background.pause()  # KV is encoded on the request path (wait_for_kv)
+            captured = None
+            if "captured" in modes:
+                captured = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False, engine=base.engine,
+                                  context_window=CAPTURE_ONLY_W, capture_kv=True)
+                memories.append(captured)
+                captured.components.kv.background.pause()  # nothing encoded: captured KV or text
+            for s in sorted({job[1] for job in todo}):
+                ensure_conversation(base, convs[s])
+                _recall_rows(base, log, convs[s], picked[s], ks)
+                if captured is not None:
+                    _capture_traffic(captured, log, convs[s], picked[s], max(ks), capture_traffic)
+            ref = base.reference_model()
+            nll_lock = threading.Lock()
+
+            def answer(job: tuple[str, int, int, int]) -> tuple[str, dict]:
+                split, s, qi, k = job
+                conv, qa = convs[s], picked[s][qi]
+                gold = str(qa.answer)
+                answer_ids = base.tokenizer(gold, add_special_tokens=False).input_ids
+                t0 = time.perf_counter()
+                row = {"split": split, "sample": conv.sample_id, "question": qi, "category": qa.category, "k": k,
+                       "gold": gold}
+                for name, (mode, w) in parsed.items():
+                    mem = captured if mode == "captured" else base
+                    options = mem.options(k=k, mode="text" if mode == "text" else "inject", max_tokens=max_tokens,
+                                          temperature=0, context_window=CAPTURE_ONLY_W if w is None else w,
+                                          wait_for_kv=mode == "inject")
+                    req = mem.components.requests.prepare(Scope(scope_of(conv)), qa.question, options)
+                    if mode == "captured" and (encoded := [v for v in req.kv_sources.values()
+                                                           if not v.endswith("(captured)") and not v.startswith("text")]):
+                        raise RuntimeError(f"the captured mode found encoded KV ({encoded[:3]}) at w={CAPTURE_ONLY_W}: "
+                                           "this store has KV encoded at that window; use a fresh --store")
+                    with nll_lock:  # one transformers forward at a time; vLLM batches the generations
+                        nll = request_nll(mem, ref, req, answer_ids)
+                    g = next(c.generation for c in generation_chunks(mem.engine, req) if c.generation is not None)
+                    row[name] = {"answer": g.text, "f1": token_f1(g.text, gold), "nll": nll,
+                                 "injected_tokens": g.num_injected_tokens, "prompt_tokens": g.num_prompt_tokens,
+                                 "kv_memories": len(req.kv_memory_ids), "memories": len(req.hits)}
+                row["seconds"] = time.perf_counter() - t0
+                return _key(conv.sample_id, qi, k), row
+
+            with ThreadPoolExecutor(concurrency) as pool:
+                for key, row in tqdm(pool.map(answer, todo), total=len(todo), desc="quality", unit="question"):
+                    log.add(key, row)
+        log.commit()
+    except KeyboardInterrupt:  # stopped by hand: summarize what is done (the run resumes later)
+        interrupted = True
+    finally:
+        if len(memories) > 1:  # the captured mode's misses queued encodes at CAPTURE_ONLY_W: never to be run
+            ids = [r.id for s in {job[1] for job in todo} for r in memories[1].components.facts.list(
+                Scope(scope_of(convs[s])))]
+            memories[1].components.kv.unschedule(ids)
+        for mem in reversed(memories):
+            mem.close()
     summary = summarize(log.all(), ks, modes)
-    summary["settings"] = log.settings  # as keyed: data by content, dtype resolved
+    summary["settings"] = log.settings
+    summary["answers_done"] = sum(1 for r in log.all() if "k" in r and "seconds" in r)
+    summary["answers_planned"], summary["interrupted"] = planned, interrupted
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
     plot_quality(summary, out_dir / f"{NAME}.png")
     return summary
 
 
-def _key(sample: str, qi: int, k: int, mode: str) -> str:
-    return f"{sample}|q={qi}|k={k}|{mode}"
+def _key(sample: str, qi: int, k: int) -> str:
+    return f"{sample}|q={qi}|k={k}"
+
+
+def _recall_rows(memory: Memory, log: ResultLog, conv, picked: list, ks: Sequence[int]) -> None:
+    """Evidence recall@k of each chosen question's retrieval (once per question)."""
+    for qi, qa in enumerate(picked):
+        key = f"{conv.sample_id}|q={qi}|recall"
+        if not log.done(key):
+            hits = memory.search(qa.question, user_id=scope_of(conv), limit=max(ks))["results"]
+            log.add(key, {"sample": conv.sample_id, "question": qi, "category": qa.category,
+                          "recall": {str(k): evidence_recall(qa.evidence, hits[:k]) for k in ks}})
+
+
+def _capture_traffic(captured: Memory, log: ResultLog, conv, picked: list, k: int, n: int | None) -> None:
+    """Serve ``n`` of the conversation's other questions (all: ``None``; spread evenly) once, one
+    token each at top-``k``: the earlier traffic whose text-served memories are captured before
+    the chosen questions are answered."""
+    key = f"{conv.sample_id}|capture-traffic"
+    if log.done(key):
+        return
+    chosen = {id(q) for q in picked}
+    others = [q for q in conv.qa if id(q) not in chosen]
+    if n is not None and n < len(others):
+        others = [others[i * len(others) // n] for i in range(n)]
+    user = scope_of(conv)
+    for qa in tqdm(others, desc=f"capture traffic {conv.sample_id}", unit="question"):
+        captured.generate(qa.question, user_id=user, k=k, mode="inject", max_tokens=1, temperature=0)
+    time.sleep(1.0)  # the connector's writer stores the last captures just after their prefill
+    records = captured.components.facts.list(Scope(user))
+    held = captured.components.pool.present(captured.components.kv.captured_keys(records))
+    log.add(key, {"sample": conv.sample_id, "traffic_questions": len(others), "memories": len(records),
+                  "captured": len(held)})
+
+
+def _nll_change(pairs: Sequence[tuple[float, float]]) -> float:
+    """Relative change of the mean NLL: ``mean(mode) / mean(text) - 1``."""
+    return sum(m for _, m in pairs) / sum(t for t, _ in pairs) - 1
+
+
+def _f1_change(pairs: Sequence[tuple[float, float]]) -> float:
+    """Absolute change of the mean F1: ``mean(mode) - mean(text)``."""
+    return sum(m - t for t, m in pairs) / len(pairs)
+
+
+def _compare(rows: list[dict], mode: str) -> dict:
+    """Mean NLL and F1 of ``mode`` over ``rows`` and, for a mode other than text, its paired change to text."""
+    from inferscale.bench.kv_storage import bootstrap
+
+    out = {"n": len(rows), "nll_mean": mean(r[mode]["nll"] for r in rows), "f1_mean": mean(r[mode]["f1"] for r in rows)}
+    if mode != "text":
+        nll = [(r["text"]["nll"], r[mode]["nll"]) for r in rows]
+        f1 = [(r["text"]["f1"], r[mode]["f1"]) for r in rows]
+        out.update(nll_change=_nll_change(nll), nll_change_ci=bootstrap(nll, _nll_change),
+                   f1_change=_f1_change(f1), f1_change_ci=bootstrap(f1, _f1_change),
+                   kv_share=mean(r[mode]["kv_memories"] / r[mode]["memories"] for r in rows if r[mode]["memories"]))
+    return out
 
 
 def summarize(rows: list[dict], ks: Sequence[int], modes: Sequence[str]) -> dict:
-    """Mean F1 and NLL per (mode, k), mean recall@k, and inject-vs-text ratios at the largest k."""
-    answers = [r for r in rows if "mode" in r]
-    cells = []
-    for mode in modes:
+    """Per split, k and mode: mean NLL and F1 and the paired change to text with its interval;
+    the same per LoCoMo category (held out); mean evidence recall@k; the capture traffic."""
+    answers = [r for r in rows if "seconds" in r and "k" in r]
+    cells, by_category = [], []
+    for split in ("held_out", "tuning"):
         for k in ks:
-            rs = [r for r in answers if r["mode"] == mode and r["k"] == k]
-            if rs:
-                cells.append({"mode": mode, "k": k, "n": len(rs), "f1_mean": mean(r["f1"] for r in rs),
-                              "nll_mean": mean(r["nll"] for r in rs)})
+            rs = [r for r in answers if r["split"] == split and r["k"] == k and all(m in r for m in modes)]
+            if not rs:
+                continue
+            cells += [{"split": split, "k": k, "mode": m, **_compare(rs, m)} for m in modes]
+            if split == "held_out":
+                for cat in (1, 2, 3, 4):
+                    if cr := [r for r in rs if r["category"] == cat]:
+                        by_category += [{"k": k, "category": cat, "mode": m, **_compare(cr, m)} for m in modes]
     recalls = [r for r in rows if "recall" in r]
     recall = []
     for k in ks:
         vals = [r["recall"][str(k)] for r in recalls if r["recall"].get(str(k)) is not None]
-        recall.append({"k": k, "n": len(vals), "recall_mean": mean(vals)})
-    cell = {(c["mode"], c["k"]): c for c in cells}
-    top = max(ks)
-    by_category = [
-        {"mode": mode, "category": cat, "n": len(rs), "f1_mean": mean(r["f1"] for r in rs),
-         "nll_mean": mean(r["nll"] for r in rs)}
-        for mode in modes for cat in (1, 2, 3, 4)
-        if (rs := [r for r in answers if r["mode"] == mode and r["k"] == top and r["category"] == cat])
-    ]
-    ratios = {}
-    for mode in modes:
-        for k in ks:
-            if mode != "text" and (mode, k) in cell and ("text", k) in cell:
-                t, i = cell[("text", k)], cell[(mode, k)]
-                ratios[f"{mode} k={k}"] = {
-                    "f1_vs_text": i["f1_mean"] / t["f1_mean"] if t["f1_mean"] else None,
-                    "nll_vs_text": i["nll_mean"] / t["nll_mean"] if t["nll_mean"] else None,
-                }
-    return {"cells": cells, "recall": recall, "vs_text": ratios, "by_category": by_category, "category_k": top}
+        recall.append({"k": k, "n": len(vals), "recall_mean": mean(vals) if vals else float("nan")})
+    traffic = [r for r in rows if "traffic_questions" in r]
+    return {"cells": cells, "by_category": by_category, "recall": recall, "capture_traffic": traffic}
+
+
+def _pct(value: float) -> str:
+    return f"{value:+.1%}"
+
+
+def _cell_row(c: dict) -> list:
+    if c["mode"] == "text":
+        return [c["mode"], c["n"], f"{c['nll_mean']:.3f}", "", f"{c['f1_mean']:.3f}", "", ""]
+    lo, hi = c["nll_change_ci"]
+    flo, fhi = c["f1_change_ci"]
+    return [c["mode"], c["n"], f"{c['nll_mean']:.3f}", f"{_pct(c['nll_change'])} [{_pct(lo)}, {_pct(hi)}]",
+            f"{c['f1_mean']:.3f}", f"{c['f1_change']:+.3f} [{flo:+.3f}, {fhi:+.3f}]", f"{c['kv_share']:.0%}"]
+
+
+_HEAD = ["mode", "answers", "gold NLL (nats/token)", "NLL vs text [95% CI]", "token F1", "F1 vs text [95% CI]",
+         "memories as KV"]
 
 
 def to_markdown(summary: dict) -> str:
-    """Tables of the summary."""
+    """Tables of the summary: held out and tuning set per k, held out by category, recall."""
     s = summary["settings"]
-    modes = list(dict.fromkeys(c["mode"] for c in summary["cells"]))
-    ks = sorted({c["k"] for c in summary["cells"]})
-    cell = {(c["mode"], c["k"]): c for c in summary["cells"]}
-
-    def grid(field: str, fmt: str) -> str:
-        rows = [[m] + [format(cell[(m, k)][field], fmt) if (m, k) in cell else "" for k in ks] for m in modes]
-        return markdown_table(["mode"] + [f"k={k}" for k in ks], rows)
-
-    n = max((c["n"] for c in summary["cells"]), default=0)
-    recall = markdown_table(["k", "questions with evidence", "evidence recall@k (mean)"],
-                            [[r["k"], r["n"], f"{r['recall_mean']:.3f}"] for r in summary["recall"]])
-    ratio_rows = [[name, "" if v["f1_vs_text"] is None else f"{v['f1_vs_text']:.1%}",
-                   "" if v["nll_vs_text"] is None else f"{v['nll_vs_text']:.1%}"]
-                  for name, v in summary["vs_text"].items()]
-    ratios = markdown_table(["inject setting", "F1 as % of text's", "NLL as % of text's"], ratio_rows)
-    cat = {(c["mode"], c["category"]): c for c in summary.get("by_category", [])}
-    cats = sorted({c["category"] for c in summary.get("by_category", [])})
-    by_cat = markdown_table(
-        ["mode"] + [f"{c} {CATEGORIES[c]} (n={max(x['n'] for x in summary['by_category'] if x['category'] == c)})"
-                    for c in cats],
-        [[m] + [f"{cat[(m, c)]['f1_mean']:.3f} / {cat[(m, c)]['nll_mean']:.2f}" if (m, c) in cat else "" for c in cats]
-         for m in modes])
-    return (f"# Quality: prompt text vs KV injection\n\nLoCoMo {', '.join(s['samples'])}; {s['questions']} questions "
-            f"per conversation (categories 1-4), {n} answers per cell; greedy, up to {s['max_tokens']} tokens; "
-            f"dtype {s['dtype']}.\n\n## Token F1 (mean)\n\n{grid('f1_mean', '.3f')}\n\n"
-            f"## Gold answer NLL (nats per token, mean; lower is better)\n\n{grid('nll_mean', '.3f')}\n\n"
-            f"## Retrieval\n\n{recall}\n\n## Inject vs text\n\n{ratios}\n\n"
-            f"## By LoCoMo category at k={summary.get('category_k')} (token F1 / gold NLL)\n\n{by_cat}\n")
+    parts = [f"# Quality: prompt text vs injected KV\n\nLoCoMo, paired answers (the same question and memories in "
+             f"every mode); greedy answers of up to {s['max_tokens']} tokens; dtype {s['dtype']}. Held out "
+             f"{', '.join(s['held_out'])} ({s['questions']} questions each); tuning set {', '.join(s['tuning'])} "
+             f"({s['tuning_questions']} each). NLL change: mean NLL of the mode over text's, minus 1 (negative is "
+             f"better); F1 change: mode minus text; 95% bootstrap intervals over answers resampled in pairs. "
+             f"\"memories as KV\": the share injected (the rest prefilled as text)."]
+    if summary.get("answers_done", 0) < summary.get("answers_planned", 0):
+        parts.append(f"**Partial run**: {summary['answers_done']} of {summary['answers_planned']} (question, k) "
+                     f"pairs answered so far; `inferscale bench quality --out <this folder>` resumes it.")
+    for split, title in (("held_out", "Held out"), ("tuning", "Tuning set (where settings were chosen)")):
+        for k in s["ks"]:
+            cells = [c for c in summary["cells"] if c["split"] == split and c["k"] == k]
+            if cells:
+                parts.append(f"## {title}, k = {k}\n\n" + markdown_table(_HEAD, [_cell_row(c) for c in cells]))
+    for k in s["ks"]:
+        cats = [c for c in summary.get("by_category", []) if c["k"] == k]
+        if cats:
+            rows = [[f"{c['category']} {CATEGORIES[c['category']]}", *_cell_row(c)] for c in cats]
+            parts.append(f"## Held out by LoCoMo category, k = {k}\n\n" + markdown_table(["category", *_HEAD], rows))
+    parts.append("## Retrieval (evidence recall@k of the chosen questions)\n\n" + markdown_table(
+        ["k", "questions with evidence", "recall@k"],
+        [[r["k"], r["n"], f"{r['recall_mean']:.3f}"] for r in summary["recall"]]))
+    if summary.get("capture_traffic"):
+        parts.append("## Capture traffic (mode `captured`)\n\nBefore a conversation's answers, its other questions "
+                     "were served once at the largest k with capture on and no encoder:\n\n" + markdown_table(
+                         ["conversation", "traffic questions", "memories", "with captured KV"],
+                         [[t["sample"], t["traffic_questions"], t["memories"], t["captured"]]
+                          for t in summary["capture_traffic"]]))
+    return "\n\n".join(parts) + "\n"

@@ -61,7 +61,17 @@ def summary_rows(results: Path) -> list[list[str]]:
                      f"**{sv['inject_over_text_requests_per_s']['16']:.2f}x**", ">= 4x",
                      "[serve](docs/results/serve/serve.md)"])
     q = _load(results, "quality")
-    if q:
+    if q and any("split" in c for c in q["cells"]):  # the paired run: held-out answers, changes with CIs
+        for mode in ("inject-w20", "captured"):
+            i = _cell(q["cells"], mode=mode, k=50, split="held_out")
+            if i:
+                lo, hi = i["nll_change_ci"]
+                flo, fhi = i["f1_change_ci"]
+                rows.append([f"gold-answer NLL and token F1 at k=50, {mode} vs text ({i['n']} held-out answers, "
+                             f"paired)", f"NLL **{i['nll_change']:+.1%}** [{lo:+.1%}, {hi:+.1%}]; F1 "
+                             f"{i['f1_change']:+.3f} [{flo:+.3f}, {fhi:+.3f}]", "NLL within 5%",
+                             "[quality](docs/results/quality/quality.md)"])
+    elif q:
         cells = q["cells"]
         for mode in ("inject-w20",):
             i, t = _cell(cells, mode=mode, k=50), _cell(cells, mode="text", k=50)
