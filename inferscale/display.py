@@ -52,6 +52,10 @@ def _bytes(n: float | None) -> str:
     return ""
 
 
+def _ms(seconds: float | None) -> str:
+    return "unknown" if not isinstance(seconds, (int, float)) else f"{seconds * 1000:.1f} ms"
+
+
 def generation_html(g) -> str:
     """A :class:`~inferscale.types.Generation`: the answer, the prompt's layout (tokens injected
     as KV, tokens prefilled) with TTFT, and each memory in prompt order with where it came from
@@ -73,8 +77,8 @@ def generation_html(g) -> str:
                    ("prefilled", g.num_prefilled_tokens, _TEXT if g.text_memory_ids or g.mode == "text" else _QUESTION)])
     facts = table(["as", "source", "memory (prompt order)", "score"], rows, raw=(0,)) if rows else "<p>no memories</p>"
     return (f'<div style="{_BOX}"><p><b>Answer</b> ({esc(g.mode)} mode): {esc(g.text)}</p>'
-            f"<p>TTFT {g.ttft_s * 1000:.1f} ms; {g.num_prompt_tokens} prompt tokens: {g.num_injected_tokens} injected "
-            f"as KV, {g.num_prefilled_tokens} prefilled; retrieval {g.retrieval_s * 1000:.1f} ms; "
+            f"<p>TTFT {_ms(g.ttft_s)}; {g.num_prompt_tokens} prompt tokens: {g.num_injected_tokens} injected "
+            f"as KV, {g.num_prefilled_tokens} prefilled; retrieval {_ms(g.retrieval_s)}; "
             f"{g.num_generated_tokens} tokens generated</p>{layout}{facts}</div>")
 
 

@@ -43,15 +43,42 @@ class Inspection:
             ValueError / TypeError: a bad id or context window.
         """
         scope = self._scope(user_id, agent_id, run_id)
-        w = self.config.context_window if context_window is None else check_int("context_window", context_window)
+        w = self.config.context_window if context_window is None else self._window(context_window)
         facts = self.components.facts
         if memory_ids is None:
             records = facts.list(scope, None)
         else:
-            if isinstance(memory_ids, str) or not isinstance(memory_ids, Sequence):
+            if isinstance(memory_ids, (str, bytes)) or not isinstance(memory_ids, Sequence):
                 raise TypeError(f"memory_ids must be a list of memory ids, got {type(memory_ids).__name__}")
-            records = [facts.get(scope, check_id("memory_id", i)) for i in memory_ids]
+            ids = [check_id("memory_id", i) for i in memory_ids]
+            held = {r.id: r for r in facts.list(scope, None)}  # one read of the scope, not one per id
+            missing = [i for i in ids if i not in held]
+            if missing:
+                facts.get(scope, missing[0])  # raises MemoryNotFoundError naming it
+            records = [held[i] for i in ids]
         return kv_entries(self.components.kv, scope.key, records, w)
+
+    def kv_report(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
+                  limit: int = 1000) -> tuple[list[dict], dict[str, list[dict]], int]:
+        """The scope's first ``limit`` memories (oldest first, Mem0's items), their KV entries at
+        the configured w (:meth:`kv_entries`), and how many memories the scope holds: the page
+        at ``/ui`` lists them.
+
+        Raises:
+            TypeError / ValueError: ``limit`` is not an int of at least 1.
+        """
+        scope = self._scope(user_id, agent_id, run_id)
+        check_int("limit", limit, 1)
+        records = self.components.facts.list(scope, None)
+        shown = records[:limit]
+        kv = kv_entries(self.components.kv, scope.key, shown, self.config.context_window)
+        return [r.to_item() for r in shown], kv, len(records)
+
+    @staticmethod
+    def _window(context_window: int | None) -> int:
+        from inferscale.checks import check_int as check
+
+        return check("context_window", context_window, 0, optional=True, maximum=100_000)
 
     def chats(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
               limit: int = 50) -> list[dict]:

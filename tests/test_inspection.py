@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from dataclasses import replace
 
 import pytest
 
@@ -44,8 +45,13 @@ def test_kv_entries_say_where_each_memorys_kv_is_and_how_it_was_made(memory):
     assert other["made"] == OTHER_SETTINGS and not other["in_use"]
     with pytest.raises(MemoryNotFoundError):
         memory.kv_entries([some], user_id="mallory")
-    with pytest.raises(TypeError, match="list of memory ids"):
-        memory.kv_entries(some, user_id="eve")
+    for bad in (some, some.encode()):
+        with pytest.raises(TypeError, match="list of memory ids"):
+            memory.kv_entries(bad, user_id="eve")
+    with pytest.raises(ValueError, match="context_window"):
+        memory.kv_entries([some], user_id="eve", context_window=2**70)
+    items, kv, total = memory.kv_report(user_id="eve", limit=2)  # what the page at /ui lists
+    assert total == 3 and [i["id"] for i in items] == list(kv) == list(entries)[:2]
 
 
 def test_the_chat_log_keeps_the_newest_reports_per_scope_and_forgets_with_the_memories(memory):
@@ -84,6 +90,7 @@ def test_a_generations_picture_escapes_memory_text():
                    memories=[{"id": "a", "memory": XSS, "score": 0.5}, {"id": "b", "memory": "plain", "score": 0.2}],
                    kv_memory_ids=["a"], text_memory_ids=["b"], kv_sources={"a": "disk", "b": "text: evicted"})
     shown = g._repr_html_()
+    assert "TTFT unknown" in replace(g, ttft_s=None)._repr_html_()
     assert "<script" not in shown and "<img" not in shown and "&lt;b&gt;hi&lt;/b&gt;" in shown
     assert "memory as KV (40)" in shown and "prefilled (20)" in shown and "text: evicted" in shown
     assert shown.index("plain") > shown.index("Eve wrote")  # prompt order: KV first, then text

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from playwright.sync_api import expect, sync_playwright
 
 from tests.test_server import KEY, start_server
 
@@ -31,6 +32,7 @@ XSS_TEXT = ['Ada keeps a note: <script>window.__xss = "script"</script>',
 XSS_META = {"label": '<svg onload="window.__xss = \'svg\'"></svg>', "link": '"><a href=javascript:alert(1)>x</a>'}
 FACTS = ["Ada's cat is called Pixel.", "Ada works as a lighthouse keeper.", "Ada drinks rooibos tea every morning."]
 USER = "ada"
+SCOPE = f"#scopes button[data-scope='user_id=\"{USER}\"']"  # the page quotes each scope id as JSON does
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,6 @@ def memories(s) -> list[dict]:
 @pytest.fixture(scope="module")
 def browser():
     assert CHROMIUM, "Chromium is missing: scripts/install.sh installs Debian's chromium package"
-    from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
@@ -98,12 +99,12 @@ def page(served, browser):
 def connect(pg) -> None:
     pg.fill("#key", KEY)
     pg.click("#connect")
-    pg.wait_for_selector(f'#scopes button[data-scope="user_id={USER}"]')
+    pg.wait_for_selector(SCOPE)
 
 
 def open_scope(pg) -> None:
     connect(pg)
-    pg.click(f'#scopes button[data-scope="user_id={USER}"]')
+    pg.click(SCOPE)
     pg.wait_for_selector("#memories tbody tr")
 
 
@@ -124,11 +125,21 @@ def test_without_the_key_the_page_loads_empty_and_every_data_route_is_401(served
             assert httpx.get(served.url + path, headers=headers).status_code == 401, path
 
 
+def test_the_pages_files_take_no_parameters_so_no_client_shapes_what_they_serve(served):
+    for path in ("/ui", "/ui/app.js", "/ui/style.css"):
+        page = httpx.get(served.url + path)
+        for query in ("?body=<script>alert(1)</script>&media_type=text/html", "?media_type=text/html%0D%0AX:1",
+                      "?x=1"):
+            r = httpx.get(served.url + path + query)
+            assert r.status_code == 400 and "<script>" not in r.text, (path, query, r.text)
+        assert httpx.get(served.url + path).content == page.content  # and serving goes on, unchanged
+
+
 def test_scopes_list_with_counts_and_a_scope_shows_its_memories_and_their_kv(page):
     connect(page)
-    assert page.inner_text(f'#scopes button[data-scope="user_id={USER}"]').split()[-1] == str(len(FACTS) + 2)
-    assert page.locator('#scopes button[data-scope="user_id=bob"]').count() == 1
-    page.click(f'#scopes button[data-scope="user_id={USER}"]')
+    assert page.inner_text(SCOPE).split()[-1] == str(len(FACTS) + 2)
+    assert page.locator("#scopes button[data-scope='user_id=\"bob\"']").count() == 1
+    page.click(SCOPE)
     page.wait_for_selector("#memories tbody tr")
     rows = page.locator("#memories tbody tr")
     assert rows.count() == len(FACTS) + 2
@@ -193,7 +204,7 @@ def test_edit_and_delete_go_through_the_rest_api_after_confirmation(served, page
     page.wait_for_function(f"document.querySelectorAll('#memories tbody tr[data-id]').length === {n - 1}")
     assert served.http("GET", f"/memories/{doomed}?user_id={USER}").status_code == 404
     assert len(page.dialogs) == 3 and "Delete this memory?" in page.dialogs[-1]
-    assert page.inner_text(f'#scopes button[data-scope="user_id={USER}"]').split()[-1] == str(len(FACTS) + 1)
+    expect(page.locator(SCOPE).locator(".count")).to_have_text(str(len(FACTS) + 1))  # the scope list reloaded
 
 
 def test_a_chats_report_shows_which_memories_came_as_kv_and_which_as_text(served, page):

@@ -44,22 +44,21 @@ def kv_entries(kv: KVManager, scope_key: str, records: Sequence[FactRecord], w: 
         time; ``None`` off disk)}``.
     """
     pool = kv.pool
-    spans = kv.fact_spans(scope_key, records, w)
+    encoded = kv.fact_keys(scope_key, records, w)  # cached: a scope's thousand memories read fast again
     captured = kv.captured_keys(records)
-    wanted = [key for span, c in zip(spans, captured) for key in (span.key, c)]
+    wanted = [key for pair in zip(encoded, captured) for key in pair]
     in_redis = pool.remote.present(wanted) if pool.remote is not None else set()
     out: dict[str, list[dict]] = {}
-    for record, span, ckey in zip(records, spans, captured):
+    for record, ekey, ckey in zip(records, encoded, captured):
         held = pool.held(record.id)
         folder = pool.disk.root / record.id
         files = {f"{record.id}/{p.stem}": p for p in sorted(folder.glob("*.safetensors"))} if folder.is_dir() else {}
-        keys = list(dict.fromkeys([*(k for k in (span.key, ckey) if k in files or k in held or k in in_redis),
+        keys = list(dict.fromkeys([*(k for k in (ekey, ckey) if k in files or k in held or k in in_redis),
                                    *files, *held]))
-        use = span.key if span.key in keys else ckey if ckey in keys else None
+        use = ekey if ekey in keys else ckey if ckey in keys else None
         entries = []
         for key in keys:
-            made = f"encoded (w={w})" if key == span.key else "captured" if key == ckey else \
-                f"encoded (w={w}, another storage dtype)" if key in span.other_keys else OTHER_SETTINGS
+            made = f"encoded (w={w})" if key == ekey else "captured" if key == ckey else OTHER_SETTINGS
             tiers = [held[key][0]] if key in held else []
             entry = {"key": key, "made": made, "in_use": key == use, "tiers": tiers, "storage": None, "bytes": None,
                      "tokens": None, "last_use": None}

@@ -1,5 +1,7 @@
 """The KV pool over time, for the page at ``/ui``: a front worker samples its pool's counters
-every :data:`SAMPLE_S` seconds (and on each read) and draws them with matplotlib.
+every :data:`SAMPLE_S` seconds (reads never add samples, so no client can push the day out)
+and draws them with matplotlib, at most :data:`PLOT_POINTS` points, one drawing at a time, the
+last one reused until a new sample comes.
 
 A sample is this worker's :meth:`inferscale.Memory.kv_stats` at one time: bytes per tier
 (the disk's is the folder's, shared by every worker; the device and host tiers are this
@@ -24,6 +26,9 @@ from starlette.concurrency import run_in_threadpool
 SAMPLE_S = 10.0
 #: samples kept: a day at :data:`SAMPLE_S`
 KEEP = 8640
+#: most points a plot draws (every n-th sample of the day; the counters are cumulative, so the
+#: differences between drawn points still count everything)
+PLOT_POINTS = 360
 _TIERS = ("device", "host", "disk", "redis")
 
 
@@ -41,6 +46,8 @@ class PoolHistory:
         self.kv_stats, self.budgets = kv_stats, budgets
         self._samples: deque[dict] = deque(maxlen=keep)
         self._lock = threading.Lock()
+        self._plot_lock = threading.Lock()
+        self._plotted: tuple[float, bytes] | None = None  # (time of the last sample drawn, the SVG)
 
     def sample(self) -> dict:
         """Take one sample now: ``{"t" (Unix seconds), "<tier>_bytes", "served_kv", "served_text",
@@ -70,10 +77,19 @@ class PoolHistory:
 
     def plot_svg(self) -> bytes:
         """The samples drawn as an SVG: bytes per tier against its budget, the KV share of the
-        memories served in each interval, and the evictions in each interval."""
+        memories served in each interval, and the evictions in each interval (at most
+        :data:`PLOT_POINTS` points; the drawing is reused until a new sample comes)."""
+        with self._plot_lock:  # one drawing at a time: concurrent readers wait and reuse it
+            rows = self.samples()
+            last = rows[-1]["t"] if rows else 0.0
+            if self._plotted is None or self._plotted[0] != last:
+                step = max(1, -(-len(rows) // PLOT_POINTS))
+                self._plotted = (last, self._draw(rows[::-1][::step][::-1]))
+            return self._plotted[1]
+
+    def _draw(self, rows: list[dict]) -> bytes:
         from matplotlib.figure import Figure  # no pyplot: its global state is not for threads
 
-        rows = self.samples()
         t0 = rows[-1]["t"] if rows else time.time()
         x = [(r["t"] - t0) / 60 for r in rows]
         fig = Figure(figsize=(8, 6.4))
@@ -95,7 +111,8 @@ class PoolHistory:
         share.plot(x[1:], [100 * k / (k + t) if k + t else float("nan") for k, t in zip(kv, text)], marker=".",
                    color="#2e7d32")
         share.set(ylabel="% served as KV", ylim=(-5, 105))
-        evicted.bar(x[1:], [b["evictions"] - a["evictions"] for a, b in pairs], width=0.1, color="#c62828")
+        width = 0.8 * min((b - a for a, b in zip(x, x[1:])), default=0.1)
+        evicted.bar(x[1:], [b["evictions"] - a["evictions"] for a, b in pairs], width=width, color="#c62828")
         evicted.set(ylabel="evictions", xlabel="minutes before the last sample")
         for ax in (held, share, evicted):
             ax.grid(alpha=0.3)

@@ -12,8 +12,8 @@ never as markup, so a memory whose text is a ``<script>`` shows as that text.
 Data routes (all read only; edits and deletes go through the REST routes of
 :mod:`inferscale.server.memories`, searches through ``POST /search``):
     ``GET /ui/api/scopes``  scopes with their memory counts (:meth:`inferscale.Memory.scopes`)
-    ``GET /ui/api/memories?user_id=...``  a scope's memories, each with its KV entries
-    (:meth:`inferscale.Memory.kv_entries`)
+    ``GET /ui/api/memories?user_id=...``  a scope's memories (oldest first, ``limit`` of them, and
+    the scope's ``total``), each with its KV entries (:meth:`inferscale.Memory.kv_report`)
     ``GET /ui/api/chats?user_id=...``  a scope's recent chat reports (:meth:`inferscale.Memory.chats`)
     ``GET /ui/api/pool``  this worker's KV pool: budgets, counters, samples
     (:class:`~inferscale.server.pool_history.PoolHistory`); ``GET /ui/api/pool.svg`` their plot
@@ -45,11 +45,22 @@ PAGE_HEADERS = {
 }
 #: the data routes' responses are a user's memories: never stored by a cache
 _NO_STORE = {"cache-control": "no-store"}
+#: most memories one page load lists (the page says how many the scope holds; search finds any)
+MAX_MEMORIES = 10_000
 _WORKER = str(os.getpid())
 
 
 def _page(name: str) -> bytes:
     return resources.files("inferscale.server").joinpath("static", name).read_bytes()
+
+
+def _static(body: bytes, media_type: str):
+    """A handler answering ``body``: it takes no parameters, so any query string is refused
+    (:class:`~inferscale.server.query.StrictQueryRoute`) and nothing a client sends reaches the answer."""
+    def serve() -> Response:
+        return Response(body, media_type=media_type, headers=PAGE_HEADERS)
+
+    return serve
 
 
 def router(history: PoolHistory) -> APIRouter:
@@ -60,12 +71,7 @@ def router(history: PoolHistory) -> APIRouter:
     """
     r = APIRouter(tags=["ui"], route_class=StrictQueryRoute)
     for path, (name, media_type) in _STATIC.items():
-        body = _page(name)
-
-        def serve(body: bytes = body, media_type: str = media_type) -> Response:
-            return Response(body, media_type=media_type, headers=PAGE_HEADERS)
-
-        r.add_api_route(path, serve, methods=["GET"], include_in_schema=False)
+        r.add_api_route(path, _static(_page(name), media_type), methods=["GET"], include_in_schema=False)
 
     @r.get("/ui/api/scopes", summary="Scopes with their memory counts")
     def scopes(memory: MemoryDep) -> JSONResponse:
@@ -73,13 +79,13 @@ def router(history: PoolHistory) -> APIRouter:
 
     @r.get("/ui/api/memories", summary="A scope's memories with their KV entries")
     def memories(memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,
-                 run_id: str | None = None, limit: int = Query(default=1000, ge=1, le=100_000)) -> JSONResponse:
+                 run_id: str | None = None, limit: int = Query(default=1000, ge=1, le=MAX_MEMORIES)) -> JSONResponse:
         scope = _scope(user_id, agent_id, run_id)
-        items = memory.get_all(limit=limit, **scope)["results"]
-        kv = memory.kv_entries([m["id"] for m in items], **scope)
-        return JSONResponse({"results": [{**m, "kv": kv.get(m["id"], [])} for m in items],
+        items, kv, total = memory.kv_report(limit=limit, **scope)
+        storage = memory.config.kv_storage_dtype
+        return JSONResponse({"results": [{**m, "kv": kv.get(m["id"], [])} for m in items], "total": total,
                              "context_window": memory.config.context_window,
-                             "storage": memory.config.kv_storage_dtype}, headers=_NO_STORE)
+                             "storage": "the model's dtype" if storage == "auto" else storage}, headers=_NO_STORE)
 
     @r.get("/ui/api/chats", summary="A scope's recent chats: what each used")
     def chats(memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,
@@ -89,13 +95,11 @@ def router(history: PoolHistory) -> APIRouter:
 
     @r.get("/ui/api/pool", summary="This worker's KV pool: budgets, counters and samples over time")
     async def pool(memory: MemoryDep) -> JSONResponse:
-        await run_in_threadpool(history.sample)
         return JSONResponse({"worker": _WORKER, "budgets": history.budgets, "stats": memory.kv_stats(),
                              "samples": history.samples()[-360:]}, headers=_NO_STORE)
 
     @r.get("/ui/api/pool.svg", summary="This worker's KV pool over time, drawn")
     async def pool_svg() -> Response:
-        await run_in_threadpool(history.sample)
         svg = await run_in_threadpool(history.plot_svg)
         return Response(svg, media_type="image/svg+xml", headers=_NO_STORE)
 

@@ -40,8 +40,10 @@ async function api(method, path, body) {
   return data;
 }
 
+// each id quoted as JSON writes it: "alice, agent_id=x" and " alice" stay told apart from other scopes
 function scopeLabel(s) {
-  return ["user_id", "agent_id", "run_id"].filter((k) => s[k] !== undefined).map((k) => `${k}=${s[k]}`).join(", ");
+  return ["user_id", "agent_id", "run_id"].filter((k) => s[k] !== undefined)
+    .map((k) => `${k}=${JSON.stringify(s[k])}`).join(", ");
 }
 
 function scopeQuery(s) {
@@ -69,14 +71,22 @@ function show(section) {
 // ------------------------------------------------------------------ scopes
 
 async function loadScopes() {
-  const data = await api("GET", "/ui/api/scopes");
+  let data;
+  try {
+    data = await api("GET", "/ui/api/scopes");
+  } catch (error) {  // a wrong key: nothing of the last connection stays on screen
+    $("scopes").replaceChildren();
+    state.scope = null;
+    show("welcome");
+    throw error;
+  }
   const list = $("scopes");
   const filter = $("scope-filter").value.toLowerCase();
   list.replaceChildren();
   for (const s of data.scopes) {
     const label = scopeLabel(s);
     if (filter && !label.toLowerCase().includes(filter)) continue;
-    const button = el("button", { type: "button", dataset: { scope: label }, onclick: () => openScope(s) },
+    const button = el("button", { type: "button", dataset: { scope: label }, onclick: () => openScope(s).catch(() => {}) },
                       label, el("span", { class: "count" }, s.memories));
     if (state.scope && scopeLabel(state.scope) === label) button.classList.add("selected");
     list.append(el("li", {}, button));
@@ -86,6 +96,9 @@ async function loadScopes() {
 
 async function openScope(s) {
   state.scope = s;
+  state.memories = [];
+  $("memories").tBodies[0].replaceChildren();
+  $("chats").tBodies[0].replaceChildren();
   for (const b of $("scopes").querySelectorAll("button")) b.classList.toggle("selected", b.dataset.scope === scopeLabel(s));
   $("scope-title").textContent = scopeLabel(s);
   show("scope-view");
@@ -103,11 +116,23 @@ async function openTab(tab) {
 
 // ------------------------------------------------------------------ memories
 
-async function loadMemories() {
-  const data = await api("GET", `/ui/api/memories?${scopeQuery(state.scope)}`);
+async function loadMemories(all) {
+  const limit = all ? Math.min(state.total || 1000, 10000) : 1000;
+  let data;
+  try {
+    data = await api("GET", `/ui/api/memories?${scopeQuery(state.scope)}&limit=${limit}`);
+  } catch (error) {  // the scope cannot be opened: show nothing of another one
+    state.memories = [];
+    renderMemories();
+    throw error;
+  }
   state.memories = data.results;
+  state.total = data.total;
   renderMemories();
-  say(`${data.results.length} memories; KV at w=${data.context_window}, stored as ${data.storage}`);
+  const more = data.total > data.results.length;
+  $("show-all").hidden = !more || data.results.length >= 10000;
+  say(`${more ? `the first ${data.results.length} of ${data.total}` : data.total} memories (oldest first` +
+      `${more ? "; Search finds any" : ""}); KV at w=${data.context_window}, stored in ${data.storage}`);
 }
 
 function kvCell(entries) {
@@ -131,9 +156,11 @@ function renderMemories() {
       el("td", {}, when(m.updated_at || m.created_at)),
       el("td", {}, kvCell(m.kv)),
       el("td", { class: "actions" },
-        el("button", { type: "button", class: "history", onclick: () => toggleHistory(m, row) }, "History"),
+        el("button", { type: "button", class: "history", onclick: () => toggleHistory(m, row).catch(() => {}) },
+           "History"),
         el("button", { type: "button", class: "edit", onclick: () => editMemory(m, row) }, "Edit"),
-        el("button", { type: "button", class: "delete", onclick: () => deleteMemory(m) }, "Delete")));
+        el("button", { type: "button", class: "delete", onclick: () => deleteMemory(m).catch(reloadAfter) },
+           "Delete")));
     rows.push(row);
   }
   body.replaceChildren(...rows);
@@ -161,9 +188,18 @@ function editMemory(m, row) {
     say("memory updated");
     await loadMemories();
   };
-  cell.replaceChildren(box, el("button", { type: "button", class: "save", onclick: save }, "Save"),
+  cell.replaceChildren(box, el("button", { type: "button", class: "save", onclick: () => save().catch(reloadAfter) },
+                               "Save"),
                        el("button", { type: "button", class: "cancel", onclick: renderMemories }, "Cancel"));
   box.focus();
+}
+
+// after a failed edit or delete (the memory changed or went meanwhile): the list as it is now,
+// with the error still in the status line
+async function reloadAfter() {
+  const said = $("status").textContent;
+  try { await loadMemories(); } catch (error) { /* said already */ }
+  say(said);
 }
 
 async function deleteMemory(m) {
@@ -277,6 +313,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("key-form").addEventListener("submit", connect);
   $("scope-filter").addEventListener("input", () => loadScopes().catch(() => {}));
   $("memory-filter").addEventListener("input", renderMemories);
+  $("show-all").addEventListener("click", () => loadMemories(true).catch(() => {}));
   $("search-form").addEventListener("submit", (e) => search(e).catch(() => {}));
   $("show-pool").addEventListener("click", () => showPool().catch(() => {}));
   for (const b of document.querySelectorAll(".tabs button")) b.addEventListener("click", () => openTab(b.dataset.tab).catch(() => {}));
