@@ -146,15 +146,18 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (
     interrupted = False
     try:
         if todo and not report_only:
-            base = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False)
+            # capture off: the inject modes serve encoded KV, never what the capture traffic captured
+            base = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False, capture_kv=False)
             memories.append(base)
             base.components.kv.background.pause()  # KV is encoded on the request path (wait_for_kv)
+            base.components.kv.keep_other_storages = True  # an encode keeps the captured KV beside it
             captured = None
             if "captured" in modes:
                 captured = Memory(data_dir=store_dir, dtype=dtype, precompute_kv=False, engine=base.engine,
                                   context_window=CAPTURE_ONLY_W, capture_kv=True)
                 memories.append(captured)
                 captured.components.kv.background.pause()  # nothing encoded: captured KV or text
+                captured.components.kv.keep_other_storages = True
             for s in sorted({job[1] for job in todo}):
                 ensure_conversation(base, convs[s])
                 _recall_rows(base, log, convs[s], picked[s], ks)
@@ -177,10 +180,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (
                                           temperature=0, context_window=CAPTURE_ONLY_W if w is None else w,
                                           wait_for_kv=mode == "inject")
                     req = mem.components.requests.prepare(Scope(scope_of(conv)), qa.question, options)
-                    if mode == "captured" and (encoded := [v for v in req.kv_sources.values()
-                                                           if not v.endswith("(captured)") and not v.startswith("text")]):
-                        raise RuntimeError(f"the captured mode found encoded KV ({encoded[:3]}) at w={CAPTURE_ONLY_W}: "
-                                           "this store has KV encoded at that window; use a fresh --store")
+                    _check_sources(name, mode, req)
                     with nll_lock:  # one transformers forward at a time; vLLM batches the generations
                         nll = request_nll(mem, ref, req, answer_ids)
                     g = next(c.generation for c in generation_chunks(mem.engine, req) if c.generation is not None)
@@ -210,6 +210,25 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
     plot_quality(summary, out_dir / f"{NAME}.png")
     return summary
+
+
+def _check_sources(name: str, mode: str, req: PreparedRequest) -> None:
+    """Each mode serves what it names: inject modes encoded KV only, ``captured`` captured KV or text.
+
+    Raises:
+        RuntimeError: another kind of KV was planned (the run would measure the wrong thing).
+    """
+    sources = set(req.kv_sources.values())
+    if mode == "inject":
+        wrong = {v for v in sources if v.endswith("(captured)") or v.startswith("text")}
+    elif mode == "captured":
+        wrong = {v for v in sources if not v.endswith("(captured)") and not v.startswith("text")}
+    else:
+        wrong = set()
+    if wrong:
+        raise RuntimeError(f"mode {name} was planned with {sorted(wrong)}: it must serve "
+                           f"{'encoded KV only' if mode == 'inject' else 'captured KV or text only'} (a store with "
+                           f"KV encoded at w={CAPTURE_ONLY_W} misleads the captured mode: use a fresh --store)")
 
 
 def _key(sample: str, qi: int, k: int) -> str:
