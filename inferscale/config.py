@@ -123,6 +123,9 @@ class MemoryConfig(BaseSettings):
         top_k: default number of facts retrieved for a query.
         search_mode: how facts are ranked for a query: ``"hybrid"`` (default: cosine and
             BM25 keyword ranks fused, :mod:`inferscale.store.keyword`) or ``"dense"`` (cosine only).
+        keyword_turns: BM25 indexes each fact with its source turns' words (document
+            expansion, :meth:`inferscale.store.turns.TurnLog.expanded_texts`); ``False``: the
+            fact's text alone.
         system_prompt: system prompt placed before the memory block.
         max_model_len: context length given to vLLM, in tokens.
         kv_cache_memory_bytes: vLLM's paged KV cache size, in bytes.
@@ -217,6 +220,7 @@ class MemoryConfig(BaseSettings):
     context_window: int = Field(default=5, ge=0, le=100_000)  # inferscale.checks.MAX_CONTEXT_WINDOW
     top_k: int = Field(default=20, ge=0)  # docs/decisions.md, "Hybrid search and the default k"
     search_mode: Literal["hybrid", "dense"] = "hybrid"
+    keyword_turns: bool = True  # docs/decisions.md, "Retrieval: a fact's keywords include its source turns"
     system_prompt: str = (
         "You are a helpful assistant with a memory of past conversations. "
         "Answer the question in a short phrase, using the memories below."

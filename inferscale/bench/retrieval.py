@@ -32,7 +32,11 @@ from inferscale.store.keyword import RRF_C, KeywordIndex, fuse
 from inferscale.types import FactInput
 
 KS = (5, 10, 20, 50, 100)
-MODES = ("dense", "hybrid")
+#: rankings compared: cosine alone, cosine fused with BM25 over each fact's own text, and the
+#: product's hybrid: BM25 over the fact's text and its source turns' (``keyword_turns``)
+MODES = ("dense", "hybrid-fact", "hybrid")
+#: the categories the issue's target counts (5, adversarial, asks about what was never said)
+ANSWERABLE = (1, 2, 3, 4)
 TUNE_C = (1, 2, 5, 10, 20, 60)
 TUNE_CONVERSATIONS = (0, 1, 2)
 
@@ -45,25 +49,33 @@ def _recall(sample: LocomoSample, ids: list[str], evidence: tuple[str, ...], by_
 
 def _conversation(memory, sample: LocomoSample, user: str) -> dict:
     """Recall@k and hit@k per mode, and recall@10 per fusion constant, for one conversation."""
+    from inferscale.store.records import Scope
+
     store_conversation(memory, sample, user)
     records = memory.get_all(user_id=user, limit=100_000)["results"]
     by_id = {r["id"]: r["source_turn_ids"] for r in records}
     questions = [qa for qa in sample.qa if qa.evidence]
     out = {"sample": sample.sample_id, "facts": len(records), "questions": len(questions),
+           "categories": [qa.category for qa in questions],
            "recall": {m: {k: [] for k in KS} for m in MODES}, "hit": {m: {k: [] for k in KS} for m in MODES},
            "tune_recall_at_10": {c: [] for c in TUNE_C}}
     texts = [r["memory"] for r in records]
-    keyword = KeywordIndex(texts)
+    fact_only = KeywordIndex(texts)  # what hybrid search indexed before keyword_turns
+    facts_in_order = memory.components.facts.list(Scope(user))
+    assert [f.id for f in facts_in_order] == [r["id"] for r in records]
+    expanded = KeywordIndex(memory.components.turns.expanded_texts(Scope(user).key, facts_in_order))
     facts = memory.embed(texts).numpy()
     for qa in questions:
+        dense = facts @ memory.embed([qa.question])[0].numpy()
+        ranked = {mode: [r["id"] for r in memory.search(qa.question, user_id=user, limit=max(KS), mode=mode)["results"]]
+                  for mode in ("dense", "hybrid")}
+        ranked["hybrid-fact"] = [records[i]["id"] for i in fuse(dense, fact_only.scores(qa.question), max(KS))]
         for mode in MODES:
-            ids = [r["id"] for r in memory.search(qa.question, user_id=user, limit=max(KS), mode=mode)["results"]]
             for k in KS:
-                recall, hit = _recall(sample, ids[:k], qa.evidence, by_id)
+                recall, hit = _recall(sample, ranked[mode][:k], qa.evidence, by_id)
                 out["recall"][mode][k].append(recall)
                 out["hit"][mode][k].append(hit)
-        dense = facts @ memory.embed([qa.question])[0].numpy()
-        scores = keyword.scores(qa.question)
+        scores = expanded.scores(qa.question)
         for c in TUNE_C:
             top = fuse(dense, scores, 10, c)
             out["tune_recall_at_10"][c].append(_recall(sample, [records[i]["id"] for i in top], qa.evidence, by_id)[0])
@@ -73,10 +85,11 @@ def _conversation(memory, sample: LocomoSample, user: str) -> dict:
 def _timed(memory, user: str, queries: list[str], repeats: int) -> dict[str, float]:
     """Median search time (ms) per mode over ``repeats`` passes of ``queries`` (one warm-up
     pass); the modes alternate query by query, so both see the same machine state."""
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    searched = ("dense", "hybrid")  # Memory.search's modes
+    times: dict[str, list[float]] = {m: [] for m in searched}
     for rep in range(repeats + 1):
         for i, q in enumerate(queries):
-            for mode in (MODES if (i + rep) % 2 == 0 else MODES[::-1]):
+            for mode in (searched if (i + rep) % 2 == 0 else searched[::-1]):
                 t = time.perf_counter()
                 memory.search(q, user_id=user, limit=10, mode=mode)
                 if rep:
@@ -141,8 +154,9 @@ def _summarize(convs: list[dict], latency: dict) -> dict:
     held = [c for i, c in enumerate(convs) if i not in TUNE_CONVERSATIONS]
     tune = [c for i, c in enumerate(convs) if i in TUNE_CONVERSATIONS]
 
-    def pooled(group: list[dict], what: str, mode: str) -> dict:
-        return {k: _mean([v for c in group for v in c[what][mode][k]]) for k in KS}
+    def pooled(group: list[dict], what: str, mode: str, categories=None) -> dict:
+        return {k: _mean([v for c in group for v, cat in zip(c[what][mode][k], c["categories"])
+                          if categories is None or cat in categories]) for k in KS}
 
     return {
         "ks": list(KS), "rrf_c": RRF_C,
@@ -150,7 +164,9 @@ def _summarize(convs: list[dict], latency: dict) -> dict:
                    "recall_at_10": {c: _mean([v for conv in tune for v in conv["tune_recall_at_10"][c]])
                                     for c in TUNE_C}},
         "held_out": {"conversations": [c["sample"] for c in held], "questions": sum(c["questions"] for c in held),
-                     **{f"{what}_{mode}": pooled(held, what, mode) for what in ("recall", "hit") for mode in MODES}},
+                     "questions_1_4": sum(cat in ANSWERABLE for c in held for cat in c["categories"]),
+                     **{f"{what}_{mode}": pooled(held, what, mode) for what in ("recall", "hit") for mode in MODES},
+                     **{f"recall_{mode}_1_4": pooled(held, "recall", mode, ANSWERABLE) for mode in MODES}},
         "per_conversation": [{"sample": c["sample"], "facts": c["facts"], "questions": c["questions"],
                               "held_out": i not in TUNE_CONVERSATIONS,
                               **{f"recall_at_10_{m}": _mean(c["recall"][m][10]) for m in MODES}}
@@ -162,26 +178,37 @@ def _summarize(convs: list[dict], latency: dict) -> dict:
 def _markdown(r: dict) -> str:
     h = r["held_out"]
     lines = ["# Retrieval: dense vs hybrid (dense + BM25, reciprocal rank fusion)", "",
+             "Rankings: `dense` (cosine), `hybrid-fact` (cosine fused with BM25 over each fact's own text, the "
+             "default before `keyword_turns`), `hybrid` (the default: BM25 over each fact's text and its source "
+             "turns').", "",
              f"LoCoMo, every question with evidence; held out: {', '.join(h['conversations'])} "
-             f"({h['questions']} questions). Reproduce: `inferscale bench retrieval`."
+             f"({h['questions']} questions, {h.get('questions_1_4', '?')} of categories 1-4). Reproduce: "
+             f"`inferscale bench retrieval`."
              + (f" Machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, commit {r['machine']['commit']}."
                 if r.get("machine") else ""), "",
              "## Held-out evidence recall@k and hit@k", "",
-             "| k | " + " | ".join(f"recall {m}" for m in MODES) + " | recall gain | "
+             "| k | " + " | ".join(f"recall {m}" for m in MODES) + " | hybrid - dense | "
              + " | ".join(f"hit {m}" for m in MODES) + " |",
              "|---|" + "---|" * (2 * len(MODES) + 1)]
     for k in r["ks"]:
         k = str(k) if str(k) in h["recall_dense"] else k
         rec = [h[f"recall_{m}"][k] for m in MODES]
-        lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in rec) + f" | {rec[1] - rec[0]:+.3f} | "
+        lines.append(f"| {k} | " + " | ".join(f"{v:.3f}" for v in rec) + f" | {rec[-1] - rec[0]:+.3f} | "
                      + " | ".join(f"{h[f'hit_{m}'][k]:.3f}" for m in MODES) + " |")
-    lines += ["", "## Per conversation: recall@10", "", "| conversation | facts | questions | held out | dense | hybrid |",
-              "|---|---|---|---|---|---|"]
+    if "recall_hybrid_1_4" in h:
+        lines += ["", "## Held-out evidence recall@k, categories 1-4 (multi-hop, temporal, open-domain, single-hop)", "",
+                  "| k | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]
+        for k in r["ks"]:
+            k = str(k) if str(k) in h["recall_hybrid_1_4"] else k
+            lines.append(f"| {k} | " + " | ".join(f"{h[f'recall_{m}_1_4'][k]:.3f}" for m in MODES) + " |")
+    lines += ["", "## Per conversation: recall@10", "",
+              "| conversation | facts | questions | held out | " + " | ".join(MODES) + " |", "|---|---|---|---|" +
+              "---|" * len(MODES)]
     for c in r["per_conversation"]:
         lines.append(f"| {c['sample']} | {c['facts']} | {c['questions']} | {'yes' if c['held_out'] else 'tuning'} | "
-                     f"{c['recall_at_10_dense']:.3f} | {c['recall_at_10_hybrid']:.3f} |")
+                     + " | ".join(f"{c[f'recall_at_10_{m}']:.3f}" for m in MODES) + " |")
     t = r["tuning"]
-    lines += ["", f"## Fusion constant, tuned on {', '.join(t['conversations'])} only", "",
+    lines += ["", f"## Fusion constant (hybrid), tuned on {', '.join(t['conversations'])} only", "",
               "| c | recall@10 |", "|---|---|"]
     lines += [f"| {c}{' (used)' if int(c) == r['rrf_c'] else ''} | {v:.3f} |" for c, v in t["recall_at_10"].items()]
     lines += ["", "## Search latency (median, query embedding included, limit 10)", "",
@@ -200,7 +227,7 @@ def _plot(r: dict, path: Path) -> None:
 
     h = r["held_out"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, color in zip(MODES, ("tab:blue", "tab:green")):
+    for mode, color in zip(MODES, ("tab:blue", "tab:orange", "tab:green")):
         for what, style in (("recall", "-o"), ("hit", ":s")):
             values = h[f"{what}_{mode}"]
             ax.plot(r["ks"], [values[k] for k in values], style, color=color, label=f"{what}@k, {mode}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -52,6 +52,8 @@ class _Partition:
     columns: dict[str, np.ndarray] = field(default_factory=dict)  # field -> [n] object values, MISSING if absent
     keyword: KeywordIndex | None = None  # BM25 over the rows' texts: built on the first keyword search, then kept
     version: int | None = None  # the scope's version the rows are current for (VectorIndex.refresh)
+    #: the text BM25 indexes for each record (its own text and its source turns'), default its text
+    keyword_text: Callable[[Sequence[FactRecord]], list[str]] | None = None
 
     def changed(self) -> None:
         """Drop what is derived from the rows and rebuilt on use (the filter columns); the
@@ -60,8 +62,12 @@ class _Partition:
 
     def keyword_index(self) -> KeywordIndex:
         if self.keyword is None:
-            self.keyword = KeywordIndex([r.text for r in self.records])
+            self.keyword = KeywordIndex(self.texts(self.records))
         return self.keyword
+
+    def texts(self, records: Sequence[FactRecord]) -> list[str]:
+        """What BM25 indexes for ``records``."""
+        return self.keyword_text(records) if self.keyword_text is not None else [r.text for r in records]
 
     def column(self, key: str) -> np.ndarray:
         """The values of filter field ``key`` down the rows (built once per change)."""
@@ -86,6 +92,9 @@ class VectorIndex:
         fetch: ``fetch(scope_key, ids) -> (records, embeddings [n, dim])`` of those ids
             still in the scope (:meth:`inferscale.store.chroma.FactStore.fetch`). Without
             ``changes`` and ``fetch`` a moved version reloads the partition.
+        keyword_text: ``keyword_text(scope_key, records) -> texts``: what BM25 indexes for each
+            record (document expansion: a fact's text with its source turns' words,
+            :func:`inferscale.store.turns.TurnLog.expanded_texts`); ``None``: each record's text.
 
     Thread-safe: one lock per partition, so a slow first load of one scope does not
     stall searches of others. ``loads`` and ``catch_ups`` count partitions loaded in
@@ -94,8 +103,10 @@ class VectorIndex:
 
     def __init__(self, device: torch.device | str, loader: Loader | None = None,
                  versioner: Callable[[str], int] | None = None, changes: Changes | None = None,
-                 fetch: Fetcher | None = None) -> None:
+                 fetch: Fetcher | None = None,
+                 keyword_text: Callable[[str, Sequence[FactRecord]], list[str]] | None = None) -> None:
         self.device = torch.device(device)
+        self._keyword_text = keyword_text
         self.dim: int | None = None
         self._loader = loader
         self._versioner = versioner
@@ -125,6 +136,8 @@ class VectorIndex:
                 if part is not None:
                     return part
                 part = _Partition()
+                if self._keyword_text is not None:
+                    part.keyword_text = lambda records, scope=scope: self._keyword_text(scope, records)
                 # the version is read before the rows: a write that lands in between makes the
                 # partition stale (reloaded on the next read), never silently missing
                 part.version = self._versioner(scope) if self._versioner is not None else None
@@ -227,7 +240,7 @@ class VectorIndex:
                     part.records[j], part.fields[j] = r, r.filter_fields()
                     part.rows[j] = emb[i]
                     if part.keyword is not None:
-                        part.keyword.replace(j, r.text)
+                        part.keyword.replace(j, part.texts([r])[0])
             if not fresh:
                 return
             n, need = len(part.records), len(part.records) + len(fresh)
@@ -246,7 +259,7 @@ class VectorIndex:
                 part.records.append(records[i])
                 part.fields.append(records[i].filter_fields())
             if part.keyword is not None:
-                part.keyword.append([records[i].text for i in fresh])
+                part.keyword.append(part.texts([records[i] for i in fresh]))
 
     # ------------------------------------------------------------------ writes
 

@@ -2,7 +2,8 @@
 data dir by default, or the ``database_url`` database, :mod:`inferscale.store.sql`).
 
 Context-Window Encoding reads it: a fact's context is the w turns that precede its
-source turn in its scope. Turn ids are unique within a scope; given ones (LoCoMo's
+source turn in its scope; the keyword index reads a fact's own source turns
+(:meth:`TurnLog.expanded_texts`). Turn ids are unique within a scope; given ones (LoCoMo's
 ``dia_id`` such as ``"D1:3"``) are kept, missing ones become ``"t<seq>"``.
 """
 
@@ -12,6 +13,7 @@ import json
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Sequence
 
 from sqlalchemy import (Column, Integer, MetaData, PrimaryKeyConstraint, String, Table, Text, UniqueConstraint,
                         delete, func, select)
@@ -20,6 +22,8 @@ from sqlalchemy.exc import IntegrityError
 from inferscale.store.sql import Database, upsert_increment
 
 _META = MetaData()
+#: turn ids per IN list (SQLite allows 32,766 bound parameters, older builds 999)
+_IN_CHUNK = 500
 TURNS = Table(
     "turns", _META,
     Column("scope", String, nullable=False), Column("seq", Integer, nullable=False),
@@ -115,6 +119,23 @@ class TurnLog:
             return {}
         rows = self._rows(select(*_COLUMNS).where(TURNS.c.scope == scope, TURNS.c.turn_id.in_(list(turn_ids))))
         return {t.turn_id: t for t in rows}
+
+    def expanded_texts(self, scope: str, records: Sequence) -> list[str]:
+        """Each record's text followed by its source turns' contents: what the keyword index
+        of a scope indexes (document expansion; a turn no longer logged adds nothing).
+
+        On LoCoMo's held-out conversations this took BM25-and-cosine hybrid evidence
+        recall@10 from 0.632 to about 0.68 (docs/results/retrieval): an observation is short,
+        and the words a question repeats are often in the turn it was drawn from.
+
+        Args:
+            records: :class:`~inferscale.store.records.FactRecord` s of ``scope``.
+        """
+        ids = sorted({t for r in records for t in r.source_turn_ids})
+        turns: dict[str, Turn] = {}
+        for i in range(0, len(ids), _IN_CHUNK):  # bounded IN lists (SQLite caps bound parameters)
+            turns.update(self.get(scope, ids[i:i + _IN_CHUNK]))
+        return [" ".join([r.text, *(turns[t].content for t in r.source_turn_ids if t in turns)]) for r in records]
 
     def window(self, scope: str, before_seq: int, w: int) -> list[Turn]:
         """The ``w`` turns of ``scope`` just before position ``before_seq``, oldest first."""
