@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 from pathlib import Path
@@ -279,3 +280,16 @@ def pick_questions(sample: LocomoSample, n: int) -> list:
     if n > len(qs):
         raise ValueError(f"{sample.sample_id} has {len(qs)} questions of categories 1-4; asked for {n}")
     return [qs[i * len(qs) // n] for i in range(n)]
+
+
+#: bootstrap resamples (:func:`bootstrap`)
+_RESAMPLES = 2000
+
+
+def bootstrap(pairs: Sequence[tuple[float, float]], stat, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of ``stat(resampled pairs)`` over :data:`_RESAMPLES` resamples of
+    the pairs with replacement (Efron and Tibshirani, *An Introduction to the Bootstrap*, ch. 13)."""
+    rng = random.Random(seed)
+    n = len(pairs)
+    values = sorted(stat([pairs[rng.randrange(n)] for _ in range(n)]) for _ in range(_RESAMPLES))
+    return values[int(0.025 * _RESAMPLES)], values[int(0.975 * _RESAMPLES) - 1]

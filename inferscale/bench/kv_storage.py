@@ -22,7 +22,6 @@ Reproduce: ``inferscale bench kv-storage`` (see ``--help``).
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections import defaultdict
@@ -33,7 +32,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from inferscale.bench.common import (
-    ResultLog, ensure_conversation, markdown_table, mean, pick_questions, scope_of, write_outputs,
+    _RESAMPLES, ResultLog, bootstrap, ensure_conversation, markdown_table, mean, pick_questions, scope_of, write_outputs,
 )
 from inferscale.bench.footprint import stored_files
 from inferscale.bench.quality import answer_nll
@@ -42,7 +41,6 @@ from inferscale.kv.quant import STORAGE_DTYPES
 from inferscale.memory import Memory
 
 NAME = "kv_storage"
-_RESAMPLES = 2000
 
 
 def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (0, 1, 2),
@@ -140,15 +138,6 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (
 
 def _key(sample: str, qi: int, k: int, w: int) -> str:
     return f"{sample}|q={qi}|k={k}|w={w}"
-
-
-def bootstrap(pairs: Sequence[tuple[float, float]], stat, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of ``stat(resampled pairs)`` over :data:`_RESAMPLES` resamples of
-    the pairs with replacement (Efron and Tibshirani, *An Introduction to the Bootstrap*, ch. 13)."""
-    rng = random.Random(seed)
-    n = len(pairs)
-    values = sorted(stat([pairs[rng.randrange(n)] for _ in range(n)]) for _ in range(_RESAMPLES))
-    return values[int(0.025 * _RESAMPLES)], values[int(0.975 * _RESAMPLES) - 1]
 
 
 def _nll_change(pairs: Sequence[tuple[float, float]]) -> float:

@@ -22,7 +22,7 @@ Conversations are split into a **tuning** set (default 0-2: where settings were 
 **held-out** set (3-9), reported apart. Each mode is compared with ``text`` on the same answers:
 the relative change of the mean NLL (ratio of means minus 1) and the absolute change of the mean
 F1, each with a 95% bootstrap interval over answers resampled in pairs
-(:func:`inferscale.bench.kv_storage.bootstrap`). Evidence recall@k of the retrieval is kept too.
+(:func:`inferscale.bench.common.bootstrap`). Evidence recall@k of the retrieval is kept too.
 
 Reproduce: ``inferscale bench quality`` (see ``--help``).
 """
@@ -38,7 +38,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from inferscale.bench.common import (
-    ResultLog, ensure_conversation, markdown_table, mean, pick_questions, scope_of, write_outputs,
+    ResultLog, bootstrap, ensure_conversation, markdown_table, mean, pick_questions, scope_of, write_outputs,
 )
 from inferscale.bench.plots import plot_quality
 from inferscale.datasets.locomo import CATEGORIES, load_locomo, token_f1
@@ -284,8 +284,6 @@ def _f1_change(pairs: Sequence[tuple[float, float]]) -> float:
 
 def _compare(rows: list[dict], mode: str) -> dict:
     """Mean NLL and F1 of ``mode`` over ``rows`` and, for a mode other than text, its paired change to text."""
-    from inferscale.bench.kv_storage import bootstrap
-
     out = {"n": len(rows), "nll_mean": mean(r[mode]["nll"] for r in rows), "f1_mean": mean(r[mode]["f1"] for r in rows)}
     if mode != "text":
         nll = [(r["text"]["nll"], r[mode]["nll"]) for r in rows]
