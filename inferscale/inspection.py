@@ -7,10 +7,14 @@ from __future__ import annotations
 from typing import Sequence
 
 from inferscale.checks import check_id, check_int
+
 from inferscale.components import Components
 from inferscale.config import MemoryConfig
 from inferscale.kv.inventory import kv_entries
 from inferscale.store.records import Scope
+
+#: the largest context window (turns) a report is read at, as MemoryConfig.context_window allows
+MAX_CONTEXT_WINDOW = 100_000
 
 
 class Inspection:
@@ -43,7 +47,8 @@ class Inspection:
             ValueError / TypeError: a bad id or context window.
         """
         scope = self._scope(user_id, agent_id, run_id)
-        w = self.config.context_window if context_window is None else self._window(context_window)
+        w = self.config.context_window if context_window is None else check_int(
+            "context_window", context_window, 0, maximum=MAX_CONTEXT_WINDOW)
         facts = self.components.facts
         if memory_ids is None:
             records = facts.list(scope, None)
@@ -73,12 +78,6 @@ class Inspection:
         shown = records[:limit]
         kv = kv_entries(self.components.kv, scope.key, shown, self.config.context_window)
         return [r.to_item() for r in shown], kv, len(records)
-
-    @staticmethod
-    def _window(context_window: int | None) -> int:
-        from inferscale.checks import check_int as check
-
-        return check("context_window", context_window, 0, optional=True, maximum=100_000)
 
     def chats(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
               limit: int = 50) -> list[dict]:

@@ -69,13 +69,6 @@ class ChatLog:
                                .order_by(CHATS.c.seq.desc()).limit(limit)).all()
         return [{**json.loads(r.report), "id": int(r.seq), "created_at": r.created_at} for r in rows]
 
-    def count(self, scope: str) -> int:
-        """How many reports ``scope`` keeps."""
-        from sqlalchemy import func
-
-        with self.db.read() as con:
-            return int(con.execute(select(func.count()).select_from(CHATS).where(CHATS.c.scope == scope)).scalar_one())
-
     def delete_scope(self, scope: str) -> None:
         """Drop ``scope``'s reports."""
         with self.db.write(lock_key=f"chats:{scope}") as con:
