@@ -155,7 +155,10 @@ class Answering:
         ``encoder_yielded_seconds`` (spent waiting for requests in flight to end), floats;
         capture on a miss (``capture_kv``): ``served_captured`` (memories planned with KV a
         request captured, also in their tier's ``served_*``) and ``encodes_skipped_captured``
-        (background encodes not run because a request had captured the memory's KV)."""
+        (background encodes not run because a request had captured the memory's KV);
+        admission on a second use (``kv_admission_window_s``): ``misses_kept`` (misses
+        captured or queued for the encoder) and ``misses_not_kept`` (first misses within the
+        window, served as text and only remembered)."""
         self._check_open()
         pool = self.components.pool
         held = pool.footprint(exact=False)
@@ -165,6 +168,7 @@ class Answering:
         stats["encode_seconds"] = background.encode_s - kv.capture_wait_s if background is not None else 0.0
         stats["encoder_yielded_seconds"] = background.yielded_s if background is not None else 0.0
         stats["encodes_skipped_captured"] = kv.jobs_captured
+        stats["misses_kept"], stats["misses_not_kept"] = kv.admission.admitted, kv.admission.refused
         if pool.remote is not None:
             remote = dict(pool.remote.stats)
             stats.update(redis_misses=remote["misses"], redis_writes=remote["writes"], redis_errors=remote["errors"],

@@ -141,7 +141,8 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
         kv = KVManager(model_path, model_fingerprint(model_path), config.resolved_dtype, prompts, pool, turns,
                        config.encode_batch_tokens, config.max_model_len, jobs=kv_jobs, store=store,
                        verbose=config.verbose, storage=config.kv_storage_dtype,
-                       encode_when_idle=config.encode_when_idle, capture=config.capture_kv)
+                       encode_when_idle=config.encode_when_idle, capture=config.capture_kv,
+                       admission_window_s=config.kv_admission_window_s)
         facts = FactService(store, index, embedder, kv, history_log, config.context_window, config.precompute_kv,
                             config.max_fact_tokens, config.search_mode, config.max_query_chars)
         requests = RequestBuilder(facts, prompts, kv, turns, config.max_model_len)

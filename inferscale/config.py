@@ -168,6 +168,14 @@ class MemoryConfig(BaseSettings):
             background encoder drops a job whose memory was captured meanwhile. So a miss costs
             the prefill text mode pays anyway, once. Encoded KV (Context-Window Encoding) is
             preferred where both exist. ``False``: misses are encoded by the background encoder.
+        kv_admission_window_s: admission on a second use (seconds; default 0: every miss is
+            kept). Above 0, a miss is kept as KV (captured, or queued for the encoder) only when
+            the same memory missed before within this many seconds in this process; a first
+            miss is served as text and only remembered. On the tiers replay under LRFU (the
+            disk tier's order) a window of a third of the disk's half-life (1200 s) keeps the
+            share of tokens served as KV and stores 3 to 6 times fewer misses: worth it where a
+            kept miss costs GPU time (``capture_kv=False``, or a cache the connector cannot
+            read) or disk writes are the limit (docs/decisions.md, "Admission on a second use").
         verbose: let vLLM, torch and transformers log and show progress bars as they do on
             their own (default False: errors only, :mod:`inferscale.runtime.logs`).
         database_url: a SQLAlchemy URL of the database holding the turn log and the history
@@ -237,6 +245,7 @@ class MemoryConfig(BaseSettings):
     precompute_kv: bool = True
     encode_when_idle: bool = True
     capture_kv: bool = True
+    kv_admission_window_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     verbose: bool = False
     database_url: str | None = None
     chroma_url: str | None = None
@@ -250,11 +259,13 @@ class MemoryConfig(BaseSettings):
 
     @field_validator("context_window", "top_k", "max_model_len", "kv_cache_memory_bytes", "device_kv_budget_bytes",
                      "host_kv_budget_bytes", "disk_kv_budget_bytes",
-                     "encode_batch_tokens", "max_fact_tokens", "max_query_chars", "default_max_tokens", mode="before")
+                     "encode_batch_tokens", "max_fact_tokens", "max_query_chars", "default_max_tokens",
+                     "kv_admission_window_s", mode="before")
     @classmethod
     def _not_a_flag(cls, value: object, info) -> object:
         if isinstance(value, bool):  # pydantic would take True as 1
-            raise TypeError(f"{info.field_name} must be an integer, got {value!r}")
+            kind = "a number of seconds" if info.field_name.endswith("_s") else "an integer"
+            raise TypeError(f"{info.field_name} must be {kind}, got {value!r}")
         if value == "" and info.field_name == "disk_kv_budget_bytes":  # INFERSCALE_DISK_KV_BUDGET_BYTES= : no limit
             return None
         return value

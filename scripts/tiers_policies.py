@@ -25,12 +25,13 @@ import argparse
 import math
 from collections import OrderedDict, defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 from inferscale.bench.clairvoyant import belady_token_share
 from inferscale.bench.common import markdown_table, print_page
 from inferscale.bench.tiers import make_trace
 from inferscale.config import default_data_dir
-from inferscale.datasets.locomo import load_locomo
+from inferscale.datasets.locomo import load_locomo, store_conversation
 from inferscale.memory import Memory
 
 
@@ -42,11 +43,12 @@ def references(store: Path, data: Path, users: int, questions: int, zipf: float,
     Users beyond the store's ``stored_users`` (``--users`` larger than the replay's) repeat
     conversation ``u mod 10`` as the replay does, under fact ids of their own
     (``<id>#<user>``): the same retrievals, other KV."""
-    if not (Path(store) / "chroma").is_dir():
-        raise SystemExit(f"no tiers store at {store}: run `inferscale bench tiers` first (it builds the store), "
-                         "or give its folder with --store")
     convs = load_locomo(data)
     stored = [f"tiers-{i}" for i in range(min(users, stored_users))]
+    if not (Path(store) / "chroma").is_dir():  # the facts only, as `inferscale bench tiers` stores them (no KV)
+        with Memory(data_dir=store, precompute_kv=False, context_window=0, top_k=k) as mem:
+            for i, scope in enumerate(stored):
+                store_conversation(mem, convs[i % len(convs)], scope, progress=f"store {scope}")
     asked = [[q.question for q in convs[i % len(convs)].qa if q.category in (1, 2, 3, 4)] for i in range(users)]
     trace = make_trace([len(a) for a in asked], questions, zipf, seed)
     tokens: dict[str, int] = {}
@@ -73,20 +75,32 @@ def references(store: Path, data: Path, users: int, questions: int, zipf: float,
     return [hits[q] for q in trace], tokens, sum(per_scope[o] for o in owner), sum(counts[o] for o in owner)
 
 
+class Replayed(NamedTuple):
+    """One replay's counted questions: ``share`` of the retrieved fact tokens served from the
+    cache; ``stored`` fact tokens admitted into it (what misses cost to keep: re-encoded, or
+    captured and written); ``misses`` fact tokens served as text."""
+
+    share: float
+    stored: int
+    misses: int
+
+
 def replay(refs, tokens, budget: float, warmup: int, *, half_life: float | None = None, lfu: bool = False,
-           admit_second: bool = False) -> float:
-    """Share of tokens served from a cache of ``budget`` tokens' bytes: LRU by default; LFU;
-    LRFU when ``half_life`` (questions) is given; LRU behind a second-miss admission filter."""
+           admit_window: float | None = None) -> Replayed:
+    """Replay a cache of ``budget`` tokens' bytes: LRU by default; LFU; LRFU when
+    ``half_life`` (questions) is given. ``admit_window`` (questions): a miss is kept only when
+    the same fact missed before within that many questions (admission on a second use, the
+    ``kv_admission_window_s`` rule; ``math.inf``: any earlier miss, 2Q-like); ``None`` keeps
+    every miss."""
     cache: OrderedDict[str, float] = OrderedDict()
     count: dict[str, float] = defaultdict(float)
-    seen_once: set[str] = set()
-    held = hit = total = 0
+    missed: dict[str, int] = {}  # fact -> the question of its last miss that was not kept
+    held = hit = total = stored = 0
     first_use = list(dict.fromkeys(key for keys in refs for key in keys))
     for key in first_use:  # warm, as the live replays and Belady start: the facts used first, as many as fit
         if held + tokens[key] <= budget:
             cache[key] = 0
             held += tokens[key]
-            seen_once.add(key)
             if half_life is not None:
                 count[key] = -1.0  # one use just before the trace
     for q, keys in enumerate(refs):
@@ -104,9 +118,13 @@ def replay(refs, tokens, budget: float, warmup: int, *, half_life: float | None 
                 hit += t if counted else 0
                 cache.move_to_end(key)
                 continue
-            if admit_second and key not in seen_once:
-                seen_once.add(key)
-                continue
+            if admit_window is not None:
+                last = missed.get(key)
+                if last is None or q - last > admit_window:
+                    missed[key] = q
+                    continue
+                del missed[key]
+            stored += t if counted else 0
             cache[key] = 0
             held += t
             if held > budget:
@@ -117,7 +135,7 @@ def replay(refs, tokens, budget: float, warmup: int, *, half_life: float | None 
                     if out != key:
                         held -= tokens[out]
                         del cache[out]
-    return hit / total if total else 0.0
+    return Replayed(hit / total if total else 0.0, stored, total - hit)
 
 
 def main() -> None:

@@ -203,6 +203,29 @@ def test_captured_encoded_and_text_memories_are_injected_together_correctly(memo
     memory.components.kv.background.resume()
 
 
+def test_admission_on_a_second_use_keeps_a_miss_only_when_it_comes_again(serving_dir, engine):
+    """``kv_admission_window_s``: a first miss is served as text and only remembered; the
+    second within the window is captured, and the third request injects it."""
+    mem = Memory(data_dir=serving_dir, dtype="float32", context_window=0, engine=engine, kv_admission_window_s=3600)
+    try:
+        records = add_unencoded(mem, "cap-f", FACTS[:2])
+        keys = mem.components.kv.captured_keys(records)
+        first = mem.inject(QUESTION, user_id="cap-f", k=2)
+        assert set(first.kv_sources.values()) == {"text: not encoded yet"} and first.plan.capture is None
+        stats = mem.kv_stats()
+        assert (stats["misses_kept"], stats["misses_not_kept"]) == (0, 2)
+        second = mem.generate(QUESTION, user_id="cap-f", k=2, max_tokens=2, temperature=0)
+        assert set(second.kv_sources.values()) == {"text: not encoded yet"}
+        wait_stored(mem, keys)
+        third = mem.generate(QUESTION, user_id="cap-f", k=2, max_tokens=2, temperature=0)
+        assert set(third.kv_sources.values()) <= {"disk (captured)", "device (captured)"}
+        stats = mem.kv_stats()
+        assert (stats["misses_kept"], stats["misses_not_kept"]) == (2, 2)
+    finally:
+        mem.components.kv.background.resume()
+        mem.close()
+
+
 def test_int8_storage_keeps_captured_kv_in_8_bits(serving_dir, engine):
     mem = Memory(data_dir=serving_dir, dtype="float32", context_window=0, engine=engine, kv_storage_dtype="int8")
     try:

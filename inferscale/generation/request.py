@@ -324,23 +324,25 @@ class RequestBuilder:
         order = [i for i, ok in enumerate(ready) if ok] + [i for i, ok in enumerate(ready) if not ok]
         ranked, keys = [ranked[i] for i in order], [keys[i] for i in order]
         n_kv = sum(ready)
-        capture = self.kv.capture and n_kv < len(ranked) and not pool.disk_full
+        # the misses worth keeping (every one, or those used twice within kv_admission_window_s)
+        kept = [r for r, keep in zip(ranked[n_kv:], self.kv.admission.admit(keys[n_kv:])) if keep]
+        capture = self.kv.capture and bool(kept) and not pool.disk_full
         self.kv.captures_seen |= bool(captured)
-        if n_kv < len(ranked):
+        if kept:
             if capture:
-                self.kv.expect_captures(ranked[n_kv:])  # before the jobs: their encode waits for it
+                self.kv.expect_captures(kept)  # before the jobs: their encode waits for it
             if not (capture and self.kv.captures_seen):
                 # once captures are seen landing, a miss is captured by its own request and never
                 # encoded: it costs its text prefill once (a connector that cannot capture is
                 # never seen to, and its misses are encoded as before)
-                self.kv.schedule(scope.key, ranked[n_kv:], w)
+                self.kv.schedule(scope.key, kept, w)
         kv_keys = {PREAMBLE_OWNER: preamble.key, **{r.id: key for r, key in zip(ranked[:n_kv], keys[:n_kv])}}
         pool.use(kv_keys.values())  # recency on disk: what requests use is evicted last
         pool.count_served(found[r.id] for r in ranked)  # None: in no tier when planned (text, or encoded now)
         pool.count_captured(len(captured))
         return _Selection(ranked, kv_keys, tuple(hits), retrieval,
                           tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]), sources,
-                          self.kv.capture_request if capture else None)
+                          self.kv.capture_request if capture else None, tuple(r.id for r in kept))
 
 
 @dataclass(frozen=True)
@@ -358,6 +360,8 @@ class _Selection:
     kv_sources: dict[str, str] = field(default_factory=dict)
     #: :meth:`KVManager.capture_request` when the memories served as text are to be captured
     capture: Callable[[Sequence[tuple[str, int, tuple[int, ...]]]], CaptureRequest | None] | None = None
+    #: the text memories to capture (those the admission rule keeps)
+    kept_ids: tuple[str, ...] = ()
 
     def plan(self, segments: Sequence[Segment]) -> InjectionPlan:
         """The injection of the preamble and the stored facts' lines, laid out as ``segments``
@@ -365,8 +369,8 @@ class _Selection:
         plan = plan_segments(self.kv_keys, segments)
         if self.capture is None:
             return plan
-        text = set(self.text_ids)
-        request = self.capture([(seg.owner, seg.start, seg.token_ids) for seg in segments if seg.owner in text])
+        kept = set(self.kept_ids)
+        request = self.capture([(seg.owner, seg.start, seg.token_ids) for seg in segments if seg.owner in kept])
         return plan if request is None else replace(plan, capture=request)
 
 

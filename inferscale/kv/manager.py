@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from inferscale.kv.background import BackgroundEncoder
+from inferscale.kv.admission import SecondUseAdmission
 from inferscale.kv.capture import CaptureRequest, captured_key, token_digest
 from inferscale.kv.encoder import EncodeItem, KVEncoder
 from inferscale.kv.jobs import KVJob, KVJobQueue
@@ -93,9 +94,12 @@ class KVManager:
             KV of memories they serve as text (:meth:`capture_request`), lookups fall back to
             captured KV (:meth:`captured_keys`), and a job whose memory was captured
             meanwhile is dropped, not encoded.
+        admission_window_s: ``kv_admission_window_s``: a miss is kept (captured or queued
+            for the encoder) only on its second use within this many seconds
+            (:class:`~inferscale.kv.admission.SecondUseAdmission`); 0 keeps every miss.
 
     Raises:
-        ValueError: an unknown ``storage``.
+        ValueError: an unknown ``storage``, a negative admission window.
     """
 
     def __init__(
@@ -114,11 +118,14 @@ class KVManager:
         storage: str = "auto",
         encode_when_idle: bool = True,
         capture: bool = True,
+        admission_window_s: float = 0.0,
     ) -> None:
         if storage not in STORAGE_DTYPES:
             raise ValueError(f"kv_storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage!r}")
         self.storage = storage
         self.capture = capture
+        #: which misses are kept as KV (captured or encoded): all, or those used twice within a window
+        self.admission = SecondUseAdmission(admission_window_s)
         #: background jobs dropped because a request had captured the memory's KV meanwhile
         self.jobs_captured = 0
         # captured keys requests asked for, and when (monotonic seconds): a job for one of them

@@ -56,6 +56,8 @@ class KVPoolCollector(Collector):
                                   s["served_captured"])
         yield CounterMetricFamily("inferscale_kv_encodes_skipped_captured", "background encodes not run because a "
                                   "request had captured the memory's KV", s["encodes_skipped_captured"])
+        yield CounterMetricFamily("inferscale_kv_misses_not_kept", "misses served as text and not kept as KV: their "
+                                  "first use within kv_admission_window_s", s["misses_not_kept"])
         yield CounterMetricFamily("inferscale_kv_reencodes", "fact KV written again after it was evicted",
                                   s["reencodes"])
         yield CounterMetricFamily("inferscale_kv_encode_seconds", "seconds the background encoder spent encoding "
