@@ -507,7 +507,7 @@ def serve(
     kv_storage_dtype: Optional[str] = typer.Option(None, help="How fact KV is stored: auto (the model's dtype), int8 or int4 (default auto, or $INFERSCALE_KV_STORAGE_DTYPE; docs/configuration.md)."),
     disk_kv_budget_bytes: Optional[int] = typer.Option(None, help="Bytes of fact KV files kept on disk, at least 1 MiB; past it the least used are evicted and served as text until encoded again (default: no limit, or $INFERSCALE_DISK_KV_BUDGET_BYTES; docs/concepts.md)."),
     kv_redis_url: Optional[str] = typer.Option(None, help="A Redis shared by every deployment as a KV tier, e.g. redis://host:6379/0 (default: none, or $INFERSCALE_KV_REDIS_URL; docs/deployment.md)."),
-    kv_admission_window_s: Optional[float] = typer.Option(None, min=0, help="Keep a miss as KV only on its second use within this many seconds (default 0: keep every miss, or $INFERSCALE_KV_ADMISSION_WINDOW_S; docs/configuration.md)."),
+    kv_admission_window_s: Optional[float] = typer.Option(None, min=0, help="While the disk budget is nearly full, keep a miss as KV only on its second use within this many seconds (default 86400, or $INFERSCALE_KV_ADMISSION_WINDOW_S; 0: keep every miss; docs/configuration.md)."),
     max_num_seqs: int = typer.Option(64, min=1, help="Most requests vLLM batches at once."),
     tool_call_parser: str = typer.Option("hermes", help="vLLM's tool-call parser for the model's tool-call format ('none': tools refused)."),
     default_max_tokens: Optional[int] = typer.Option(None, min=1, help="Answer budget (tokens) of a chat that sends no max_tokens (default 256, or $INFERSCALE_DEFAULT_MAX_TOKENS)."),

@@ -168,14 +168,15 @@ class MemoryConfig(BaseSettings):
             background encoder drops a job whose memory was captured meanwhile. So a miss costs
             the prefill text mode pays anyway, once. Encoded KV (Context-Window Encoding) is
             preferred where both exist. ``False``: misses are encoded by the background encoder.
-        kv_admission_window_s: admission on a second use (seconds; default 0: every miss is
-            kept). Above 0, a miss is kept as KV (captured, or queued for the encoder) only when
-            the same memory missed before within this many seconds in this process; a first
-            miss is served as text and only remembered. On the tiers replay under LRFU (the
-            disk tier's order) a window of a third of the disk's half-life (1200 s) keeps the
-            share of tokens served as KV and stores 3 to 6 times fewer misses: worth it where a
-            kept miss costs GPU time (``capture_kv=False``, or a cache the connector cannot
-            read) or disk writes are the limit (docs/decisions.md, "Admission on a second use").
+        kv_admission_window_s: admission on a second use (seconds; default 86,400: a day).
+            While keeping KV would evict other KV (a disk budget 90% full:
+            :attr:`~inferscale.kv.pool.KVPool.under_pressure`), a miss is kept as KV (captured,
+            or queued for the encoder) only when the same memory missed before within this
+            many seconds in this process; a first miss is served as text and only remembered.
+            A pool with room (no disk budget, the default) keeps every miss. ``0``: keep every
+            miss always. In the fleet simulator (10,000 users, default budgets, bf16) a day's
+            window serves 77.6% of fact tokens as KV against 76.8% keeping every miss, with
+            10x fewer misses kept (docs/decisions.md, "Admission on a second use").
         verbose: let vLLM, torch and transformers log and show progress bars as they do on
             their own (default False: errors only, :mod:`inferscale.runtime.logs`).
         database_url: a SQLAlchemy URL of the database holding the turn log and the history
@@ -245,7 +246,7 @@ class MemoryConfig(BaseSettings):
     precompute_kv: bool = True
     encode_when_idle: bool = True
     capture_kv: bool = True
-    kv_admission_window_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    kv_admission_window_s: float = Field(default=86_400.0, ge=0, allow_inf_nan=False)
     verbose: bool = False
     database_url: str | None = None
     chroma_url: str | None = None

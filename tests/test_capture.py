@@ -204,11 +204,16 @@ def test_captured_encoded_and_text_memories_are_injected_together_correctly(memo
 
 
 def test_admission_on_a_second_use_keeps_a_miss_only_when_it_comes_again(serving_dir, engine):
-    """``kv_admission_window_s``: a first miss is served as text and only remembered; the
-    second within the window is captured, and the third request injects it."""
+    """``kv_admission_window_s``: while keeping KV would evict (a disk budget nearly full), a
+    first miss is served as text and only remembered; the second within the window is captured,
+    and the third request injects it. Without pressure every miss is kept (the test above)."""
     mem = Memory(data_dir=serving_dir, dtype="float32", context_window=0, engine=engine, kv_admission_window_s=3600)
+    pool = mem.components.pool
     try:
         records = add_unencoded(mem, "cap-f", FACTS[:2])
+        assert not pool.under_pressure
+        pool.set_disk_budget(max(int(pool.disk.size() / 0.95), 1 << 20))  # what the folder holds: nothing evicted
+        assert pool.under_pressure
         keys = mem.components.kv.captured_keys(records)
         first = mem.inject(QUESTION, user_id="cap-f", k=2)
         assert set(first.kv_sources.values()) == {"text: not encoded yet"} and first.plan.capture is None
@@ -222,6 +227,7 @@ def test_admission_on_a_second_use_keeps_a_miss_only_when_it_comes_again(serving
         stats = mem.kv_stats()
         assert (stats["misses_kept"], stats["misses_not_kept"]) == (2, 2)
     finally:
+        pool.set_disk_budget(None)
         mem.components.kv.background.resume()
         mem.close()
 

@@ -33,6 +33,12 @@ def test_a_miss_is_kept_on_its_second_use_within_the_window_only():
     assert (rule.admitted, rule.refused) == (2, 6)
 
 
+def test_without_pressure_every_miss_is_kept_and_nothing_remembered():
+    rule = SecondUseAdmission(60, clock=Clock())
+    assert rule.admit(["a", "b"], pressure=False) == [True, True]
+    assert rule.admit(["a"]) == [False]  # under pressure now: a first miss (the earlier one was kept)
+
+
 def test_window_zero_keeps_every_miss_and_remembers_nothing():
     rule = SecondUseAdmission(0)
     assert not rule.enabled

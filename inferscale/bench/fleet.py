@@ -398,11 +398,15 @@ class Served:
         tiers: tier names, stack order.
         shares: per tier, the share of retrieved fact tokens it served (0-1).
         miss_share: the share served by none (re-encoded).
+        stored_share: retrieved fact tokens of misses kept (re-encoded or captured) per
+            retrieved fact token: ``miss_share`` when every miss is kept, less behind an
+            admission rule (:func:`inferscale.bench.fleet_exact.simulate_lru`'s ``admit_window``).
     """
 
     tiers: tuple[str, ...]
     shares: tuple[float, ...]
     miss_share: float
+    stored_share: float | None = None
 
     @property
     def kv_share(self) -> float:

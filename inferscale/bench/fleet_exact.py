@@ -20,7 +20,7 @@ from inferscale.bench.fleet import TIER_NAMES, Analytic, KVShape, Served, Worklo
 
 def simulate_lru(refs: Sequence[int], sizes: Sequence[float], depths: Sequence[float], *,
                  tokens: Sequence[float] | None = None, warmup: int = 0,
-                 tiers: Sequence[str] | None = None) -> Served:
+                 tiers: Sequence[str] | None = None, admit_window: int | None = None) -> Served:
     """Exact LRU, reference by reference: the tier each reference is served from.
 
     One byte-budgeted LRU (``OrderedDict``, least recently used out first; an item larger
@@ -35,9 +35,13 @@ def simulate_lru(refs: Sequence[int], sizes: Sequence[float], depths: Sequence[f
         tokens: tokens per item that weigh each reference (default 1 each: a hit rate by count).
         warmup: references that warm the caches and are not counted.
         tiers: names per depth (default ``tier0, tier1, ...``).
+        admit_window: admission on a second use (``kv_admission_window_s`` counted in
+            references): a miss that would evict is kept only when the same item missed within
+            that many references before (one that fits is kept); ``None`` keeps every miss.
 
     Returns:
-        Shares of the counted references' tokens per tier, and the miss share.
+        Shares of the counted references' tokens per tier, the miss share and the stored
+        share (tokens of misses kept).
 
     Raises:
         ValueError: depths that decrease or are negative, an unknown item, a warmup not
@@ -62,11 +66,21 @@ def simulate_lru(refs: Sequence[int], sizes: Sequence[float], depths: Sequence[f
     caches = [_LRU(cap, sizes_list) for cap in caps]
     deepest = len(caps) - 1
     served = [0.0] * (len(depths) + 1)
+    stored = 0.0
+    missed: dict[int, int] = {}  # item -> the reference of its last miss that was not kept
     for start in range(0, refs.size, 1 << 20):
         for pos, item in enumerate(refs[start:start + (1 << 20)].tolist(), start):
             where = len(depths)
             for c in range(deepest, -1, -1):
                 if not caches[c].touch(item):
+                    full = caches[c].used + sizes_list[item] > caches[c].budget
+                    if c == deepest and admit_window is not None and full:  # a miss that would evict:
+                        last = missed.pop(item, None)  # kept on its second use within the window only
+                        if last is None or pos - last > admit_window:
+                            missed[item] = pos
+                            break
+                    if c == deepest and pos >= warmup:
+                        stored += weight[item]
                     for shallower in caches[:c + 1]:  # inclusion: in none of the shallower either
                         shallower.add(item)
                     break
@@ -74,7 +88,7 @@ def simulate_lru(refs: Sequence[int], sizes: Sequence[float], depths: Sequence[f
             if pos >= warmup:
                 served[where] += weight[item]
     total = sum(served)
-    return Served(names, tuple(s / total for s in served[:-1]), served[-1] / total)
+    return Served(names, tuple(s / total for s in served[:-1]), served[-1] / total, stored / total)
 
 
 class _LRU:

@@ -325,7 +325,8 @@ class RequestBuilder:
         ranked, keys = [ranked[i] for i in order], [keys[i] for i in order]
         n_kv = sum(ready)
         # the misses worth keeping (every one, or those used twice within kv_admission_window_s)
-        kept = [r for r, keep in zip(ranked[n_kv:], self.kv.admission.admit(keys[n_kv:])) if keep]
+        admit = self.kv.admission.admit(keys[n_kv:], pressure=pool.under_pressure) if n_kv < len(ranked) else []
+        kept = [r for r, keep in zip(ranked[n_kv:], admit) if keep]
         capture = self.kv.capture and bool(kept) and not pool.disk_full
         self.kv.captures_seen |= bool(captured)
         if kept:

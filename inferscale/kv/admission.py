@@ -6,7 +6,9 @@ time) and, under a budget, evicts something else. A memory used once in a long w
 evicted again before its next use, so keeping it pays for nothing: the disk cache's classic
 "one-hit wonders". The rule here keeps a miss only when the same memory missed before within
 ``window_s`` seconds, as a doorkeeper in front of the cache does (Akamai's "cache on second hit";
-TinyLFU's doorkeeper, Einziger et al., ACM TOS 2017).
+TinyLFU's doorkeeper, Einziger et al., ACM TOS 2017), and only while keeping would evict
+(the pool under pressure): a pool with room keeps every miss, so the rule never leaves a
+budget unfilled.
 
 What it does to this project's pool is measured offline on the tiers replay's reference string
 (``scripts/tiers_policies.py``, docs/results/tiers/policies.md) and in the fleet simulator
@@ -61,17 +63,19 @@ class SecondUseAdmission:
         """Whether the rule refuses anything (a window above 0)."""
         return self.window_s > 0
 
-    def admit(self, keys: Sequence[str]) -> list[bool]:
+    def admit(self, keys: Sequence[str], *, pressure: bool = True) -> list[bool]:
         """For each missed key, whether to keep its KV now; remembers the ones refused.
 
         Args:
             keys: the missed memories' KV keys (any stable id per memory and format).
+            pressure: whether keeping evicts other KV (:attr:`KVPool.under_pressure`);
+                without pressure every miss is kept, as when the rule is off.
 
         Returns:
             One bool per key, in order: ``True`` for a second miss within the window (or
-            every miss when the rule is off).
+            every miss when the rule is off or nothing would be evicted).
         """
-        if not self.enabled:
+        if not self.enabled or not pressure:
             self.admitted += len(keys)
             return [True] * len(keys)
         now = self._clock()

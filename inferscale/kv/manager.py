@@ -96,7 +96,8 @@ class KVManager:
             meanwhile is dropped, not encoded.
         admission_window_s: ``kv_admission_window_s``: a miss is kept (captured or queued
             for the encoder) only on its second use within this many seconds
-            (:class:`~inferscale.kv.admission.SecondUseAdmission`); 0 keeps every miss.
+            while the pool is under pressure (:class:`~inferscale.kv.admission.SecondUseAdmission`);
+            0 keeps every miss.
 
     Raises:
         ValueError: an unknown ``storage``, a negative admission window.
@@ -118,7 +119,7 @@ class KVManager:
         storage: str = "auto",
         encode_when_idle: bool = True,
         capture: bool = True,
-        admission_window_s: float = 0.0,
+        admission_window_s: float = 86_400.0,
     ) -> None:
         if storage not in STORAGE_DTYPES:
             raise ValueError(f"kv_storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage!r}")

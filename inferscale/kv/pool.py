@@ -327,6 +327,17 @@ class KVPool:
             "served as text meanwhile)")
 
     @property
+    def under_pressure(self) -> bool:
+        """Whether keeping more KV on disk now soon evicts other KV: the disk holds at least
+        :attr:`DiskTier.LOW_WATERMARK` (90%) of its budget (bytes as last counted; an eviction
+        pass leaves that much), or the last write found the disk full. Without a budget, only
+        a full disk."""
+        if self.disk_full:
+            return True
+        budget = self.disk.budget_bytes
+        return budget is not None and self.disk.estimate() >= self.disk.LOW_WATERMARK * budget
+
+    @property
     def disk_full(self) -> bool:
         """Whether the last write found no room on the disk (until one fits again)."""
         return bool(self._disk_full_need)
