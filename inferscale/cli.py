@@ -356,6 +356,7 @@ def bench_tiers(
     context_window: int = typer.Option(0, min=0, help="w of the stored KV (budgets do not depend on it)."),
     touch_interval: float = typer.Option(1.0, min=0.0, help="Seconds between renewals of an entry's recency on disk (the pool's 60 s, scaled to the time-compressed trace)."),
     half_life: float = typer.Option(60.0, min=0.001, help="Seconds in which a use's weight halves under the lrfu policy (the pool's hour, scaled as the touch interval is)."),
+    admission_window: float = typer.Option(0.0, min=0, help="kv_admission_window_s of the replay (seconds; 0: every miss kept, as the published pages ran; the library's day is 1440 s scaled as the half-life is)."),
     policies: str = typer.Option("lru,lrfu", help="Eviction policies to replay, comma-separated: lru, lrfu."),
     encoders: str = typer.Option("eager", help="How a miss gets its KV, comma-separated: eager (encoded at once), idle (encoded only while no request is in flight), capture (kept from the request's own prefill, the encoder idle); each policy is replayed once per arm."),
     dtype: str = _DTYPE,
@@ -373,6 +374,7 @@ def bench_tiers(
                                          questions=questions, warmup=warmup, zipf=zipf, k=k, budgets=shares,
                                          context_window=context_window, dtype=dtype,
                                          touch_interval_s=touch_interval, half_life_s=half_life,
+                                         admission_window_s=admission_window,
                                          policies=[p.strip() for p in policies.split(",") if p.strip()],
                                          encoders=[e.strip() for e in encoders.split(",") if e.strip()]))
 
@@ -440,6 +442,7 @@ def bench_fleet(
                                         "data/locomo/locomo10.json when there, else LoCoMo's counts built in)."),
     validate_users: int = typer.Option(10_000, help="Users of the exact-vs-analytic check (0: skip)."),
     validate_requests: int = typer.Option(1_500_000, help="Requests of that check's trace (two thirds warm up)."),
+    admission_requests: int = typer.Option(600_000, min=0, help="Requests of the admission study's trace at --validate-users users (0: none)."),
 ) -> None:
     """Fleet sizing by simulation (no model): KV bytes per tier, hit rates and re-encode GPU time per hour
     for 10^4-10^7 users."""
@@ -462,7 +465,8 @@ def bench_fleet(
             memory_counts_source="built-in" if source is None else str(source), tokens_per_fact=tokens_per_fact,
             cost=EncodeCost(seconds_per_token=us_per_token * 1e-6, context_turns=context_window,
                             tokens_per_turn=tokens_per_turn),
-            validate_users=validate_users, validate_requests=validate_requests)
+            validate_users=validate_users, validate_requests=validate_requests,
+            admission_requests=admission_requests)
     except ValueError as exc:
         _fail(str(exc))
     command = " ".join(["inferscale bench fleet"] + [

@@ -194,7 +194,8 @@ def test_the_command_writes_json_markdown_and_plot(tmp_path):
     out = tmp_path / "fleet"
     done = CliRunner().invoke(app, ["bench", "fleet", "--out", str(out), "--users", "1e3,2e3", "--k", "10",
                                     "--user-zipf", "0.8,1.0", "--fact-zipf", "0.5,0.8", "--dtypes", "bfloat16,int4",
-                                    "--validate-users", "300", "--validate-requests", "20000"])
+                                    "--validate-users", "300", "--validate-requests", "20000",
+                                    "--admission-requests", "20000"])
     assert done.exit_code == 0, done.output
     assert sorted(p.name for p in out.iterdir()) == ["fleet.json", "fleet.md", "fleet.png"]
     summary = json.loads((out / "fleet.json").read_text())
@@ -206,6 +207,8 @@ def test_the_command_writes_json_markdown_and_plot(tmp_path):
     assert "inferscale bench fleet --out" in page and "--users 1e3,2e3" in page
     assert "Analytic vs exact LRU" in page and "Sensitivity to user popularity" in page
     assert "Sensitivity to retrieval over a user's facts" in page
+    assert [a["hours"] for a in summary["admission"]] == [None, 1.0, 24.0, 96.0]
+    assert "Admission on a second use (300 users" in page
     assert (out / "fleet.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -243,3 +246,34 @@ def test_belady_keeps_what_is_used_soonest_counted_by_hand():
     assert belady_token_share(refs, ones, ones, budget_bytes=3) == 1.0  # everything fits: all hit
     with pytest.raises(ValueError, match="budget_bytes >= 0"):
         belady_token_share(refs, ones, ones, budget_bytes=-1)
+
+
+def test_the_exact_engine_admits_a_miss_that_evicts_only_on_its_second_use_within_the_window():
+    """Hand-counted: budget 2 items of size 1. Keeping every miss: 3 hits, 5 misses kept.
+    Window 8: 2 is refused at its first miss (the cache is full), kept at its second (evicting
+    0), 0 is refused later: 3 hits, 3 kept. Window 1: 2's misses at 2 and 4 are too far apart,
+    it is kept at 5: 2 hits."""
+    from inferscale.bench.fleet_exact import simulate_lru
+
+    refs = [0, 1, 2, 1, 2, 2, 0, 1]
+    every = simulate_lru(refs, [1, 1, 1], [2])
+    assert (every.kv_share, every.stored_share) == (3 / 8, 5 / 8)
+    wide = simulate_lru(refs, [1, 1, 1], [2], admit_window=8)
+    assert (wide.kv_share, wide.stored_share) == (3 / 8, 3 / 8)
+    narrow = simulate_lru(refs, [1, 1, 1], [2], admit_window=1)
+    assert (narrow.kv_share, narrow.stored_share) == (2 / 8, 3 / 8)
+
+
+def test_the_admission_study_prices_each_window_and_refuses_a_bad_one():
+    from inferscale.bench.fleet import Workload
+    from inferscale.bench.fleet_exact import admission_study
+
+    w = Workload(users=200, memory_counts=(40,), k=5)
+    rows = admission_study(w, [0.0, 0.0, 5e9, 5e9], hours=(None, 24.0), requests=4000)
+    every, day = rows
+    assert every["hours"] is None and every["stored_share"] == pytest.approx(1 - every["kv_share"])
+    assert day["stored_share"] <= every["stored_share"]  # a window never keeps more
+    assert every["miss_text_gpu_s_per_hour"] + every["hit_saved_gpu_s_per_hour"] == pytest.approx(
+        day["miss_text_gpu_s_per_hour"] + day["hit_saved_gpu_s_per_hour"])  # the same tokens, split otherwise
+    with pytest.raises(ValueError, match="windows are hours"):
+        admission_study(w, [1e9], hours=(0.0,))

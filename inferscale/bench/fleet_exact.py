@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from inferscale.bench.fleet import TIER_NAMES, Analytic, KVShape, Served, Workload, analytic_served
+from inferscale.bench.fleet import TIER_NAMES, Analytic, EncodeCost, KVShape, Served, Workload, analytic_served
 
 
 def simulate_lru(refs: Sequence[int], sizes: Sequence[float], depths: Sequence[float], *,
@@ -217,13 +217,8 @@ def validate(workload: Workload, *, depth_shares: Sequence[float] = (0.05, 0.2, 
         raise ValueError(f"depth_shares must be non-decreasing shares in (0, 1], got {list(depth_shares)}")
     if not 0 <= warmup_share < 1:
         raise ValueError(f"warmup_share must be in [0, 1), got {warmup_share}")
-    mean_tokens = max(1, round(workload.tokens_per_fact))
-    token_spread = min(13, mean_tokens - 1) if token_spread is None else token_spread
-    if not 0 <= token_spread < mean_tokens:
-        raise ValueError(f"token_spread must be in [0, {mean_tokens}), got {token_spread}")
     trace = request_trace(workload, requests, seed=seed)
-    rng = np.random.default_rng(seed + 1)
-    tokens = rng.integers(mean_tokens - token_spread, mean_tokens + token_spread + 1, size=trace.num_facts)
+    tokens = _draw_tokens(workload, trace, token_spread, seed + 1)
     sizes = shape.fact_bytes(tokens, dtype)
     footprint = float(sizes.sum())
     depths = tuple(s * footprint for s in depth_shares)
@@ -235,3 +230,68 @@ def validate(workload: Workload, *, depth_shares: Sequence[float] = (0.05, 0.2, 
     gap = max([abs(a - b) for a, b in zip(exact.shares, analytic.shares)] + [abs(exact.kv_share - analytic.kv_share)])
     return Validation(workload.users, requests, len(trace.refs), warmup, tuple(depth_shares), depths,
                       (int(tokens.min()), int(tokens.max())), exact, analytic, gap)
+
+
+def _draw_tokens(workload: Workload, trace: Trace, token_spread: int | None, seed: int) -> np.ndarray:
+    """``[facts]`` int64 tokens per fact, uniform in ``tokens_per_fact +- token_spread``
+    (default 13, less for short facts).
+
+    Raises:
+        ValueError: a spread outside ``[0, tokens_per_fact)``.
+    """
+    mean_tokens = max(1, round(workload.tokens_per_fact))
+    token_spread = min(13, mean_tokens - 1) if token_spread is None else token_spread
+    if not 0 <= token_spread < mean_tokens:
+        raise ValueError(f"token_spread must be in [0, {mean_tokens}), got {token_spread}")
+    rng = np.random.default_rng(seed)
+    return rng.integers(mean_tokens - token_spread, mean_tokens + token_spread + 1, size=trace.num_facts)
+
+
+#: admission windows compared by :func:`admission_study` (hours; ``None``: every miss kept)
+ADMISSION_HOURS = (None, 1.0, 24.0, 96.0)
+
+
+def admission_study(workload: Workload, depths: Sequence[float], *, hours: Sequence[float | None] = ADMISSION_HOURS,
+                    requests: int = 600_000, warmup_share: float = 2 / 3, dtype: str = "bfloat16",
+                    shape: KVShape = KVShape(), cost: EncodeCost = EncodeCost(), seed: int = 3) -> list[dict]:
+    """Admission on a second use (``kv_admission_window_s``), replayed exactly on one drawn
+    trace per window: a miss that would evict is kept only when the same fact missed within
+    the window (one that fits is kept, as :attr:`inferscale.kv.pool.KVPool.under_pressure`
+    has it). Time is the trace's: ``workload.requests_per_hour``.
+
+    Args:
+        depths: the tiers' stack depths in bytes (:meth:`Tiers.depths`).
+        hours: windows compared, in hours (``None``: every miss kept).
+        requests: requests drawn; the first ``warmup_share`` of the references are not counted.
+
+    Returns:
+        One dict per window: ``hours``, ``kv_share`` (retrieved fact tokens served as KV),
+        ``stored_share`` (tokens of misses kept, per retrieved token), and GPU seconds per hour
+        of the fleet: ``kept_reencode_gpu_s_per_hour`` (if every kept miss were re-encoded:
+        ``capture_kv`` off), ``miss_text_gpu_s_per_hour`` (the misses' own text prefill) and
+        ``hit_saved_gpu_s_per_hour``.
+
+    Raises:
+        ValueError: a window <= 0, a warmup share outside [0, 1).
+    """
+    if any(h is not None and not h > 0 for h in hours) or not 0 <= warmup_share < 1:
+        raise ValueError(f"windows are hours > 0 (or None) and the warmup a share in [0, 1), got {list(hours)}, "
+                         f"{warmup_share}")
+    trace = request_trace(workload, requests, seed=seed)
+    tokens = _draw_tokens(workload, trace, None, seed + 1)
+    sizes = shape.fact_bytes(tokens, dtype)
+    refs_per_hour = workload.requests_per_hour * len(trace.refs) / trace.requests
+    warmup = int(len(trace.refs) * warmup_share)
+    counted = trace.refs[warmup:]
+    tokens_per_hour = refs_per_hour * float(tokens[counted].mean())
+    per_token = cost.seconds_per_token
+    miss_tokens = cost.tokens_per_miss(workload.tokens_per_fact) / workload.tokens_per_fact  # re-encode per fact token
+    rows = []
+    for h in hours:
+        served = simulate_lru(trace.refs, sizes, depths, tokens=tokens, warmup=warmup,
+                              admit_window=None if h is None else int(h * refs_per_hour))
+        rows.append({"hours": h, "kv_share": served.kv_share, "stored_share": served.stored_share,
+                     "kept_reencode_gpu_s_per_hour": served.stored_share * tokens_per_hour * miss_tokens * per_token,
+                     "miss_text_gpu_s_per_hour": served.miss_share * tokens_per_hour * per_token,
+                     "hit_saved_gpu_s_per_hour": served.kv_share * tokens_per_hour * per_token})
+    return rows

@@ -20,7 +20,7 @@ import numpy as np
 from inferscale.bench.fleet import (GIB, LOCOMO_FACT_COUNTS, STORAGE_DTYPES, TIB, TIER_NAMES, TOKENS_PER_FACT,
                                     Analytic, EncodeCost, KVShape, Served, Tiers, Workload, analytic_served,
                                     served_from_hits)
-from inferscale.bench.fleet_exact import validate
+from inferscale.bench.fleet_exact import admission_study, validate
 
 NAME = "fleet"
 
@@ -148,6 +148,8 @@ class FleetSettings:
         tokens_per_fact: mean tokens of a fact (30.1, LoCoMo with SmolLM2's tokenizer).
         cost: the GPU time of a re-encode (:class:`~inferscale.bench.fleet.EncodeCost`).
         validate_users, validate_requests: the exact-vs-analytic check (0 users: none).
+        admission_requests: requests of the admission study (:func:`admission_study`, exact
+            LRU at ``validate_users`` users, k and popularity of the headline, bf16; 0: none).
         seed: draws each user's memory size.
 
     Raises:
@@ -172,6 +174,7 @@ class FleetSettings:
     cost: EncodeCost = field(default_factory=EncodeCost)
     validate_users: int = 10_000
     validate_requests: int = 1_500_000
+    admission_requests: int = 600_000
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -186,8 +189,8 @@ class FleetSettings:
             raise ValueError(f"users_per_machine must be an integer >= 1, got {self.users_per_machine!r}")
         if not 0 < self.target < 1:
             raise ValueError(f"target must be a share in (0, 1), got {self.target}")
-        if self.validate_users < 0 or self.validate_requests < 1:
-            raise ValueError("validate_users must be >= 0 and validate_requests >= 1")
+        if self.validate_users < 0 or self.validate_requests < 1 or self.admission_requests < 0:
+            raise ValueError("validate_users and admission_requests must be >= 0 and validate_requests >= 1")
         for users in self.users:
             for k in self.ks:
                 for s, f in self.popularities():
@@ -236,10 +239,15 @@ def run(out_dir: Path, settings: FleetSettings = FleetSettings(), *, command: st
     if settings.validate_users:
         checked = validate(settings.workload(settings.validate_users, k0, s0, f0),
                            requests=settings.validate_requests, seed=settings.seed + 1)
+    admission = None
+    if settings.validate_users and settings.admission_requests:
+        admission = admission_study(settings.workload(settings.validate_users, k0, s0, f0),
+                                    settings.tiers(settings.validate_users).depths(),
+                                    requests=settings.admission_requests, cost=settings.cost, seed=settings.seed + 3)
     headline = {"users": _headline_users(settings), "k": k0, "user_zipf": s0, "fact_zipf": f0}
     summary = {"date": datetime.date.today().isoformat(), "command": command, "settings": _jsonable(settings),
                "headline": headline, "cells": [_jsonable(c) for c in cells], "curve": curves,
-               "validation": None if checked is None else _jsonable(checked)}
+               "validation": None if checked is None else _jsonable(checked), "admission": admission}
     write_outputs(out_dir, NAME, summary, to_markdown({**summary, "machine": machine()}))
     plot_fleet(summary, Path(out_dir) / f"{NAME}.png")
     return summary
@@ -375,6 +383,20 @@ def to_markdown(summary: dict) -> str:
                      f"{saved:,.0f}", f"{saved - re:+,.0f}", f"{saved:+,.0f}"])
     lines.append(markdown_table(["users", "k", "dtype", "KV", "misses' text prefill", "before: re-encodes",
                                  "after: captures", "hits save", "net before", "net after"], rows))
+    if summary.get("admission"):
+        lines += ["", f"## Admission on a second use ({st['validate_users']:,} users, k={k0}, bf16, exact LRU)", "",
+                  "`kv_admission_window_s`: while keeping a miss would evict, it is kept only when the same fact "
+                  "missed within the window; a pool with room keeps every miss. One drawn trace of "
+                  f"{st['admission_requests']:,} requests (the last third counted), replayed per window at the "
+                  "default budgets. Kept: tokens of misses kept (captured, or re-encoded) per retrieved token; "
+                  "GPU-s/h if each kept miss were re-encoded (`capture_kv` off; captured, they cost no GPU time).",
+                  ""]
+        rows = [["every miss kept" if a["hours"] is None else f"{a['hours']:g} h", _pct(a["kv_share"]),
+                 _pct(a["stored_share"]), f"{a['kept_reencode_gpu_s_per_hour']:,.1f}",
+                 f"{a['miss_text_gpu_s_per_hour']:,.1f}", f"{a['hit_saved_gpu_s_per_hour']:,.1f}"]
+                for a in summary["admission"]]
+        lines.append(markdown_table(["window", "KV", "misses kept", "re-encode GPU-s/h", "misses' text GPU-s/h",
+                                     "hits save GPU-s/h"], rows))
     lines += ["", "## At the budgets", "",
               "Shares of retrieved fact tokens served per tier; hit rate of a tier = what it serves of what "
               "reaches it (-: nothing reaches it). Hours: how long an unused fact stays in the deepest tier.", ""]

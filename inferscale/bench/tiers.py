@@ -80,7 +80,8 @@ def make_trace(question_counts: Sequence[int], n: int, s: float, seed: int = 0) 
 def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, questions: int = 300, warmup: int = 100,
         zipf: float = 1.1, k: int = 10, budgets: Sequence[float] = (1.0, 0.5, 0.25, 0.1), context_window: int = 0,
         dtype: str = "auto", seed: int = 0, touch_interval_s: float = 1.0, half_life_s: float = 60.0,
-        policies: Sequence[str] = POLICIES, encoders: Sequence[str] = ("eager",)) -> dict:
+        policies: Sequence[str] = POLICIES, encoders: Sequence[str] = ("eager",),
+        admission_window_s: float = 0.0) -> dict:
     """Build the store (once), replay the trace at each budget; writes ``tiers.{json,md,png}``.
 
     Args:
@@ -104,6 +105,9 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
             (kept from the request's own prefill: ``MemoryConfig.capture_kv``, the encoder
             idle). Each policy is replayed once per arm, in one process, so they compare side
             by side; every arm starts from the same encoded pool, with no captured KV.
+        admission_window_s: the replay's ``kv_admission_window_s`` (default 0: every miss is
+            kept, as the published pages ran; the library's day, scaled as the half-life is,
+            is 1440 s).
 
     Returns:
         The summary written to ``tiers.json``.
@@ -125,7 +129,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
     scopes = [f"tiers-{i}" for i in range(users)]
     asked = [[q.question for q in convs[i % len(convs)].qa if q.category in (1, 2, 3, 4)] for i in range(users)]
     trace = make_trace([len(a) for a in asked], questions, zipf, seed)
-    settings = dict(dtype=dtype, context_window=context_window, top_k=k)
+    settings = dict(dtype=dtype, context_window=context_window, top_k=k, kv_admission_window_s=admission_window_s)
 
     with Memory(data_dir=store_dir, precompute_kv=True, **settings) as mem:
         mem.components.pool.set_disk_budget(None)  # a budget left by an interrupted run
@@ -167,6 +171,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
     summary = {"name": NAME, "users": users, "facts": facts, "questions": questions, "warmup": warmup, "zipf": zipf,
                "k": k, "context_window": context_window, "dtype": dtype_used,
                "full_pool_bytes": full, "touch_interval_s": touch_interval_s, "half_life_s": half_life_s,
+               "admission_window_s": admission_window_s,
                "policies": list(policies), "encoders": list(encoders), "clairvoyant_kv_token_share": ceilings,
                "cells": cells,
                "machine": machine()}
