@@ -13,7 +13,7 @@ the budget, as the disk tier's do; every cache starts warm as Belady's does (hol
 the trace uses first, as many as fit: the live replays start from a full pool) and the first
 ``warmup`` questions are not counted. No model runs: the store's search only.
 
-    inferscale bench tiers ...             # builds the store once (<data dir>/bench-tiers)
+    inferscale bench tiers ...             # or let this script store the facts (no KV) in <data dir>/bench-tiers
     python scripts/tiers_policies.py --questions 3000 --warmup 1000 --out docs/results/tiers/policies.md
 
 About a minute on two cores.
@@ -22,13 +22,14 @@ About a minute on two cores.
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
 from inferscale.bench.clairvoyant import belady_token_share
-from inferscale.bench.common import markdown_table, print_page
+from inferscale.bench.common import machine, markdown_table, print_page
 from inferscale.bench.tiers import make_trace
 from inferscale.config import default_data_dir
 from inferscale.datasets.locomo import load_locomo, store_conversation
@@ -138,6 +139,10 @@ def replay(refs, tokens, budget: float, warmup: int, *, half_life: float | None 
     return Replayed(hit / total if total else 0.0, stored, total - hit)
 
 
+#: admission windows replayed (questions; the LRFU rows halve a use's weight in 300)
+ADMISSION_WINDOWS = (25, 100, 300, 1000, math.inf)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", type=Path, default=None, help="the replay's store (default <data dir>/bench-tiers)")
@@ -152,7 +157,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the page here too")
     a = ap.parse_args()
     store = a.store or default_data_dir() / "bench-tiers"
-    policies = [("LRU", {}), ("LRU, admitted on a second miss", {"admit_second": True}), ("LFU", {"lfu": True}),
+    policies = [("LRU", {}), ("LRU, admitted on a second miss", {"admit_window": math.inf}), ("LFU", {"lfu": True}),
                 ("LRFU, half-life 100 questions", {"half_life": 100.0}),
                 ("LRFU, half-life 300 questions", {"half_life": 300.0})]
     shares = (0.5, 0.25, 0.1)
@@ -162,17 +167,31 @@ def main() -> None:
         facts = len({x for r in refs for x in r})
         if n == 0:
             first = (users, refs, full, facts)
-            rows = [[name] + [f"{replay(refs, tokens, full * s, a.warmup, **kw):.1%}" for s in shares]
+            rows = [[name] + [f"{replay(refs, tokens, full * s, a.warmup, **kw).share:.1%}" for s in shares]
                     for name, kw in policies]
+            admission = []
+            for name, kw in (policies[0], policies[4]):
+                for share in (0.25, 0.1):
+                    every = replay(refs, tokens, full * share, a.warmup, **kw)
+                    for window in (None, *ADMISSION_WINDOWS):
+                        r = every if window is None else replay(refs, tokens, full * share, a.warmup,
+                                                                admit_window=window, **kw)
+                        admission.append([name, f"{share:.0%}", "every miss kept" if window is None else
+                                          "any earlier miss" if window == math.inf else f"{window:g} questions", f"{r.share:.1%}",
+                                          f"{100 * r.stored / (a.questions - a.warmup):,.0f}",
+                                          f"{r.stored / every.stored:.2f}x" if every.stored else "-"])
             rows.append(["Belady's MIN (clairvoyant)"]
                         + [f"{belady_token_share(refs, tokens, tokens, int(full * s), a.warmup):.1%}" for s in shares])
         quarter = full * 0.25
         by_users.append([f"{users}", f"{held:,}", f"{facts:,} ({facts / held:.0%})"]
-                        + [f"{replay(refs, tokens, quarter, a.warmup, **kw):.1%}" for _, kw in
+                        + [f"{replay(refs, tokens, quarter, a.warmup, **kw).share:.1%}" for _, kw in
                            (policies[0], policies[2], policies[4])]
                         + [f"{belady_token_share(refs, tokens, tokens, int(quarter), a.warmup):.1%}"])
     users, refs, full, facts = first
+    m = machine()
     page = f"""# Eviction policies on the tiers replay's reference string (offline)
+
+Run {datetime.date.today().isoformat()} on {m['cpu']} ({m['cores']} cores), model-free, commit {m.get('commit', '?')}.
 
 {users} users (conversation i mod 10 each), Zipf s = {a.zipf}, k = {a.k}, {a.questions:,} questions of which the first {a.warmup:,} are not
 counted (seed {a.seed}); {sum(map(len, refs)):,} references to {facts:,} of the store's facts;
@@ -190,8 +209,18 @@ short horizon: what a fleet needs over days is [Sizing a fleet](../../sizing.md)
 {markdown_table(["users", "facts held", "facts asked about", "LRU", "LFU", "LRFU, 300 questions",
                  "Belady's MIN"], by_users)}
 
+## Admission on a second use
+
+`kv_admission_window_s`: a miss is kept only when the same fact missed within the window
+(counted in questions here; the cache starts full, so every miss would evict). Stored: fact
+tokens of misses kept per 100 counted questions (what keeping costs: captures written, or
+re-encodes with `capture_kv` off), and against keeping every miss. {a.users[0]} users, as above.
+
+{markdown_table(["policy", "budget", "window", "served as KV", "tokens stored / 100 questions",
+                 "stored vs every miss kept"], admission)}
+
 Reproduce: `python scripts/tiers_policies.py --users {' '.join(map(str, a.users))} --zipf {a.zipf} --questions {a.questions} --warmup {a.warmup}`
-after `inferscale bench tiers` has built its store (about a minute a population on two cores; its docstring).
+(it stores the facts in `inferscale bench tiers`' store when that is missing; about a minute a population on two cores).
 """
     print_page(page, a.out)
 
