@@ -94,6 +94,48 @@ def demo(
         console.print(f"transcript written to {record}")
 
 
+@app.command("reembed")
+def reembed_command(
+    embedder: str = typer.Option(..., help="The new embedder: a sentence-transformers folder, a hub id, or pypi:<package>."),
+    data_dir: Optional[Path] = typer.Option(None, help="The data dir (default: $INFERSCALE_DATA_DIR or ~/.local/share/inferscale)."),
+    chroma_url: Optional[str] = typer.Option(None, help="The Chroma server holding the memories (default $INFERSCALE_CHROMA_URL; none: the data dir's embedded store)."),
+) -> None:
+    """Embed every memory again with another embedder, so the store opens with embedder=<it>.
+    Ids, texts, metadata, history, turns and KV stay; the store is refused while it runs, and a
+    re-embed that stops is finished by running it again."""
+    from inferscale.config import MemoryConfig
+    from inferscale.models.embedding import Embedder
+    from inferscale.models.resolve import ModelNotFoundError, resolve_embedder
+    from inferscale.store.reembed import reembed
+    from inferscale.store.records import StoreError
+
+    overrides: dict = {"embedder": embedder}
+    if chroma_url is not None:
+        overrides["chroma_url"] = chroma_url
+    if data_dir is not None:
+        overrides["data_dir"] = data_dir
+    try:
+        config = MemoryConfig(**overrides)
+    except (TypeError, ValueError) as exc:
+        _fail(str(exc))
+    if config.data_dir.exists() and not config.data_dir.is_dir():
+        _fail(f"--data-dir {config.data_dir} is a file: give the data dir (a folder)")
+    if config.chroma_url is None and not (config.data_dir / "chroma").is_dir():
+        _fail(f"{config.data_dir} has no memory store ({config.data_dir / 'chroma'}): nothing to re-embed")
+    try:
+        model = Embedder(config.embedder, "cpu", source=resolve_embedder(config.embedder),
+                         backend=config.embedder_backend)
+        count = reembed(config.data_dir, config.chroma_server(), config.embedder,
+                        lambda texts: model.encode(texts).numpy())
+    except (StoreError, ModelNotFoundError) as exc:
+        _fail(str(exc))
+    if count == 0:
+        console.print(f"the memories of {config.chroma_url or config.data_dir} are embedded with {embedder} already")
+        return
+    console.print(f"re-embedded {count} memories with {embedder}: open the store with embedder={embedder!r} "
+                  f"(INFERSCALE_EMBEDDER={embedder})")
+
+
 @app.command("copy-to-chroma")
 def copy_to_chroma(
     chroma_url: Optional[str] = typer.Option(None, help="The Chroma server (http://host:port; default $INFERSCALE_CHROMA_URL)."),

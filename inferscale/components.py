@@ -33,7 +33,7 @@ from inferscale.models.resolve import model_fingerprint, resolve_embedder, resol
 from inferscale.generation.prompt import PromptBuilder
 from inferscale.generation.request import RequestBuilder
 from inferscale.store.sql import Database
-from inferscale.store.chroma import FactStore
+from inferscale.store.chroma import REEMBEDDING_KEY, FactStore, reembed_message
 from inferscale.store.records import SCHEMA_VERSION, StoreError
 from inferscale.store.turns import TurnLog
 from inferscale.store.chat_log import ChatLog
@@ -114,7 +114,7 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
     device = best_device()
     kv_dir = data / "kv"
     try:
-        store = FactStore(data / "chroma", config.chroma_server())
+        store = FactStore(data / "chroma", config.chroma_server(), embedder=config.embedder)
         turns, history_log = _logs(config)
         chats = ChatLog(history_log.db)
         kv_jobs = KVJobQueue(data / "kv_jobs.sqlite")
@@ -198,7 +198,9 @@ def check_data_dir(data: Path, embedder: str, chroma_url: str | None = None) -> 
     moved = moved_message(data, found) if chroma_url is None else None
     if moved:  # its memories are on a server: the empty embedded store would hide them
         raise StoreError(moved)
+    if REEMBEDDING_KEY in found:
+        raise StoreError(f"a re-embed of the memories at {data} with {found[REEMBEDDING_KEY]!r} stopped half-way: run "
+                         f"`inferscale reembed --embedder {found[REEMBEDDING_KEY]}` again to finish it")
     if found.get("embedder") != embedder:
-        raise StoreError(f"the store at {data} was built with embedder {found.get('embedder')!r}, not "
-                         f"{embedder!r}: open it with embedder={found.get('embedder')!r} or use another data_dir")
+        raise StoreError(reembed_message(str(data), found.get("embedder"), embedder))
     return None

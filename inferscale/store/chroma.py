@@ -24,6 +24,43 @@ _COLLECTION = "inferscale_memories"
 #: 32,766 (SQLite's SQLITE_MAX_VARIABLE_NUMBER since 3.32), so a scope of 33,000 facts could
 #: not be loaded in one ``get``; reads of more ids go in chunks of this many.
 IDS_PER_READ = 10_000
+#: Collection metadata: the embedder that built the collection's embeddings.
+EMBEDDER_KEY = "inferscale_embedder"
+#: Collection metadata: a re-embed to this embedder is under way (``inferscale reembed``).
+REEMBEDDING_KEY = "inferscale_reembedding"
+#: The collection a re-embed writes into (``<collection><suffix>``) before it takes the name.
+REEMBED_SUFFIX = "-reembed"
+
+
+def reembed_message(where: str, found: str, wanted: str) -> str:
+    """The one line that refuses a store built with embedder ``found`` when ``wanted`` is set."""
+    return (f"the memories at {where} were embedded with {found!r}, not {wanted!r}: re-embed them with "
+            f"`inferscale reembed --embedder {wanted}` (same --data-dir / --chroma-url), or open the store with "
+            f"embedder={found!r}")
+
+
+def _open_client(path: Path, server: "ChromaServer | None"):
+    """A Chroma client: the server's, or the embedded one in ``path`` (created when missing)."""
+    import chromadb
+    from chromadb.config import Settings
+
+    if server is not None:
+        from inferscale.runtime.outages import OUTAGES
+
+        client = server.client()
+        OUTAGES.register_probe("chroma", client.heartbeat)
+        return client
+    path.mkdir(parents=True, exist_ok=True)
+    return chromadb.PersistentClient(path=str(path), settings=Settings(anonymized_telemetry=False))
+
+
+def has_collection(client, name: str) -> bool:
+    """Whether ``client`` holds a collection called ``name``."""
+    try:
+        client.get_collection(name)
+    except Exception:  # noqa: BLE001 - chromadb's NotFoundError / ValueError
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -82,31 +119,29 @@ class FactStore:
     Args:
         path: folder of the embedded Chroma database (created when missing; unused with ``server``).
         server: a Chroma server to use instead (:class:`ChromaServer`).
+        embedder: the embedder this process embeds with: a collection built with another is
+            refused (:func:`reembed_message`), one that names none is marked with it, a new one
+            is created with it (``None``: no check, for copies and re-embeds).
 
     Raises:
         StoreError: the folder cannot be created or written, the server cannot be reached,
-            or the store was written by an incompatible schema version.
+            the store was written by an incompatible schema version, with another embedder,
+            or a re-embed of it stopped half-way.
     """
 
-    def __init__(self, path: Path, server: ChromaServer | None = None) -> None:
-        import chromadb
-        from chromadb.config import Settings
-
+    def __init__(self, path: Path, server: ChromaServer | None = None, embedder: str | None = None) -> None:
         where = server.url if server is not None else str(path)
         self._server = server
+        self.name = server.collection if server is not None else _COLLECTION
         try:
-            if server is not None:
-                from inferscale.runtime.outages import OUTAGES
-
-                self._client = server.client()
-                OUTAGES.register_probe("chroma", self._client.heartbeat)
-            else:
-                path.mkdir(parents=True, exist_ok=True)
-                self._client = chromadb.PersistentClient(path=str(path), settings=Settings(anonymized_telemetry=False))
+            self._client = _open_client(path, server)
+            if embedder is not None and has_collection(self._client, self.name + REEMBED_SUFFIX) \
+                    and not has_collection(self._client, self.name):  # a re-embed stopped before renaming
+                raise StoreError(f"a re-embed of the memories at {where} stopped half-way: run `inferscale reembed "
+                                 f"--embedder {embedder}` again to finish it")
+            metadata = {"hnsw:space": "cosine", "inferscale_schema": SCHEMA_VERSION}
             self._col = self._client.get_or_create_collection(
-                server.collection if server is not None else _COLLECTION,
-                metadata={"hnsw:space": "cosine", "inferscale_schema": SCHEMA_VERSION}
-            )
+                self.name, metadata=metadata if embedder is None else {**metadata, EMBEDDER_KEY: embedder})
         except PermissionError as exc:
             raise StoreError(f"cannot write the memory store at {path}: {exc}. Choose a writable data_dir.") from exc
         except StoreError:
@@ -125,6 +160,31 @@ class FactStore:
             )
         self._lock = threading.Lock()
         self._max_batch: int | None = None
+        if embedder is not None:
+            self._check_embedder(embedder, where)
+
+    @property
+    def metadata(self) -> dict:
+        """The collection's own metadata (schema version, embedder, a re-embed under way)."""
+        return dict(self._col.metadata or {})
+
+    def set_metadata(self, **fields: object) -> None:
+        """Set (or, with ``None``, drop) fields of the collection's metadata; the distance
+        function, fixed at creation, is left alone."""
+        meta = {k: v for k, v in self.metadata.items() if not k.startswith("hnsw:")}
+        meta.update(fields)
+        self._col.modify(metadata={k: v for k, v in meta.items() if v is not None})
+
+    def _check_embedder(self, embedder: str, where: str) -> None:
+        meta = self.metadata
+        if REEMBEDDING_KEY in meta:
+            raise StoreError(f"a re-embed of the memories at {where} with {meta[REEMBEDDING_KEY]!r} stopped half-way: "
+                             f"run `inferscale reembed --embedder {meta[REEMBEDDING_KEY]}` again to finish it")
+        found = meta.get(EMBEDDER_KEY)
+        if found is None:  # built before collections named their embedder: the data dir's manifest vouched for it
+            self.set_metadata(**{EMBEDDER_KEY: embedder})
+        elif found != embedder:
+            raise StoreError(reembed_message(where, found, embedder))
 
     @property
     def max_batch(self) -> int:

@@ -1,0 +1,130 @@
+"""Re-embed a store's memories with another embedder (``inferscale reembed``).
+
+A collection's embeddings all come from one embedder: a query embedded by another would be
+compared with vectors of another space, and answers would quietly get worse. So a store
+names its embedder (the data dir's manifest, and the Chroma collection's metadata,
+:data:`~inferscale.store.chroma.EMBEDDER_KEY`), and :class:`~inferscale.memory.Memory`
+refuses to open it with another (:func:`~inferscale.store.chroma.reembed_message`). This
+module moves a store to a new embedder, never leaving it mixed:
+
+1. the collection is marked (:data:`~inferscale.store.chroma.REEMBEDDING_KEY`): from then
+   on it is refused, by every process, until the re-embed ends;
+2. every memory (id, text, metadata) is embedded again into a new collection
+   ``<collection>-reembed``, checked complete;
+3. the old collection is dropped and the new one takes its name; the manifest names the new
+   embedder.
+
+A re-embed that stops at any point is finished by running it again (step 2 starts over; a
+new collection left complete by a stop between the drop and the rename is renamed). Ids,
+texts, metadata, the history, the turn log and the KV pool are untouched: KV depends on the
+LLM, not the embedder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from inferscale.checks import first_line
+from inferscale.store.chroma import (_COLLECTION, EMBEDDER_KEY, REEMBED_SUFFIX, REEMBEDDING_KEY, FactStore,
+                                     _open_client, has_collection)
+from inferscale.store.embedded import MANIFEST, _check_not_served
+from inferscale.store.records import SCHEMA_VERSION, StoreError
+
+#: Marks the new collection complete (every memory embedded and counted).
+COMPLETE_KEY = "inferscale_reembed_complete"
+
+
+def reembed(data_dir: Path, server, embedder: str, embed: Callable[[list[str]], np.ndarray], *,
+            batch: int = 256, progress: bool = True) -> int:
+    """Re-embed every memory of the store of ``data_dir`` (or of ``server``'s collection) with
+    ``embedder``.
+
+    Args:
+        data_dir: the data dir (its embedded store, its manifest, its serve lock).
+        server: a :class:`~inferscale.store.chroma.ChromaServer`, or ``None`` for the embedded store.
+        embedder: the new embedder's name, as ``MemoryConfig.embedder`` will give it.
+        embed: texts -> ``[n, dim]`` float32 unit vectors (the new embedder's ``encode``).
+        batch: texts per ``embed`` call.
+        progress: show a progress bar.
+
+    Returns:
+        The number of memories re-embedded (0: the store already used ``embedder``, or holds none).
+
+    Raises:
+        StoreError: ``inferscale serve`` holds the data dir; the store cannot be read or
+            written (one line; run it again to finish).
+    """
+    _check_not_served(data_dir)
+    path = Path(data_dir) / "chroma"
+    where = server.url if server is not None else str(path)
+    try:
+        client = _open_client(path, server)
+        name = server.collection if server is not None else _COLLECTION
+        temp = name + REEMBED_SUFFIX
+        if not has_collection(client, name) and has_collection(client, temp):  # stopped between drop and rename
+            new = client.get_collection(temp)
+            if (new.metadata or {}).get(COMPLETE_KEY):
+                return _take_name(client, new, name, data_dir, embedder, new.count())
+            raise StoreError(f"the re-embed of {where} lost its memories: the collection {temp!r} is incomplete "
+                             "and the original is gone; restore the store from a backup")
+        store = FactStore(path, server)
+        if store.metadata.get(EMBEDDER_KEY) == embedder and REEMBEDDING_KEY not in store.metadata:
+            _record(data_dir, embedder)
+            return 0
+        _record(data_dir, reembedding=embedder)  # refused here and everywhere from now until the end
+        store.set_metadata(**{REEMBEDDING_KEY: embedder})
+        rows = store.rows(include=("documents", "metadatas"))
+        if has_collection(client, temp):
+            client.delete_collection(temp)  # an earlier try's partial copy
+        new = client.create_collection(temp, metadata={"hnsw:space": "cosine", "inferscale_schema": SCHEMA_VERSION,
+                                                       EMBEDDER_KEY: embedder})
+        ids, docs, metas = rows["ids"], rows["documents"], rows["metadatas"]
+        step = min(batch, int(client.get_max_batch_size()))
+        with tqdm(total=len(ids), desc=f"re-embed with {embedder}", unit="memory", disable=not progress) as bar:
+            for start in range(0, len(ids), step):
+                part = slice(start, start + step)
+                vectors = np.asarray(embed(list(docs[part])), dtype=np.float32)
+                new.add(ids=list(ids[part]), embeddings=vectors, documents=list(docs[part]),
+                        metadatas=list(metas[part]))
+                bar.update(len(ids[part]))
+        if new.count() != len(ids):
+            raise StoreError(f"the re-embed of {where} wrote {new.count()} of {len(ids)} memories: the store is left "
+                             "as it was (refused until a re-embed ends); run it again")
+        new.modify(metadata={"inferscale_schema": SCHEMA_VERSION, EMBEDDER_KEY: embedder, COMPLETE_KEY: True})
+        client.delete_collection(name)
+        return _take_name(client, new, name, data_dir, embedder, len(ids))
+    except StoreError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - chromadb's and httpx's errors: one line; a rerun finishes it
+        raise StoreError(f"the re-embed of {where} stopped ({type(exc).__name__}: {first_line(exc)}): the store is "
+                         "refused until it ends; run `inferscale reembed` again to finish it") from None
+
+
+def _take_name(client, new, name: str, data_dir: Path, embedder: str, count: int) -> int:
+    """Give the complete new collection the store's name and the manifest the new embedder."""
+    new.modify(name=name)
+    client.get_collection(name).modify(metadata={"inferscale_schema": SCHEMA_VERSION, EMBEDDER_KEY: embedder})
+    _record(data_dir, embedder)
+    return count
+
+
+def _record(data_dir: Path, embedder: str | None = None, *, reembedding: str | None = None) -> None:
+    """Name ``embedder`` in the data dir's manifest and end its re-embed, or note a re-embed to
+    ``reembedding`` under way (written whole, then renamed)."""
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        return
+    manifest = json.loads(path.read_text())
+    if reembedding is not None:
+        manifest[REEMBEDDING_KEY] = reembedding
+    else:
+        manifest["embedder"] = embedder
+        manifest.pop(REEMBEDDING_KEY, None)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(path)
