@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import warnings
 from pathlib import Path
 from typing import List, Optional
@@ -36,6 +37,18 @@ def _quiet() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:  # transformers is a dependency; this only guards odd installs
         pass
+
+
+@bench_app.callback()
+def _stop_on_sigterm() -> None:
+    """A benchmark stopped with SIGTERM (``kill``, a job's timeout) stops as Ctrl-C stops it:
+    the resumable ones summarize what they answered, and every ``Memory`` closes, so vLLM's
+    engine processes end with the benchmark instead of running on as orphans."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @models_app.command("prepare")

@@ -103,3 +103,21 @@ def test_a_bad_setting_in_the_environment_is_one_line(tmp_path):
     env = {**os.environ, "INFERSCALE_DTYPE": "fp16"}
     proc = run_cli("serve --data-dir {afile}x", tmp_path, env)
     check_one_line(proc, "INFERSCALE_DTYPE")
+
+
+def test_a_benchmark_stopped_with_sigterm_stops_as_ctrl_c_does(tmp_path):
+    """SIGTERM raises KeyboardInterrupt in a benchmark (so its Memory closes and vLLM's engine
+    processes end with it): the process exits through Python's handler, not killed by the
+    signal (which would read as -15)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "inferscale.cli", "bench", "fleet", "--out", str(tmp_path / "f"),
+                             "--users", "1e4", "--validate-users", "10000", "--validate-requests", "50000000"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)  # inside the exact simulation (minutes long)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode not in (-signal.SIGTERM, 0), (proc.returncode, err[-500:])
+    assert not (tmp_path / "f" / "fleet.json").exists()
