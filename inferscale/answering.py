@@ -253,7 +253,7 @@ class Answering:
 
     def inject(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                run_id: str | None = None, k: int | None = None, context_window: int | None = None,
-               wait_for_kv: bool = False) -> Injection:
+               wait_for_kv: bool = False, text_tail: int = 0) -> Injection:
         """Retrieve the scope's top-``k`` facts and prepare one vLLM request that injects their KV.
 
         Facts whose KV is not encoded yet are placed as text after the injected ones (see
@@ -263,13 +263,16 @@ class Answering:
             k: facts to retrieve (default ``config.top_k``).
             context_window: w, in turns (default ``config.context_window``).
             wait_for_kv: encode missing KV first, so every fact is injected.
+            text_tail: the best-ranked facts prefilled as text after the injected rest
+                (:class:`~inferscale.generation.options.GenerationOptions`).
 
         Raises:
             UnknownScopeError: the scope has no memories and no turns.
             ValueError: empty query, negative k or w.
         """
         return self.prepare(query, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k,
-                            context_window=context_window, mode="inject", max_tokens=1, wait_for_kv=wait_for_kv)
+                            context_window=context_window, mode="inject", max_tokens=1, wait_for_kv=wait_for_kv,
+                            text_tail=text_tail)
 
     def memory_block(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                      run_id: str | None = None, instructions: str | None = None, **overrides: Any) -> MemoryBlock:

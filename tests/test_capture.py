@@ -203,6 +203,31 @@ def test_captured_encoded_and_text_memories_are_injected_together_correctly(memo
     memory.components.kv.background.resume()
 
 
+def test_a_text_tail_prefills_the_best_memories_after_the_injected_rest(memory, encoder):
+    """``text_tail=2``: the two best-ranked memories come as text nearest the question though
+    their KV is stored (nothing captured or queued for them), the rest is injected, and vLLM's
+    first-token logprobs match the transformers reference over that very prompt."""
+    for text in FACTS:
+        memory.add(text, user_id="tail-a", infer=False)
+    assert memory.wait_for_kv(timeout=600)
+    full = memory.inject(QUESTION, user_id="tail-a", k=4)
+    assert len(full.kv_memory_ids) == 4
+    kept = memory.kv_stats()["misses_kept"]
+    inj = memory.inject(QUESTION, user_id="tail-a", k=4, text_tail=2)
+    assert inj.kv_memory_ids == full.kv_memory_ids[:2] and inj.text_memory_ids == full.kv_memory_ids[2:]
+    assert {inj.kv_sources[i] for i in inj.text_memory_ids} == {"text: tail"} and inj.plan.capture is None
+    assert list(inj.prompt_token_ids) == list(full.prompt_token_ids)  # the same prompt, less of it injected
+    out = memory.generate(QUESTION, user_id="tail-a", k=4, max_tokens=1, temperature=0, logprobs=5, text_tail=2)
+    assert out.num_injected_tokens == inj.plan.memory_end < full.plan.memory_end
+    ref = ReferenceModel(encoder).next_token_logprobs(
+        inj.prompt_token_ids, [(s.start, memory.components.pool.get(s.key)) for s in inj.plan.segments])
+    for token, lp in out.first_logprobs.items():
+        assert abs(float(ref[token]) - lp) < 1e-3
+    everything = memory.inject(QUESTION, user_id="tail-a", k=4, text_tail=9)
+    assert everything.kv_memory_ids == [] and everything.text_memory_ids == full.kv_memory_ids
+    assert memory.kv_stats()["misses_kept"] == kept  # a tail is not a miss
+
+
 def test_admission_on_a_second_use_keeps_a_miss_only_when_it_comes_again(serving_dir, engine):
     """``kv_admission_window_s``: while keeping KV would evict (a disk budget nearly full), a
     first miss is served as text and only remembered; the second within the window is captured,

@@ -71,6 +71,11 @@ class GenerationOptions(PlainErrors, BaseModel):
         wait_for_kv: in inject mode, encode the KV of retrieved facts that have none yet
             before answering (every fact injected); by default such facts are prefilled as
             text and their KV is encoded in the background.
+        text_tail: in inject mode, the ``text_tail`` best-ranked memories are prefilled as
+            text after the injected rest, nearest the question, even when their KV is stored
+            (issue 43's "text tail": their tokens then attend to every memory before them,
+            as EPIC and CacheBlend recompute a few tokens to recover what separately encoded
+            KV misses); default 0: every stored KV is injected.
         json_schema: constrain the answer to JSON valid for this JSON Schema (vLLM's
             structured outputs; ``{"type": "object"}`` for any JSON object).
         tools: tools the model may call, in OpenAI's function format
@@ -96,6 +101,7 @@ class GenerationOptions(PlainErrors, BaseModel):
     stop: list[str] | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, strict=True)
     wait_for_kv: bool = Field(default=False, strict=True)
+    text_tail: int = Field(default=0, ge=0, strict=True)
     json_schema: dict | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None

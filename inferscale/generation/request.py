@@ -321,12 +321,17 @@ class RequestBuilder:
             except DiskFullError:  # no room for their KV: they come as text, as a miss does
                 ready = [self.kv.stored(k) for k in keys]
                 sources.update({r.id: "text: KV disk full" for r, ok in zip(ranked, ready) if not ok})
-        order = [i for i, ok in enumerate(ready) if ok] + [i for i, ok in enumerate(ready) if not ok]
-        ranked, keys = [ranked[i] for i in order], [keys[i] for i in order]
-        n_kv = sum(ready)
+        # the text tail: the best-ranked memories (last) come as text even with KV, nearest the question
+        tail = {r.id for r in ranked[max(0, len(ranked) - options.text_tail):]} if options.text_tail else set()
+        inject = [ok and r.id not in tail for r, ok in zip(ranked, ready)]
+        sources.update({r.id: "text: tail" for r, ok in zip(ranked, ready) if ok and r.id in tail})
+        order = [i for i, ok in enumerate(inject) if ok] + [i for i, ok in enumerate(inject) if not ok]
+        ranked, keys, ready = [ranked[i] for i in order], [keys[i] for i in order], [ready[i] for i in order]
+        n_kv = sum(inject)
+        missed = [i for i in range(n_kv, len(ranked)) if not ready[i]]  # text for want of KV (not the tail's)
         # the misses worth keeping (every one, or those used twice within kv_admission_window_s)
-        admit = self.kv.admission.admit(keys[n_kv:], pressure=pool.under_pressure) if n_kv < len(ranked) else []
-        kept = [r for r, keep in zip(ranked[n_kv:], admit) if keep]
+        admit = self.kv.admission.admit([keys[i] for i in missed], pressure=pool.under_pressure) if missed else []
+        kept = [ranked[i] for i, keep in zip(missed, admit) if keep]
         capture = self.kv.capture and bool(kept) and not pool.disk_full
         self.kv.captures_seen |= bool(captured)
         if kept:
@@ -339,7 +344,7 @@ class RequestBuilder:
                 self.kv.schedule(scope.key, kept, w)
         kv_keys = {PREAMBLE_OWNER: preamble.key, **{r.id: key for r, key in zip(ranked[:n_kv], keys[:n_kv])}}
         pool.use(kv_keys.values())  # recency on disk: what requests use is evicted last
-        pool.count_served(found[r.id] for r in ranked)  # None: in no tier when planned (text, or encoded now)
+        pool.count_served(None if r.id in tail else found[r.id] for r in ranked)  # None: text (or encoded now)
         pool.count_captured(len(captured))
         return _Selection(ranked, kv_keys, tuple(hits), retrieval,
                           tuple(r.id for r in ranked[:n_kv]), tuple(r.id for r in ranked[n_kv:]), sources,
