@@ -78,3 +78,4 @@ def test_a_bad_window_is_refused_with_its_name(bad):
     if not isinstance(bad, (bool, str)):
         with pytest.raises(ValueError, match="admission window"):
             SecondUseAdmission(bad)
+

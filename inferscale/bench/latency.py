@@ -38,22 +38,27 @@ from inferscale.bench.common import (
 from inferscale.bench.plots import plot_latency
 from inferscale.datasets.locomo import load_locomo
 from inferscale.kv.quant import QUANTIZED_DTYPES
+from inferscale.bench.quality import text_tail_of
 from inferscale.memory import Memory
 
 NAME = "latency"
 
 
 def parse_mode(mode: str) -> tuple[str, int]:
-    """``"text"`` -> ``("text", 0)``; ``"inject-w20"`` -> ``("inject", 20)``.
+    """``"text"`` -> ``("text", 0)``; ``"inject-w20"`` (or ``"inject-w20-tail2"``: the 2 best
+    memories as text after the injected rest, :func:`~inferscale.bench.quality.text_tail_of`)
+    -> ``("inject", 20)``.
 
     Raises:
         ValueError: anything else.
     """
     if mode == "text":
         return "text", 0
-    if mode.startswith("inject-w") and mode[len("inject-w"):].isdigit():
-        return "inject", int(mode[len("inject-w"):])
-    raise ValueError(f"unknown mode {mode!r}: use 'text' or 'inject-w<N>' (N = context window in turns)")
+    head, sep, tail = mode.partition("-tail")
+    if head.startswith("inject-w") and head[len("inject-w"):].isdigit() and (not sep or tail.isdigit()):
+        return "inject", int(head[len("inject-w"):])
+    raise ValueError(f"unknown mode {mode!r}: use 'text', 'inject-w<N>' (N = context window in turns) or "
+                     "'inject-w<N>-tail<M>' (the M best memories as text after the injected rest)")
 
 
 def split_storage(mode: str) -> tuple[str, str]:
@@ -139,8 +144,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, sample: int = 0, question
         base, storage = split_storage(name)
         mode, w = parse_mode(base)
         t0 = time.perf_counter()
-        g = memories[storage].generate(picked[qi].question, user_id=user_id, k=k, context_window=w, mode=mode, max_tokens=1,
-                            wait_for_kv=True)
+        g = memories[storage].generate(picked[qi].question, user_id=user_id, k=k, context_window=w, mode=mode,
+                                       max_tokens=1, wait_for_kv=True, text_tail=text_tail_of(base))
         e2e = time.perf_counter() - t0
         log.add(_key(name, k, qi), {
             "mode": name, "k": k, "question": qi, "ttft_s": g.ttft_s, "retrieval_s": g.retrieval_s, "e2e_s": e2e,

@@ -55,16 +55,25 @@ CAPTURE_ONLY_W = 1
 
 
 def parse_mode(name: str) -> tuple[str, int | None]:
-    """``"text"`` -> ``("text", None)``; ``"inject-w20"`` -> ``("inject", 20)``; ``"captured"`` -> ``("captured", None)``.
+    """``"text"`` -> ``("text", None)``; ``"inject-w20"`` (or ``"inject-w20-tail2"``, see
+    :func:`text_tail_of`) -> ``("inject", 20)``; ``"captured"`` -> ``("captured", None)``.
 
     Raises:
         ValueError: anything else.
     """
     if name in ("text", "captured"):
         return name, None
-    if name.startswith("inject-w") and name[len("inject-w"):].isdigit():
-        return "inject", int(name[len("inject-w"):])
-    raise ValueError(f"unknown mode {name!r}: use text, inject-w<N> (N = context window in turns) or captured")
+    head, _, tail = name.partition("-tail")
+    if head.startswith("inject-w") and head[len("inject-w"):].isdigit() and (not _ or tail.isdigit()):
+        return "inject", int(head[len("inject-w"):])
+    raise ValueError(f"unknown mode {name!r}: use text, inject-w<N> (N = context window in turns), "
+                     "inject-w<N>-tail<M> (the M best memories as text after the injected rest) or captured")
+
+
+def text_tail_of(name: str) -> int:
+    """The text tail a mode names: ``"inject-w5-tail2"`` -> 2 (``GenerationOptions.text_tail``); else 0."""
+    _, sep, tail = name.partition("-tail")
+    return int(tail) if sep and tail.isdigit() else 0
 
 
 def evidence_recall(evidence: Sequence[str], memories: Sequence[dict]) -> float | None:
@@ -178,7 +187,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (
                     mem = captured if mode == "captured" else base
                     options = mem.options(k=k, mode="text" if mode == "text" else "inject", max_tokens=max_tokens,
                                           temperature=0, context_window=CAPTURE_ONLY_W if w is None else w,
-                                          wait_for_kv=mode == "inject")
+                                          wait_for_kv=mode == "inject", text_tail=text_tail_of(name))
                     req = mem.components.requests.prepare(Scope(scope_of(conv)), qa.question, options)
                     _check_sources(name, mode, req)
                     with nll_lock:  # one transformers forward at a time; vLLM batches the generations
@@ -220,7 +229,7 @@ def _check_sources(name: str, mode: str, req: PreparedRequest) -> None:
     """
     sources = set(req.kv_sources.values())
     if mode == "inject":
-        wrong = {v for v in sources if v.endswith("(captured)") or v.startswith("text")}
+        wrong = {v for v in sources if v.endswith("(captured)") or (v.startswith("text") and v != "text: tail")}
     elif mode == "captured":
         wrong = {v for v in sources if not v.endswith("(captured)") and not v.startswith("text")}
     else:
