@@ -652,10 +652,12 @@ def mcp_stdio(
     lock = None
     if config.chroma_url is None:  # an embedded store has one process writing it
         try:
-            lock = serve_lock.hold(config.data_dir)
+            lock = serve_lock.hold(config.data_dir, "inferscale mcp")
         except serve_lock.DataDirServed as exc:
-            _fail(f"another InferScale process (pid {exc.pid}) is serving {config.data_dir}: connect the MCP client "
-                  "to that server's /mcp endpoint (docs/server.md), or give another --data-dir")
+            where = ("that server's /mcp endpoint (docs/server.md)" if exc.command == "inferscale serve"
+                     else "that process instead")
+            _fail(f"another {exc.command} (pid {exc.pid}) is serving {config.data_dir}: connect the MCP client "
+                  f"to {where}, or give another --data-dir")
     try:
         with contextlib.redirect_stdout(sys.stderr):  # nothing but JSON-RPC on stdout, from the first byte
             memory = Memory(config)

@@ -119,7 +119,7 @@ def lock_data_dir(data_dir: Path):
     try:
         return serve_lock.hold(data_dir)
     except serve_lock.DataDirServed as exc:
-        raise RuntimeError(f"another inferscale serve (pid {exc.pid}) is serving {data_dir}: one server per data "
+        raise RuntimeError(f"another {exc.command} (pid {exc.pid}) is serving {data_dir}: one server per data "
                            "dir (it is the store's writer); stop it or choose another --data-dir") from None
 
 

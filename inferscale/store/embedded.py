@@ -112,12 +112,12 @@ def copy_to_server(data_dir: Path, server: ChromaServer) -> tuple[int, int, Path
     return len(todo), len(rows["ids"]) - len(todo), backup
 
 
-def _check_not_served(data_dir: Path) -> None:
+def _check_not_served(data_dir: Path, doing: str = "copying its memories") -> None:
     """Refuse while an ``inferscale serve`` holds the data dir (:mod:`inferscale.store.serve_lock`)."""
     try:
         serve_lock.check_free(data_dir)
     except serve_lock.DataDirServed as exc:
-        raise StoreError(f"{exc}: stop it before copying its memories") from None
+        raise StoreError(f"{exc}: stop it before {doing}") from None
 
 
 #: The manifest field that says where a data dir's memories went (``inferscale copy-to-chroma``).

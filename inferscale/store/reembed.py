@@ -59,7 +59,7 @@ def reembed(data_dir: Path, server, embedder: str, embed: Callable[[list[str]], 
         StoreError: ``inferscale serve`` holds the data dir; the store cannot be read or
             written (one line; run it again to finish).
     """
-    _check_not_served(data_dir)
+    _check_not_served(data_dir, "re-embedding its memories")
     path = Path(data_dir) / "chroma"
     where = server.url if server is not None else str(path)
     try:

@@ -1,5 +1,6 @@
-"""``<data_dir>/serve.lock``: the one ``inferscale serve`` that writes a data dir holds it
-(``flock``, released when its process ends, even on SIGKILL); others check it."""
+"""``<data_dir>/serve.lock``: the one ``inferscale serve`` (or ``inferscale mcp``) that writes a
+data dir holds it (``flock``, released when its process ends, even on SIGKILL); others check
+it. The file says who holds it: ``"<pid> <command>"``."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ class DataDirServed(RuntimeError):
 
     Attributes:
         pid: the holder's process id as it wrote it (``"?"`` when unreadable).
+        command: the holder's command (``"inferscale serve"`` when it wrote none).
     """
 
-    def __init__(self, data_dir: Path, pid: str) -> None:
-        super().__init__(f"an inferscale serve (pid {pid}) is serving {data_dir}")
+    def __init__(self, data_dir: Path, pid: str, command: str = "inferscale serve") -> None:
+        super().__init__(f"an {command} (pid {pid}) is serving {data_dir}")
         self.pid = pid
+        self.command = command
 
 
 def _take(f: IO, data_dir: Path) -> None:
@@ -28,11 +31,13 @@ def _take(f: IO, data_dir: Path) -> None:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.seek(0)
-        raise DataDirServed(data_dir, f.read().strip() or "?") from None
+        pid, _, command = f.read().strip().partition(" ")
+        raise DataDirServed(data_dir, pid or "?", command or "inferscale serve") from None
 
 
-def hold(data_dir: Path) -> IO:
-    """Take the lock for this process's life (creating the data dir) and write our pid in it.
+def hold(data_dir: Path, command: str = "inferscale serve") -> IO:
+    """Take the lock for this process's life (creating the data dir) and write our pid and
+    ``command`` in it.
 
     Returns:
         The open lock file (keep a reference).
@@ -48,7 +53,7 @@ def hold(data_dir: Path) -> IO:
         f.close()
         raise
     f.truncate(0)
-    f.write(str(os.getpid()))
+    f.write(f"{os.getpid()} {command}")
     f.flush()
     return f
 
