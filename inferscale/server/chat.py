@@ -29,13 +29,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from inferscale.generation.request import MemoryBlock
-from inferscale.store.records import Scope
+from inferscale.store.records import MAX_SCOPE_ID_CHARS, Scope
 
 #: Most memories one chat request may ask for.
 MAX_K = 200
 AGENT_HEADER = "x-inferscale-agent-id"
 RUN_HEADER = "x-inferscale-run-id"
-_SCOPE_ID = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")
+_SCOPE_ID = re.compile(rf"^[^\x00-\x1f\x7f]{{1,{MAX_SCOPE_ID_CHARS}}}$")  # as long as the library takes
 #: request fields only the server sets
 _SERVER_FIELDS = ("kv_transfer_params", "cache_salt", "memory")
 
@@ -49,6 +49,8 @@ class MemoryOptions(BaseModel):
         k: memories retrieved (0..200; default: the server's ``top_k``).
         context_window: w of Context-Window Encoding, in turns (default: the server's).
         wait_for_kv: encode missing KV before answering instead of prefilling those facts.
+        text_tail: the best-ranked memories prefilled as text after the injected rest (0..200;
+            default 0; ``GenerationOptions.text_tail``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -57,6 +59,7 @@ class MemoryOptions(BaseModel):
     k: int | None = Field(default=None, ge=0, le=MAX_K, strict=True)
     context_window: int | None = Field(default=None, ge=0, le=1000, strict=True)
     wait_for_kv: bool = Field(default=False, strict=True)
+    text_tail: int = Field(default=0, ge=0, le=MAX_K, strict=True)
 
 
 class ChatRequestError(ValueError):
@@ -67,12 +70,14 @@ def scope_id(value: Any, name: str) -> str | None:
     """A validated scope id (``None`` stays ``None``).
 
     Raises:
-        ChatRequestError: not a string of 1-128 characters without control characters.
+        ChatRequestError: not a string of 1 to :data:`~inferscale.store.records.MAX_SCOPE_ID_CHARS`
+            characters without control characters.
     """
     if value is None:
         return None
     if not isinstance(value, str) or not _SCOPE_ID.fullmatch(value) or not value.strip():
-        raise ChatRequestError(f"{name} must be 1-128 characters without control characters, got {value!r:.80}")
+        raise ChatRequestError(f"{name} must be 1-{MAX_SCOPE_ID_CHARS} characters without control characters, "
+                               f"got {value!r:.80}")
     return value
 
 

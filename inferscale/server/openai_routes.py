@@ -114,7 +114,8 @@ def _memory_options(value: Any) -> MemoryOptions:
 def _memory_block(memory: Memory, scope, query: str, options: MemoryOptions, instructions: str | None):
     return memory.memory_block(query, **scope.as_dict(), instructions=instructions,
                                mode="inject" if options.mode == "inject" else "text", k=options.k,
-                               context_window=options.context_window, wait_for_kv=options.wait_for_kv)
+                               context_window=options.context_window, wait_for_kv=options.wait_for_kv,
+                               text_tail=options.text_tail)
 
 
 def _no_constant(name: str):
