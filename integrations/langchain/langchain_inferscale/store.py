@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -65,7 +67,8 @@ class InferScaleStore(BaseStore):
     items. A batch reads first (one lookup per scope for all its gets and puts, one search
     per scope a search covers), then writes (one add, update or delete per put, the last
     put of a key winning), as ``InMemoryStore`` does. ``abatch`` runs the same code in a
-    worker thread.
+    worker thread. Batches that write the same key run one at a time in this process (two
+    concurrent puts of a key leave one item); two processes writing one key still race.
 
     Not supported: TTL (``ttl=`` is refused), ``index=False`` (every item is embedded, so
     it stays searchable), ``$ne`` on a field an item lacks (InferScale never matches a
@@ -116,6 +119,7 @@ class InferScaleStore(BaseStore):
         self.default_scope = {"agent_id": store_id}
         self.registry_scope = {"agent_id": f"{store_id}:scopes"}
         self._registered: set[str] = set()
+        self._writing = _AddressLocks()
 
     # ------------------------------------------------------------------ the mapping
 
@@ -157,23 +161,26 @@ class InferScaleStore(BaseStore):
         addressed = [(op.namespace, op.key) for op in ops if isinstance(op, GetOp)] + list(puts)
         texts = {address: self.text_of(op.value, op.index or None) for address, op in puts.items()
                  if op.value is not None}
-        found, holders = self._lookup(addressed, texts)
-        self._check_texts(texts, holders, set(puts))
-        everything: dict[str, list[dict]] = {}  # scope -> its items, shared by the batch's list ops
-        results: list[Result] = []
-        for op in ops:
-            if isinstance(op, GetOp):
-                results.append(_item(found.get((op.namespace, op.key))))
-            elif isinstance(op, SearchOp):
-                results.append(self._search(op))
-            elif isinstance(op, ListNamespacesOp):
-                results.append(self._list_namespaces(op, everything))
-            else:
-                results.append(None)
-        # deletes, then updates, then adds: a text freed in this batch can be taken in it
-        order = sorted(puts, key=lambda a: 0 if puts[a].value is None else 1 if a in found else 2)
-        for address in order:
-            self._write(puts[address], found.get(address), texts.get(address))
+        # one key's writes, from any thread of this process, run one at a time: each looks the
+        # item up and writes it before the next looks (two puts of a key leave one item)
+        with self._writing.hold(_address(*address) for address in puts):
+            found, holders = self._lookup(addressed, texts)
+            self._check_texts(texts, holders, set(puts))
+            everything: dict[str, list[dict]] = {}  # scope -> its items, shared by the batch's list ops
+            results: list[Result] = []
+            for op in ops:
+                if isinstance(op, GetOp):
+                    results.append(_item(found.get((op.namespace, op.key))))
+                elif isinstance(op, SearchOp):
+                    results.append(self._search(op))
+                elif isinstance(op, ListNamespacesOp):
+                    results.append(self._list_namespaces(op, everything))
+                else:
+                    results.append(None)
+            # deletes, then updates, then adds: a text freed in this batch can be taken in it
+            order = sorted(puts, key=lambda a: 0 if puts[a].value is None else 1 if a in found else 2)
+            for address in order:
+                self._write(puts[address], found.get(address), texts.get(address))
         return results
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
@@ -386,6 +393,39 @@ class _Http:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+class _AddressLocks:
+    """A lock per item address, held by the batches that write it (in a fixed order, so two
+    batches writing the same keys never wait on each other crosswise)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, list] = {}  # address -> [lock, holders waiting or holding]
+
+    @contextmanager
+    def hold(self, addresses: Iterable[str]) -> Iterator[None]:
+        keys = sorted(set(addresses))
+        with self._guard:
+            entries = []
+            for key in keys:
+                entry = self._locks.setdefault(key, [threading.Lock(), 0])
+                entry[1] += 1
+                entries.append(entry)
+        taken = []
+        try:
+            for entry in entries:
+                entry[0].acquire()
+                taken.append(entry)
+            yield
+        finally:
+            for entry in reversed(taken):
+                entry[0].release()
+            with self._guard:
+                for key, entry in zip(keys, entries):
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        del self._locks[key]
 
 
 def _address(namespace: tuple[str, ...], key: str) -> str:

@@ -238,3 +238,18 @@ def test_agent_saves_a_memory_in_one_session_and_gets_its_kv_in_the_next(serving
     assert isinstance(answer, AIMessage) and answer.content.strip()
     assert fact["id"] in meta["kv_memory_ids"] and meta["num_injected_tokens"] > 0
     assert not any(isinstance(m, ToolMessage) for m in second["messages"])  # answered from memory alone
+
+
+def test_concurrent_writes_to_one_key_leave_one_item(store):
+    """LangGraph's suites ``gather`` puts and deletes of one key: they run one at a time, so ten
+    puts leave one item (the value of one of them) and a put raced by a delete never fails."""
+    async def race() -> None:
+        await asyncio.gather(*(store.aput(("docs", "race"), "k", {"text": f"value {i}"}) for i in range(10)))
+        items = await store.asearch(("docs", "race"), limit=20)
+        assert len(items) == 1 and items[0].value["text"] in {f"value {i}" for i in range(10)}
+        for i in range(5):
+            await asyncio.gather(store.aput(("docs", "race"), "k", {"text": f"again {i}"}),
+                                 store.adelete(("docs", "race"), "k"))
+        assert len(await store.asearch(("docs", "race"), limit=20)) <= 1
+
+    asyncio.run(race())
