@@ -204,7 +204,10 @@ class InferScaleStore(BaseStore):
             if op.limit < 0 or op.offset < 0 or op.offset + op.limit > MAX_RESULTS:
                 raise ValueError(f"search limit and offset must be >= 0 with offset + limit <= {MAX_RESULTS}, got "
                                  f"limit={op.limit}, offset={op.offset}")
-            _value_filters(op.filter or {})  # a malformed filter is refused before anything runs
+            try:
+                _value_filters(op.filter or {})  # a malformed filter is refused before anything runs
+            except _MatchesNothing:
+                pass
         if isinstance(op, ListNamespacesOp) and (op.limit < 0 or op.offset < 0):
             raise ValueError(f"limit and offset must be >= 0, got limit={op.limit}, offset={op.offset}")
 
@@ -258,7 +261,10 @@ class InferScaleStore(BaseStore):
         return sorted(scopes, key=_scope_key)
 
     def _search(self, op: SearchOp) -> list[SearchItem]:
-        filters = {"lg_item": "*", **_namespace_filters(op.namespace_prefix), **_value_filters(op.filter or {})}
+        try:
+            filters = {"lg_item": "*", **_namespace_filters(op.namespace_prefix), **_value_filters(op.filter or {})}
+        except _MatchesNothing:  # a NaN compared: no value equals or orders against it
+            return []
         wanted = op.offset + op.limit
         hits = []
         for scope in self._scopes_under(op.namespace_prefix):
@@ -485,12 +491,27 @@ def _value_filters(filters: dict, path: tuple[str, ...] = ()) -> dict:
             bad = sorted(str(k) for k in cond if k not in _OPS)
             if bad:
                 raise ValueError(f"unsupported filter operator(s) {bad} on {key!r}: use {sorted(_OPS)}")
-            out[_value_field(field)] = {_OPS[k]: _json(v) for k, v in cond.items()}
+            ops = {_OPS[k]: _json(v) for k, v in cond.items() if not (k == "$ne" and _is_nan(v))}  # x != NaN: all
+            if any(_is_nan(v) for v in ops.values()):
+                raise _MatchesNothing
+            if ops:
+                out[_value_field(field)] = ops
         elif isinstance(cond, dict):
             out.update(_value_filters(cond, tuple(field)))
+        elif _is_nan(cond):
+            raise _MatchesNothing
         else:
             out[_value_field(field)] = {"eq": _json(cond)}
     return out
+
+
+class _MatchesNothing(Exception):
+    """A filter no value can satisfy (NaN compared with ``==``, ``<`` and the like), as in
+    ``InMemoryStore``, where such a comparison is simply false."""
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and value != value
 
 
 def _json(value: Any) -> Any:

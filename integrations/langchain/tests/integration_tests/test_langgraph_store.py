@@ -253,3 +253,16 @@ def test_concurrent_writes_to_one_key_leave_one_item(store):
         assert len(await store.asearch(("docs", "race"), limit=20)) <= 1
 
     asyncio.run(race())
+
+
+def test_a_nan_filter_matches_what_in_memory_store_matches(store):
+    """NaN equals and orders against nothing (so those filters match no item), and every value
+    differs from it (``$ne`` matches every item), as in ``InMemoryStore``."""
+    reference = InMemoryStore()
+    for s in (store, reference):
+        s.put(("docs", "nan"), "a", {"text": "alpha", "x": 1.0})
+        s.put(("docs", "nan"), "b", {"text": "beta", "x": 2.0})
+    nan = float("nan")
+    for flt in ({"x": nan}, {"x": {"$gt": nan}}, {"x": {"$lte": nan}}, {"x": {"$ne": nan}}, {"x": {"$ne": nan, "$gt": 1.5}}):
+        got = sorted(i.key for i in store.search(("docs", "nan"), filter=flt))
+        assert got == sorted(i.key for i in reference.search(("docs", "nan"), filter=flt)), flt
