@@ -119,6 +119,8 @@ def reembed_command(
     from inferscale.config import MemoryConfig
     from inferscale.models.embedding import Embedder
     from inferscale.models.resolve import ModelNotFoundError, resolve_embedder
+    from inferscale.checks import first_line
+    from inferscale.store.chroma import reembed_command
     from inferscale.store.reembed import reembed
     from inferscale.store.records import StoreError
 
@@ -141,9 +143,13 @@ def reembed_command(
         count = reembed(config.data_dir, config.chroma_server(), config.embedder,
                         lambda texts: model.encode(texts).numpy())
     except (StoreError, ModelNotFoundError) as exc:
-        _fail(str(exc))
+        _fail(first_line(exc))
+    except KeyboardInterrupt:
+        _fail(f"stopped: the store is refused until `{reembed_command(embedder, config.data_dir, config.chroma_server())}`"
+              " runs to its end")
     if count == 0:
-        console.print(f"the memories of {config.chroma_url or config.data_dir} are embedded with {embedder} already")
+        console.print(f"nothing to re-embed: the memories of {config.chroma_url or config.data_dir} (if any) use "
+                      f"{embedder}; open the store with embedder={embedder!r}")
         return
     console.print(f"re-embedded {count} memories with {embedder}: open the store with embedder={embedder!r} "
                   f"(INFERSCALE_EMBEDDER={embedder})")

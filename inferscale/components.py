@@ -33,7 +33,7 @@ from inferscale.models.resolve import model_fingerprint, resolve_embedder, resol
 from inferscale.generation.prompt import PromptBuilder
 from inferscale.generation.request import RequestBuilder
 from inferscale.store.sql import Database
-from inferscale.store.chroma import REEMBEDDING_KEY, FactStore, reembed_message
+from inferscale.store.chroma import REEMBEDDING_KEY, FactStore, reembed_command, reembed_message
 from inferscale.store.records import SCHEMA_VERSION, StoreError
 from inferscale.store.turns import TurnLog
 from inferscale.store.chat_log import ChatLog
@@ -113,6 +113,7 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
             raise StoreError(hidden_memories_message(data, hidden, config.chroma_url))
     device = best_device()
     kv_dir = data / "kv"
+    store = None
     try:
         store = FactStore(data / "chroma", config.chroma_server(), embedder=config.embedder)
         turns, history_log = _logs(config)
@@ -148,6 +149,8 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
         requests = RequestBuilder(facts, prompts, kv, turns, config.max_model_len)
     except BaseException:
         pool.release()  # a retry with other settings must not find this half-open pool
+        if store is not None:
+            store.close()  # nor a re-embed this store's open lock
         raise
     return Components(config=config, model_path=model_path, tokenizer=tokenizer, prompts=prompts, device=device,
                       kv_dir=kv_dir, store=store, turns=turns, history_log=history_log, kv_jobs=kv_jobs, pool=pool,
@@ -200,7 +203,7 @@ def check_data_dir(data: Path, embedder: str, chroma_url: str | None = None) -> 
         raise StoreError(moved)
     if REEMBEDDING_KEY in found:
         raise StoreError(f"a re-embed of the memories at {data} with {found[REEMBEDDING_KEY]!r} stopped half-way: run "
-                         f"`inferscale reembed --embedder {found[REEMBEDDING_KEY]}` again to finish it")
+                         f"`{reembed_command(found[REEMBEDDING_KEY], data)}` again to finish it")
     if found.get("embedder") != embedder:
-        raise StoreError(reembed_message(str(data), found.get("embedder"), embedder))
+        raise StoreError(reembed_message(str(data), found.get("embedder"), embedder, reembed_command(embedder, data)))
     return None

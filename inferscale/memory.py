@@ -381,6 +381,7 @@ class Memory(Answering, Inspection):
         """Stop the background encoder (queued encodes stay queued for the next start) and the
         engine this memory started (an engine given to the constructor is left running)."""
         self.components.kv.close()
+        self.components.store.close()  # a re-embed may run now
         with self._engine_lock:
             self._closed = True
             if self._owns_engine and self._engine is not None:

@@ -14,6 +14,8 @@ from inferscale.cli import app
 from inferscale.config import DEFAULT_EMBEDDER
 from inferscale.models.embedding import Embedder
 from inferscale.models.resolve import resolve_embedder
+from inferscale.store import reembed as reembed_module
+from inferscale.store.chroma import FactStore
 from inferscale.store.reembed import reembed
 from inferscale.store.records import StoreError
 
@@ -54,7 +56,7 @@ def test_another_embedder_is_refused_and_reembed_moves_the_store(tmp_path, other
     with pytest.raises(StoreError, match=f"inferscale reembed --embedder {DEFAULT_EMBEDDER}"):
         Memory(data_dir=tmp_path, **SETTINGS)  # the old name is now the other one
     again = CliRunner().invoke(app, ["reembed", "--embedder", other, "--data-dir", str(tmp_path)])
-    assert again.exit_code == 0 and "already" in again.output
+    assert again.exit_code == 0 and "nothing to re-embed" in again.output
 
 
 def test_a_reembed_stopped_half_way_is_refused_until_a_second_run_finishes_it(tmp_path, other):
@@ -69,7 +71,7 @@ def test_a_reembed_stopped_half_way_is_refused_until_a_second_run_finishes_it(tm
             raise RuntimeError("killed")
         return model.encode(texts).numpy()
 
-    with pytest.raises(StoreError, match="run `inferscale reembed` again"):
+    with pytest.raises(StoreError, match="refused until `inferscale reembed --embedder .* --data-dir .*` runs to its end"):
         reembed(tmp_path, None, other, failing, batch=2, progress=False)
     for name in (DEFAULT_EMBEDDER, other):  # neither embedder may open a half-moved store
         with pytest.raises(StoreError, match="stopped half-way"):
@@ -102,3 +104,49 @@ def test_reembed_refuses_bad_input_with_one_line(tmp_path):
     (tmp_path / "f").write_text("")
     afile = CliRunner().invoke(app, ["reembed", "--embedder", "x", "--data-dir", str(tmp_path / "f")])
     assert afile.exit_code == 2 and "is a file" in afile.output
+
+
+def test_an_open_store_is_not_re_embedded_under_its_writer(tmp_path, other):
+    """A Memory holds its store's open lock: a re-embed would drop the collection it writes."""
+    with Memory(data_dir=tmp_path, **SETTINGS) as m:
+        _fill(m)
+        refused = CliRunner().invoke(app, ["reembed", "--embedder", other, "--data-dir", str(tmp_path)])
+        assert refused.exit_code == 2 and "is open in another process" in refused.output
+        m.add("I moved to Porto.", user_id="ana", infer=False)  # still writable: nothing was marked
+    assert CliRunner().invoke(app, ["reembed", "--embedder", other, "--data-dir", str(tmp_path)]).exit_code == 0
+    with Memory(data_dir=tmp_path, embedder=other, **SETTINGS) as m:
+        assert m.count(user_id="ana") == len(FACTS) + 1
+
+
+def test_a_stop_around_the_swap_is_finished_with_the_copys_own_embedder(tmp_path, other, monkeypatch):
+    """Stopped after the original was dropped (and an empty collection created in its place):
+    a rerun asking for another embedder renames the complete copy under its own embedder
+    first, then re-embeds it; nothing is lost and no label lies."""
+    with Memory(data_dir=tmp_path, **SETTINGS) as m:
+        before = _fill(m)
+    model = Embedder(other, "cpu", source=other)
+    real = reembed_module._take_name
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("killed between the drop and the rename")
+
+    monkeypatch.setattr(reembed_module, "_take_name", stop)
+    with pytest.raises(StoreError, match="runs to its end"):
+        reembed(tmp_path, None, other, lambda t: model.encode(t).numpy(), progress=False)
+    monkeypatch.setattr(reembed_module, "_take_name", real)
+    with pytest.raises(StoreError, match=f"stopped half-way: run `inferscale reembed --embedder {other} --data-dir"):
+        Memory(data_dir=tmp_path, embedder=other, **SETTINGS)
+    FactStore(tmp_path / "chroma").close()  # an empty stand-in under the original's name
+    default = Embedder(DEFAULT_EMBEDDER, "cpu", source=other)
+    assert reembed(tmp_path, None, DEFAULT_EMBEDDER, lambda t: default.encode(t).numpy(), progress=False) == len(FACTS)
+    with Memory(data_dir=tmp_path, **SETTINGS) as m:
+        _same(m, before)
+
+
+def test_a_damaged_manifest_is_named_and_nothing_changes(tmp_path, other):
+    with Memory(data_dir=tmp_path, **SETTINGS) as m:
+        _fill(m)
+    (tmp_path / "inferscale.json").write_text("{not json")
+    done = CliRunner().invoke(app, ["reembed", "--embedder", other, "--data-dir", str(tmp_path)])
+    assert done.exit_code == 2 and "the manifest" in done.output and "inferscale.json" in done.output
+    assert FactStore(tmp_path / "chroma").metadata.get("inferscale_reembedding") is None

@@ -9,6 +9,8 @@ turn ids, JSON) and the user's metadata (JSON).
 
 from __future__ import annotations
 
+import fcntl
+import shlex
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +32,35 @@ EMBEDDER_KEY = "inferscale_embedder"
 REEMBEDDING_KEY = "inferscale_reembedding"
 #: The collection a re-embed writes into (``<collection><suffix>``) before it takes the name.
 REEMBED_SUFFIX = "-reembed"
+#: In an embedded store's folder: every open store holds it shared, a re-embed exclusively.
+OPEN_LOCK = "inferscale-open.lock"
 
 
-def reembed_message(where: str, found: str, wanted: str) -> str:
-    """The one line that refuses a store built with embedder ``found`` when ``wanted`` is set."""
+def lock_open(path: Path, exclusive: bool):
+    """Take the embedded store's open lock (``flock``, released with the returned file or the
+    process): shared by every store open on ``path``, exclusive for a re-embed. ``None``
+    when another process holds it the other way."""
+    path.mkdir(parents=True, exist_ok=True)
+    f = open(path / OPEN_LOCK, "a+")
+    try:
+        fcntl.flock(f, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+def reembed_command(embedder: str, data_dir: Path, server: "ChromaServer | None" = None) -> str:
+    """The ``inferscale reembed`` command line for a store, quoted for a shell."""
+    where = f"--chroma-url {shlex.quote(server.url)}" if server is not None else f"--data-dir {shlex.quote(str(data_dir))}"
+    return f"inferscale reembed --embedder {shlex.quote(embedder)} {where}"
+
+
+def reembed_message(where: str, found: str, wanted: str, command: str) -> str:
+    """The one line that refuses a store built with embedder ``found`` when ``wanted`` is set
+    (``command``: :func:`reembed_command` for ``wanted``)."""
     return (f"the memories at {where} were embedded with {found!r}, not {wanted!r}: re-embed them with "
-            f"`inferscale reembed --embedder {wanted}` (same --data-dir / --chroma-url), or open the store with "
-            f"embedder={found!r}")
+            f"`{command}`, or open the store with embedder={found!r}")
 
 
 def _open_client(path: Path, server: "ChromaServer | None"):
@@ -133,12 +157,37 @@ class FactStore:
         where = server.url if server is not None else str(path)
         self._server = server
         self.name = server.collection if server is not None else _COLLECTION
+        self._data_dir = Path(path).parent  # the data dir of <data_dir>/chroma
+        self._open_lock = None
+        if server is None and embedder is not None:  # a Memory's store: no re-embed may run under it
+            try:
+                self._open_lock = lock_open(path, exclusive=False)
+            except PermissionError as exc:
+                raise StoreError(f"cannot write the memory store at {path}: {exc}. Choose a writable data_dir.") from exc
+            if self._open_lock is None:
+                raise StoreError(f"the memories at {where} are being re-embedded (`inferscale reembed`): wait for it "
+                                 "to end, then open the store with the new embedder")
+        try:
+            self._open(path, server, embedder, where)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let a re-embed run (the embedded store's open lock); the store itself needs no closing."""
+        if self._open_lock is not None:
+            self._open_lock.close()
+            self._open_lock = None
+
+    def _open(self, path: Path, server: ChromaServer | None, embedder: str | None, where: str) -> None:
         try:
             self._client = _open_client(path, server)
-            if embedder is not None and has_collection(self._client, self.name + REEMBED_SUFFIX) \
+            temp = self.name + REEMBED_SUFFIX
+            if embedder is not None and has_collection(self._client, temp) \
                     and not has_collection(self._client, self.name):  # a re-embed stopped before renaming
-                raise StoreError(f"a re-embed of the memories at {where} stopped half-way: run `inferscale reembed "
-                                 f"--embedder {embedder}` again to finish it")
+                label = (self._client.get_collection(temp).metadata or {}).get(EMBEDDER_KEY, embedder)
+                raise StoreError(f"a re-embed of the memories at {where} stopped half-way: run "
+                                 f"`{reembed_command(label, path.parent, server)}` again to finish it")
             metadata = {"hnsw:space": "cosine", "inferscale_schema": SCHEMA_VERSION}
             self._col = self._client.get_or_create_collection(
                 self.name, metadata=metadata if embedder is None else {**metadata, EMBEDDER_KEY: embedder})
@@ -177,14 +226,15 @@ class FactStore:
 
     def _check_embedder(self, embedder: str, where: str) -> None:
         meta = self.metadata
+        data_dir = self._data_dir
         if REEMBEDDING_KEY in meta:
             raise StoreError(f"a re-embed of the memories at {where} with {meta[REEMBEDDING_KEY]!r} stopped half-way: "
-                             f"run `inferscale reembed --embedder {meta[REEMBEDDING_KEY]}` again to finish it")
+                             f"run `{reembed_command(meta[REEMBEDDING_KEY], data_dir, self._server)}` again to finish it")
         found = meta.get(EMBEDDER_KEY)
         if found is None:  # built before collections named their embedder: the data dir's manifest vouched for it
             self.set_metadata(**{EMBEDDER_KEY: embedder})
         elif found != embedder:
-            raise StoreError(reembed_message(where, found, embedder))
+            raise StoreError(reembed_message(where, found, embedder, reembed_command(embedder, data_dir, self._server)))
 
     @property
     def max_batch(self) -> int:

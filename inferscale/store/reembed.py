@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from inferscale.checks import first_line
 from inferscale.store.chroma import (_COLLECTION, EMBEDDER_KEY, REEMBED_SUFFIX, REEMBEDDING_KEY, FactStore,
-                                     _open_client, has_collection)
+                                     _open_client, has_collection, lock_open, reembed_command)
 from inferscale.store.embedded import MANIFEST, _check_not_served
 from inferscale.store.records import SCHEMA_VERSION, StoreError
 
@@ -43,6 +43,11 @@ def reembed(data_dir: Path, server, embedder: str, embed: Callable[[list[str]], 
             batch: int = 256, progress: bool = True) -> int:
     """Re-embed every memory of the store of ``data_dir`` (or of ``server``'s collection) with
     ``embedder``.
+
+    The embedded store is locked against every open :class:`~inferscale.memory.Memory` (they
+    hold its open lock shared: :func:`~inferscale.store.chroma.lock_open`) and against another
+    re-embed. A Chroma server's collection cannot be locked from here: stop every deployment
+    that writes it first, as for ``copy-to-chroma``.
 
     Args:
         data_dir: the data dir (its embedded store, its manifest, its serve lock).
@@ -56,75 +61,120 @@ def reembed(data_dir: Path, server, embedder: str, embed: Callable[[list[str]], 
         The number of memories re-embedded (0: the store already used ``embedder``, or holds none).
 
     Raises:
-        StoreError: ``inferscale serve`` holds the data dir; the store cannot be read or
-            written (one line; run it again to finish).
+        StoreError: ``inferscale serve`` holds the data dir, a ``Memory`` has the store open
+            or another re-embed runs; the manifest cannot be read; the store cannot be read
+            or written (one line; run it again to finish).
     """
     _check_not_served(data_dir, "re-embedding its memories")
     path = Path(data_dir) / "chroma"
     where = server.url if server is not None else str(path)
+    _read_manifest(data_dir)  # a damaged manifest is named before anything changes
+    lock = None
+    if server is None:
+        lock = lock_open(path, exclusive=True)
+        if lock is None:
+            raise StoreError(f"the store at {where} is open in another process (a Memory, inferscale serve or "
+                             "inferscale mcp) or being re-embedded: close it, then re-embed")
     try:
-        client = _open_client(path, server)
-        name = server.collection if server is not None else _COLLECTION
-        temp = name + REEMBED_SUFFIX
-        if not has_collection(client, name) and has_collection(client, temp):  # stopped between drop and rename
-            new = client.get_collection(temp)
-            if (new.metadata or {}).get(COMPLETE_KEY):
-                return _take_name(client, new, name, data_dir, embedder, new.count())
-            raise StoreError(f"the re-embed of {where} lost its memories: the collection {temp!r} is incomplete "
-                             "and the original is gone; restore the store from a backup")
-        store = FactStore(path, server)
-        if store.metadata.get(EMBEDDER_KEY) == embedder and REEMBEDDING_KEY not in store.metadata:
-            _record(data_dir, embedder)
-            return 0
-        _record(data_dir, reembedding=embedder)  # refused here and everywhere from now until the end
-        store.set_metadata(**{REEMBEDDING_KEY: embedder})
-        rows = store.rows(include=("documents", "metadatas"))
-        if has_collection(client, temp):
-            client.delete_collection(temp)  # an earlier try's partial copy
-        new = client.create_collection(temp, metadata={"hnsw:space": "cosine", "inferscale_schema": SCHEMA_VERSION,
-                                                       EMBEDDER_KEY: embedder})
-        ids, docs, metas = rows["ids"], rows["documents"], rows["metadatas"]
-        step = min(batch, int(client.get_max_batch_size()))
-        with tqdm(total=len(ids), desc=f"re-embed with {embedder}", unit="memory", disable=not progress) as bar:
-            for start in range(0, len(ids), step):
-                part = slice(start, start + step)
-                vectors = np.asarray(embed(list(docs[part])), dtype=np.float32)
-                new.add(ids=list(ids[part]), embeddings=vectors, documents=list(docs[part]),
-                        metadatas=list(metas[part]))
-                bar.update(len(ids[part]))
-        if new.count() != len(ids):
-            raise StoreError(f"the re-embed of {where} wrote {new.count()} of {len(ids)} memories: the store is left "
-                             "as it was (refused until a re-embed ends); run it again")
-        new.modify(metadata={"inferscale_schema": SCHEMA_VERSION, EMBEDDER_KEY: embedder, COMPLETE_KEY: True})
-        client.delete_collection(name)
-        return _take_name(client, new, name, data_dir, embedder, len(ids))
+        return _reembed(data_dir, server, path, where, embedder, embed, batch, progress)
     except StoreError:
         raise
     except Exception as exc:  # noqa: BLE001 - chromadb's and httpx's errors: one line; a rerun finishes it
         raise StoreError(f"the re-embed of {where} stopped ({type(exc).__name__}: {first_line(exc)}): the store is "
-                         "refused until it ends; run `inferscale reembed` again to finish it") from None
+                         f"refused until `{reembed_command(embedder, data_dir, server)}` runs to its end") from None
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _reembed(data_dir: Path, server, path: Path, where: str, embedder: str, embed, batch: int,
+             progress: bool) -> int:
+    client = _open_client(path, server)
+    name = server.collection if server is not None else _COLLECTION
+    temp = name + REEMBED_SUFFIX
+    if has_collection(client, temp):
+        new = client.get_collection(temp)
+        meta = new.metadata or {}
+        if not meta.get(COMPLETE_KEY):
+            client.delete_collection(temp)  # an earlier try's partial copy: the original still holds everything
+        else:  # an earlier try stopped around the swap: finish it with the copy's own embedder
+            if has_collection(client, name):
+                old = client.get_collection(name)
+                if REEMBEDDING_KEY not in (old.metadata or {}) and old.count() > 0:
+                    raise StoreError(f"the store at {where} holds both {name!r} ({old.count()} memories) and a "
+                                     f"finished re-embed {temp!r} ({new.count()}): keep the one you want and delete "
+                                     "the other collection by hand; nothing was changed")
+                client.delete_collection(name)  # the marked original, copied whole, or an empty stand-in
+            label = meta.get(EMBEDDER_KEY, embedder)
+            count = _take_name(client, new, name, data_dir, label, new.count())
+            if label == embedder:
+                return count
+    store = FactStore(path, server)
+    if store.metadata.get(EMBEDDER_KEY) == embedder and REEMBEDDING_KEY not in store.metadata:
+        _record(data_dir, embedder)
+        return 0
+    _record(data_dir, reembedding=embedder)  # refused here and everywhere from now until the end
+    store.set_metadata(**{REEMBEDDING_KEY: embedder})
+    rows = store.rows(include=("documents", "metadatas"))
+    new = client.create_collection(temp, metadata={"hnsw:space": "cosine", "inferscale_schema": SCHEMA_VERSION,
+                                                   EMBEDDER_KEY: embedder})
+    ids, docs, metas = rows["ids"], rows["documents"], rows["metadatas"]
+    step = min(batch, int(client.get_max_batch_size()))
+    with tqdm(total=len(ids), desc=f"re-embed with {embedder}", unit="memory", disable=not progress) as bar:
+        for start in range(0, len(ids), step):
+            part = slice(start, start + step)
+            vectors = np.asarray(embed(list(docs[part])), dtype=np.float32)
+            new.add(ids=list(ids[part]), embeddings=vectors, documents=list(docs[part]),
+                    metadatas=list(metas[part]))
+            bar.update(len(ids[part]))
+    if new.count() != len(ids):
+        raise StoreError(f"the re-embed of {where} wrote {new.count()} of {len(ids)} memories: the store is refused "
+                         f"until `{reembed_command(embedder, data_dir, server)}` runs to its end")
+    new.modify(metadata={"inferscale_schema": SCHEMA_VERSION, EMBEDDER_KEY: embedder, COMPLETE_KEY: True})
+    client.delete_collection(name)
+    return _take_name(client, new, name, data_dir, embedder, len(ids))
 
 
 def _take_name(client, new, name: str, data_dir: Path, embedder: str, count: int) -> int:
-    """Give the complete new collection the store's name and the manifest the new embedder."""
+    """Give the complete new collection the store's name and the manifest its embedder."""
     new.modify(name=name)
     client.get_collection(name).modify(metadata={"inferscale_schema": SCHEMA_VERSION, EMBEDDER_KEY: embedder})
     _record(data_dir, embedder)
     return count
 
 
+def _read_manifest(data_dir: Path) -> dict | None:
+    """The data dir's manifest (``None`` when it has none).
+
+    Raises:
+        StoreError: it is not a JSON object.
+    """
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise StoreError(f"the manifest {path} cannot be read ({type(exc).__name__}: {first_line(exc)}): restore it "
+                         "from a backup, or delete it to let the next open write a new one") from None
+    if not isinstance(manifest, dict):
+        raise StoreError(f"the manifest {path} is not a JSON object: restore it from a backup, or delete it to let "
+                         "the next open write a new one")
+    return manifest
+
+
 def _record(data_dir: Path, embedder: str | None = None, *, reembedding: str | None = None) -> None:
     """Name ``embedder`` in the data dir's manifest and end its re-embed, or note a re-embed to
     ``reembedding`` under way (written whole, then renamed)."""
-    path = Path(data_dir) / MANIFEST
-    if not path.is_file():
+    manifest = _read_manifest(data_dir)
+    if manifest is None:
         return
-    manifest = json.loads(path.read_text())
     if reembedding is not None:
         manifest[REEMBEDDING_KEY] = reembedding
     else:
         manifest["embedder"] = embedder
         manifest.pop(REEMBEDDING_KEY, None)
+    path = Path(data_dir) / MANIFEST
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(path)
