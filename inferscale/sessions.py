@@ -24,6 +24,10 @@ from inferscale.types import FactInput, require_text
 
 #: Roles a session message may have.
 ROLES = ("user", "assistant", "system", "tool")
+#: Roles whose messages may have no text (an assistant's tool calls, an empty tool result).
+EMPTY_OK = ("assistant", "tool")
+#: The turn metadata field that keeps a message's own content and ``extra``.
+MESSAGE_FIELD = "message"
 
 
 @dataclass(frozen=True)
@@ -32,13 +36,17 @@ class SessionMessage:
 
     Attributes:
         role: one of :data:`ROLES`.
-        content: the text.
+        content: the text; may be empty for an assistant's or a tool's message (an
+            assistant's message that only calls tools).
         turn_id: its turn id in the scope's log (``None`` before it is written).
+        extra: what the framework's message carries besides its role and text (tool calls,
+            a tool call's id, ...), JSON, given back whole; kept in the turn's metadata.
     """
 
     role: str
     content: str
     turn_id: str | None = None
+    extra: dict | None = None
 
 
 class ChatSessions:
@@ -76,8 +84,7 @@ class ChatSessions:
     def messages(self, session_id: str) -> list[SessionMessage]:
         """The session's messages, oldest first."""
         session_id = _check_session(session_id)
-        return [SessionMessage(t.role, t.content, t.turn_id) for t in self.memory.get_turns(**self._ids())
-                if t.metadata.get("session_id") == session_id]
+        return [_message(t) for t in self.memory.get_turns(**self._ids()) if t.metadata.get("session_id") == session_id]
 
     def session_ids(self) -> list[str]:
         """Every session of the scope with at least one message, in order of first message."""
@@ -107,7 +114,7 @@ class ChatSessions:
         meta = {"session_id": session_id}
         if self.infer:
             return self.memory.add(rows, **self._ids(), metadata=meta, infer=True)
-        facts = [r for r in rows if r["role"] in self.fact_roles]
+        facts = [r for r in rows if r["role"] in self.fact_roles and _has_text(r["metadata"], r["content"])]
         self.memory.log_turns(rows, **self._ids())
         if not facts:
             return {"results": []}
@@ -124,11 +131,20 @@ class ChatSessions:
                 raise TypeError(f"message {i} must be a SessionMessage, got {type(m).__name__}")
             if m.role not in ROLES:
                 raise ValueError(f"message {i} has role {m.role!r}; use one of {ROLES}")
-            require_text(m.content, f"message {i} content")
-            if not self.infer and m.role in self.fact_roles:
-                self.memory.check_fact_length(m.content, f"message {i}")
-            rows.append({"role": m.role, "content": m.content, "id": f"{session_id}:{uuid.uuid4().hex}",
-                         "metadata": {"session_id": session_id}})
+            if m.extra is not None and not isinstance(m.extra, dict):
+                raise TypeError(f"message {i} extra must be a dict, got {type(m.extra).__name__}")
+            meta: dict = {"session_id": session_id}
+            text = m.content
+            if m.role in EMPTY_OK and isinstance(text, str) and not text.strip():
+                text = _placeholder(m)  # the log's turns have text: the context of the scope's facts
+                meta[MESSAGE_FIELD] = {"content": m.content, "extra": m.extra}
+            else:
+                require_text(text, f"message {i} content")
+                if m.extra:
+                    meta[MESSAGE_FIELD] = {"content": m.content, "extra": m.extra}
+                if not self.infer and m.role in self.fact_roles:
+                    self.memory.check_fact_length(text, f"message {i}")
+            rows.append({"role": m.role, "content": text, "id": f"{session_id}:{uuid.uuid4().hex}", "metadata": meta})
         return rows
 
     def delete(self, session_id: str, turn_ids: Sequence[str] | None = None) -> int:
@@ -147,11 +163,37 @@ class ChatSessions:
         current = self.messages(session_id)
         same = 0
         while (same < min(len(current), len(messages)) and current[same].role == messages[same].role
-               and current[same].content == messages[same].content):
+               and current[same].content == messages[same].content
+               and (current[same].extra or None) == (messages[same].extra or None)):
             same += 1
         self._rows(session_id, messages[same:])  # validate before deleting anything
         self.delete(session_id, [m.turn_id for m in current[same:]])
         self.add(session_id, messages[same:])
+
+
+def _message(turn) -> SessionMessage:
+    """A logged turn as the session message written (its own content and extra when kept)."""
+    kept = turn.metadata.get(MESSAGE_FIELD)
+    if isinstance(kept, dict):
+        return SessionMessage(turn.role, kept.get("content") or "", turn.turn_id, kept.get("extra"))
+    return SessionMessage(turn.role, turn.content, turn.turn_id)
+
+
+def _has_text(meta: dict, content: str) -> bool:
+    kept = meta.get(MESSAGE_FIELD)
+    return bool((kept["content"] if isinstance(kept, dict) else content).strip())
+
+
+def _placeholder(m: SessionMessage) -> str:
+    """The log's text for a message without any: the tools it calls, or that it is empty."""
+    calls = (m.extra or {}).get("tool_calls") or ((m.extra or {}).get("additional_kwargs") or {}).get("tool_calls")
+    names = []
+    for call in calls or ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = (fn or {}).get("name") if isinstance(fn, dict) else (call.get("name") if isinstance(call, dict) else None)
+        if isinstance(name, str) and name:
+            names.append(name)
+    return f"(calls {', '.join(names)})" if names else "(no text)"
 
 
 def _check_session(session_id: object) -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import (AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage,
+                                     message_to_dict, messages_from_dict)
 
 from inferscale.integration import SessionMessage
 
@@ -20,15 +21,30 @@ def _text(message: BaseMessage, i: int) -> str:
 
 
 def to_session_message(message: BaseMessage, i: int = 0) -> SessionMessage:
-    """A LangChain message as a :class:`SessionMessage` (human -> user, ai -> assistant)."""
+    """A LangChain message as a :class:`SessionMessage` (human -> user, ai -> assistant). An
+    AI message with tool calls or additional kwargs, and a tool message, are kept whole
+    (``message_to_dict``, as LangChain's own chat histories keep them); an AI or tool
+    message may have no text.
+
+    Raises:
+        TypeError: not a ``BaseMessage``. ValueError: a human or system message without text.
+    """
     if not isinstance(message, BaseMessage):
         raise TypeError(f"message {i} must be a LangChain BaseMessage, got {type(message).__name__}")
     role = _ROLE_OF.get(message.type, getattr(message, "role", message.type))
-    return SessionMessage(role, _text(message, i))
+    whole = isinstance(message, ToolMessage) or (isinstance(message, AIMessage) and (
+        message.tool_calls or message.invalid_tool_calls or message.additional_kwargs))
+    text = str(message.text) if role in ("assistant", "tool") else _text(message, i)
+    return SessionMessage(role, text, extra={"langchain": message_to_dict(message)} if whole else None)
 
 
 def from_session_message(message: SessionMessage) -> BaseMessage:
-    """A stored session message as the LangChain message of its role (``id`` = its turn id)."""
+    """A stored session message as the LangChain message of its role (``id`` = its turn id
+    when it had none); one kept whole comes back as it was written."""
+    kept = (message.extra or {}).get("langchain")
+    if isinstance(kept, dict):
+        (restored,) = messages_from_dict([kept])
+        return restored if restored.id else restored.model_copy(update={"id": message.turn_id})
     if message.role == "tool":
         return ToolMessage(message.content, tool_call_id=message.turn_id or "", id=message.turn_id)
     return _CLASS_OF[message.role](message.content, id=message.turn_id)

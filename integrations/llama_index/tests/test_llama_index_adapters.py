@@ -257,3 +257,33 @@ def test_chat_store_implements_every_method(memory, user):
     assert {"I live in Lisbon.", "I run marathons."} <= {r["memory"] for r in memory.get_all(user_id=user)["results"]}
     with pytest.raises(ValueError, match="has no text"):
         store.add_message("a", _user("user", ""))
+
+
+def test_chat_store_keeps_tool_call_messages_whole(memory, user):
+    """An agent's tool-using turn: an assistant message that only calls a tool (no text), the
+    tool's results (one empty) with their call ids, then the answer. Each comes back as
+    written, additional_kwargs included; only the user's message becomes a memory."""
+    store = InferScaleChatStore(memory, user_id=user)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Lisbon\"}"}}
+    msgs = [_user("user", "What is the weather in Lisbon?"),
+            ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [call]}),
+            ChatMessage(role="tool", content="sunny, 24 C", additional_kwargs={"tool_call_id": "call_1",
+                                                                              "name": "get_weather"}),
+            ChatMessage(role="tool", content="", additional_kwargs={"tool_call_id": "call_2"}),
+            ChatMessage(role="assistant", content="It is sunny.")]
+    for m in msgs:
+        store.add_message("t", m)
+    got = store.get_messages("t")
+    assert [(m.role, m.content or "", m.additional_kwargs) for m in got] == \
+        [(m.role, m.content or "", m.additional_kwargs) for m in msgs]
+    turns = memory.get_turns(user_id=user)
+    assert [t.content for t in turns][1] == "(calls get_weather)"  # the log's text: the context of later facts
+    assert [r["memory"] for r in memory.get_all(user_id=user)["results"]] == ["What is the weather in Lisbon?"]
+    store.set_messages("t", got)  # the same messages: nothing is written again
+    assert len(memory.get_turns(user_id=user)) == len(turns)
+    with pytest.raises(TypeError, match="additional_kwargs"):
+        store.add_message("t", ChatMessage(role="assistant", content="x", additional_kwargs={"o": object()}))
+    with pytest.raises(ValueError, match="has no text"):
+        store.add_message("t", _user("user", ""))
+    assert len(store.get_messages("t")) == len(msgs)  # refused messages wrote nothing

@@ -11,7 +11,7 @@ from pathlib import Path
 import langchain_inferscale
 import pytest
 from langchain_core.documents import Document
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.tools import tool
 from langchain_inferscale import ChatInferScale, InferScaleChatMessageHistory, InferScaleRetriever
@@ -150,11 +150,24 @@ def test_chat_history_logs_turns_and_stores_user_messages_as_memories(memory, us
     other = InferScaleChatMessageHistory(memory, "s2", user_id=user)
     assert other.messages == []
     with pytest.raises(ValueError, match="has no text"):
-        other.add_messages([HumanMessage("fine"), AIMessage("")])
+        other.add_messages([HumanMessage("fine"), HumanMessage("")])
     assert other.messages == []  # nothing written
+
+    # an agent's tool-using turn comes back whole: an AI message that only calls a tool, its result
+    turn = [HumanMessage("What is 2 + 3?"),
+            AIMessage("", tool_calls=[{"name": "add_numbers", "args": {"a": 2, "b": 3}, "id": "c1"}]),
+            ToolMessage("5", tool_call_id="c1", name="add_numbers"), ToolMessage("", tool_call_id="c2"),
+            AIMessage("It is 5.")]
+    other.add_messages(turn)
+    back = other.messages
+    assert [type(m) for m in back] == [type(m) for m in turn]
+    assert back[1].tool_calls == turn[1].tool_calls and back[1].content == ""
+    assert (back[2].tool_call_id, back[2].name, back[2].content) == ("c1", "add_numbers", "5")
+    assert back[3].tool_call_id == "c2" and back[3].content == ""
+    other.clear()
     history.clear()
     assert history.messages == [] and memory.get_turns(user_id=user) == []
-    assert len(memory.get_all(user_id=user)["results"]) == 2  # memories are the user's, not the session's
+    assert len(memory.get_all(user_id=user)["results"]) == 3  # memories are the user's, not the session's
     with pytest.raises(ValueError, match="session_id"):
         InferScaleChatMessageHistory(memory, "", user_id=user)
 

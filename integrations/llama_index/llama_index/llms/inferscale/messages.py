@@ -41,14 +41,42 @@ def _history_message(m: ChatMessage, role: str, i: int) -> dict:
 
 
 def to_session_message(message: ChatMessage, i: int = 0) -> SessionMessage:
-    """A ``ChatMessage`` as a :class:`SessionMessage` (chatbot/model -> assistant, developer -> system)."""
-    text = _text(message, i)
-    return SessionMessage(_ROLE_OF[message.role], text)
+    """A ``ChatMessage`` as a :class:`SessionMessage` (chatbot/model -> assistant, developer ->
+    system), its ``additional_kwargs`` (an assistant's ``tool_calls``, a tool result's
+    ``tool_call_id``) kept as JSON. An assistant's or a tool's message may have no text.
+
+    Raises:
+        TypeError: not a ``ChatMessage``, or ``additional_kwargs`` JSON cannot hold.
+        ValueError: a user or system message without text.
+    """
+    if not isinstance(message, ChatMessage):
+        raise TypeError(f"message {i} must be a llama_index ChatMessage, got {type(message).__name__}")
+    role = _ROLE_OF[message.role]
+    text = message.content or "" if role in ("assistant", "tool") else _text(message, i)
+    kwargs = _jsonable(message.additional_kwargs, i)
+    return SessionMessage(role, text, extra={"additional_kwargs": kwargs} if kwargs else None)
 
 
 def from_session_message(message: SessionMessage) -> ChatMessage:
-    """A stored session message as a ``ChatMessage``."""
-    return ChatMessage(role=_MESSAGE_ROLE[message.role], content=message.content)
+    """A stored session message as a ``ChatMessage`` (with its ``additional_kwargs`` back)."""
+    kwargs = (message.extra or {}).get("additional_kwargs") or {}
+    return ChatMessage(role=_MESSAGE_ROLE[message.role], content=message.content, additional_kwargs=kwargs)
+
+
+def _jsonable(kwargs: dict, i: int) -> dict:
+    """``additional_kwargs`` as JSON (OpenAI SDK objects as their dicts)."""
+    def plain(value):
+        if hasattr(value, "model_dump"):
+            return value.model_dump()
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return value
+        raise TypeError(f"message {i} additional_kwargs hold a {type(value).__name__}, which a chat store cannot "
+                        "keep: give JSON values")
+    return plain(dict(kwargs or {}))
 
 
 def split_prompt(messages: Sequence[ChatMessage]) -> tuple[str, list[dict], str | None, list[dict]]:
