@@ -118,7 +118,8 @@ class ChatSessions:
         self.memory.log_turns(rows, **self._ids())
         if not facts:
             return {"results": []}
-        return self.memory.add_facts([FactInput(r["content"], (r["id"],), meta) for r in facts], **self._ids())
+        return self.memory.add_facts([FactInput(chunk, (r["id"],), meta) for r in facts
+                                      for chunk in fact_chunks(self.memory, r["content"])], **self._ids())
 
     def _rows(self, session_id: str, messages: Sequence[SessionMessage]) -> list[dict]:
         """Validate messages into :meth:`Memory.add` rows with fresh turn ids (writes nothing)."""
@@ -142,8 +143,6 @@ class ChatSessions:
                 require_text(text, f"message {i} content")
                 if m.extra:
                     meta[MESSAGE_FIELD] = {"content": m.content, "extra": m.extra}
-                if not self.infer and m.role in self.fact_roles:
-                    self.memory.check_fact_length(text, f"message {i}")
             rows.append({"role": m.role, "content": text, "id": f"{session_id}:{uuid.uuid4().hex}", "metadata": meta})
         return rows
 
@@ -169,6 +168,47 @@ class ChatSessions:
         self._rows(session_id, messages[same:])  # validate before deleting anything
         self.delete(session_id, [m.turn_id for m in current[same:]])
         self.add(session_id, messages[same:])
+
+
+def fact_chunks(memory: Memory, text: str) -> list[str]:
+    """``text`` as memories that each fit ``max_fact_tokens``: whole when it fits, else
+    consecutive windows of its tokens, cut where a word starts (a long message is kept whole
+    as its turn and stored as several memories, never refused after a framework archived it).
+
+    Args:
+        memory: whose tokenizer and ``max_fact_tokens`` count.
+        text: the message's text (non-empty).
+
+    Returns:
+        The chunks in order; joined with single spaces they give the text's words back.
+    """
+    limit = memory.config.max_fact_tokens
+    if memory.fact_tokens(text) <= limit:  # the common case: one message, one memory
+        return [text]
+    words = text.split()
+    overhead = memory.fact_tokens("x") - 1  # the line's "- " and newline
+    chunks, current, used = [], [], 0
+    for word in words:
+        cost = len(memory.tokenizer(" " + word, add_special_tokens=False).input_ids)
+        if current and used + cost > limit - overhead - 2:  # 2: merges at the joins
+            chunks.append(" ".join(current))
+            current, used = [], 0
+        if cost > limit - overhead - 2:  # one "word" longer than a memory: cut it by characters
+            step = max(1, len(word) * (limit - overhead - 2) // cost)
+            chunks.extend(word[i:i + step] for i in range(0, len(word), step))
+            continue
+        current.append(word)
+        used += cost
+    if current:
+        chunks.append(" ".join(current))
+    out: list[str] = []
+    while chunks:  # the estimate above is checked: a chunk still over the limit is halved
+        chunk = chunks.pop(0)
+        if memory.fact_tokens(chunk) <= limit or len(chunk) < 2:
+            out.append(chunk)
+        else:
+            chunks[:0] = [chunk[:len(chunk) // 2], chunk[len(chunk) // 2:]]
+    return out
 
 
 def _message(turn) -> SessionMessage:

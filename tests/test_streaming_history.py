@@ -91,3 +91,18 @@ def test_turns_can_be_listed_and_deleted_and_sessions_share_the_scope(memory, us
         sessions.add("a", [SessionMessage("robot", "beep")])
     with pytest.raises(TypeError, match="turn_ids"):
         memory.delete_turns("t1", user_id=user)
+
+
+def test_a_message_longer_than_a_memory_is_kept_whole_and_stored_in_parts(memory, user):
+    """A chat framework archives a message before our store sees it: a user message over
+    max_fact_tokens must not be refused (it would be lost from both). Its turn keeps it
+    whole; its memories are consecutive parts, each within the limit."""
+    user = f"{user}-long"
+    sessions = ChatSessions(memory, user_id=user)
+    words = [f"word{i}" for i in range(1500)] + ["".join(map(str, range(2000)))]  # and a "word" over a memory
+    text = " ".join(words)
+    sessions.add("long", [SessionMessage("user", text)])
+    assert [m.content for m in sessions.messages("long")] == [text]
+    parts = [r["memory"] for r in memory.get_all(user_id=user)["results"]]  # one add's memories, in order
+    assert len(parts) > 2 and all(memory.fact_tokens(p) <= memory.config.max_fact_tokens for p in parts)
+    assert "".join(parts).replace(" ", "") == text.replace(" ", "")  # every character, in order

@@ -63,8 +63,9 @@ CASES = [
     ("block put not messages", lambda m: asyncio.run(block(m).aput([5])), TypeError, "message 0"),
     ("block put second session bad", lambda m: asyncio.run(block(m).aput([
         ChatMessage(role=MessageRole.USER, content="I like tea.", additional_kwargs={"session_id": "s1"}),
-        ChatMessage(role=MessageRole.USER, content="x " * 3000, additional_kwargs={"session_id": "s2"})])),
-     ValueError, "max_fact_tokens"),
+        ChatMessage(role=MessageRole.USER, content="I like coffee.", additional_kwargs={"session_id": "s2",
+                                                                                    "o": object()})])),
+     TypeError, "additional_kwargs"),
     ("chat store unknown argument", lambda m: InferScaleChatStore(m, user_id=USER, foo=1), TypeError, "foo"),
     ("chat store idx", lambda m: InferScaleChatStore(m, user_id=USER).add_message(
         "s", ChatMessage(role=MessageRole.USER, content="hi"), idx="a"), TypeError, "idx"),
