@@ -15,7 +15,8 @@ from inferscale.config import DEFAULT_EMBEDDER
 from inferscale.models.embedding import Embedder
 from inferscale.models.resolve import resolve_embedder
 from inferscale.store import reembed as reembed_module
-from inferscale.store.chroma import FactStore
+from inferscale.store.chroma import ChromaServer, FactStore
+from inferscale.store.embedded import copy_to_server
 from inferscale.store.reembed import reembed
 from inferscale.store.records import StoreError
 
@@ -136,6 +137,8 @@ def test_a_stop_around_the_swap_is_finished_with_the_copys_own_embedder(tmp_path
     monkeypatch.setattr(reembed_module, "_take_name", real)
     with pytest.raises(StoreError, match=f"stopped half-way: run `inferscale reembed --embedder {other} --data-dir"):
         Memory(data_dir=tmp_path, embedder=other, **SETTINGS)
+    with pytest.raises(StoreError, match="has not ended"):  # nor copied to a server meanwhile
+        copy_to_server(tmp_path, ChromaServer("http://127.0.0.1:9"))
     FactStore(tmp_path / "chroma").close()  # an empty stand-in under the original's name
     default = Embedder(DEFAULT_EMBEDDER, "cpu", source=other)
     assert reembed(tmp_path, None, DEFAULT_EMBEDDER, lambda t: default.encode(t).numpy(), progress=False) == len(FACTS)

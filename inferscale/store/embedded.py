@@ -79,6 +79,7 @@ def copy_to_server(data_dir: Path, server: ChromaServer) -> tuple[int, int, Path
     """
     path = embedded_path(data_dir)
     _check_not_served(data_dir)
+    _check_not_reembedding(data_dir)
     try:
         if embedded_count(data_dir) == 0:
             return 0, 0, None
@@ -118,6 +119,21 @@ def _check_not_served(data_dir: Path, doing: str = "copying its memories") -> No
         serve_lock.check_free(data_dir)
     except serve_lock.DataDirServed as exc:
         raise StoreError(f"{exc}: stop it before {doing}") from None
+
+
+def _check_not_reembedding(data_dir: Path) -> None:
+    """Refuse a store whose re-embed has not ended (``inferscale reembed``): its memories may
+    sit in the re-embed's copy, not where a copy would read them."""
+    from inferscale.store.chroma import REEMBEDDING_KEY
+
+    path = Path(data_dir) / MANIFEST
+    try:
+        marked = REEMBEDDING_KEY in json.loads(path.read_text()) if path.is_file() else False
+    except (OSError, ValueError, TypeError):
+        marked = False  # a damaged manifest is named when the store opens
+    if marked:
+        raise StoreError(f"a re-embed of the memories of {data_dir} has not ended: finish it (`inferscale reembed`, "
+                         "as the store's error says) before copying them")
 
 
 #: The manifest field that says where a data dir's memories went (``inferscale copy-to-chroma``).
