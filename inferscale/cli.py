@@ -107,6 +107,21 @@ def demo(
         console.print(f"transcript written to {record}")
 
 
+def _store_config(data_dir: Optional[Path], chroma_url: Optional[str], **more):
+    """The settings of a command on a store (``--data-dir``, ``--chroma-url`` and ``more``),
+    or exit 2 with one line: a bad value, or a data dir that is a file."""
+    from inferscale.config import MemoryConfig
+
+    overrides = {k: v for k, v in {"data_dir": data_dir, "chroma_url": chroma_url, **more}.items() if v is not None}
+    try:
+        config = MemoryConfig(**overrides)
+    except (TypeError, ValueError) as exc:
+        _fail(str(exc))
+    if config.data_dir.exists() and not config.data_dir.is_dir():
+        _fail(f"--data-dir {config.data_dir} is a file: give the data dir (a folder)")
+    return config
+
+
 @app.command("reembed")
 def reembed_command(
     embedder: str = typer.Option(..., help="The new embedder: a sentence-transformers folder, a hub id, or pypi:<package>."),
@@ -116,7 +131,6 @@ def reembed_command(
     """Embed every memory again with another embedder, so the store opens with embedder=<it>.
     Ids, texts, metadata, history, turns and KV stay; the store is refused while it runs, and a
     re-embed that stops is finished by running it again."""
-    from inferscale.config import MemoryConfig
     from inferscale.models.embedding import Embedder
     from inferscale.models.resolve import ModelNotFoundError, resolve_embedder
     from inferscale.checks import first_line
@@ -124,17 +138,7 @@ def reembed_command(
     from inferscale.store.reembed import reembed
     from inferscale.store.records import StoreError
 
-    overrides: dict = {"embedder": embedder}
-    if chroma_url is not None:
-        overrides["chroma_url"] = chroma_url
-    if data_dir is not None:
-        overrides["data_dir"] = data_dir
-    try:
-        config = MemoryConfig(**overrides)
-    except (TypeError, ValueError) as exc:
-        _fail(str(exc))
-    if config.data_dir.exists() and not config.data_dir.is_dir():
-        _fail(f"--data-dir {config.data_dir} is a file: give the data dir (a folder)")
+    config = _store_config(data_dir, chroma_url, embedder=embedder)
     if config.chroma_url is None and not (config.data_dir / "chroma").is_dir():
         _fail(f"{config.data_dir} has no memory store ({config.data_dir / 'chroma'}): nothing to re-embed")
     try:
@@ -168,19 +172,9 @@ def copy_to_chroma(
     from inferscale.store.embedded import copy_to_server, embedded_path
     from inferscale.store.records import StoreError
 
-    overrides: dict = {}
-    if chroma_url is not None:
-        overrides["chroma_url"] = chroma_url
-    if data_dir is not None:
-        overrides["data_dir"] = data_dir
-    try:
-        config = MemoryConfig(**overrides)
-    except (TypeError, ValueError) as exc:
-        _fail(str(exc))
+    config = _store_config(data_dir, chroma_url)
     if config.chroma_url is None:
         _fail("give the Chroma server: --chroma-url http://host:port (or set INFERSCALE_CHROMA_URL)")
-    if config.data_dir.exists() and not config.data_dir.is_dir():
-        _fail(f"--data-dir {config.data_dir} is a file: give the data dir (a folder)")
     if not embedded_path(config.data_dir).is_dir():
         backups = sorted(config.data_dir.glob("chroma.copied-*"))
         _fail(f"{config.data_dir} has no embedded Chroma store ({embedded_path(config.data_dir)}): nothing to copy"

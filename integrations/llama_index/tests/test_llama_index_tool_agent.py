@@ -14,11 +14,17 @@ from inferscale import Memory
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tool_agent.py"
 
 
-def test_function_agent_calls_the_tool_with_what_the_user_said_in_an_earlier_session(serving_dir, engine):
+def _example():
+    """``examples/tool_agent.py`` as a module."""
     spec = importlib.util.spec_from_file_location("llama_index_tool_agent", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = example
     spec.loader.exec_module(example)
+    return example
+
+
+def test_function_agent_calls_the_tool_with_what_the_user_said_in_an_earlier_session(serving_dir, engine):
+    example = _example()
     memory = Memory(data_dir=serving_dir, dtype="float32", engine=engine, max_model_len=4096)
     user = f"li-agent-{uuid.uuid4().hex[:8]}"
     calls, outputs = example.run(memory, user)
@@ -44,10 +50,7 @@ def test_function_agent_over_a_chat_memory_buffer_on_the_chat_store_runs_several
     from llama_index.core.memory import ChatMemoryBuffer
     from llama_index.storage.chat_store.inferscale import InferScaleChatStore
 
-    spec = importlib.util.spec_from_file_location("llama_index_tool_agent", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = example
-    spec.loader.exec_module(example)
+    example = _example()
     memory = Memory(data_dir=serving_dir, dtype="float32", engine=engine, max_model_len=4096)
     user = f"li-buffer-{uuid.uuid4().hex[:8]}"
     store = InferScaleChatStore(memory, user_id=user)
