@@ -162,6 +162,11 @@ def test_exact_context_injection_matches_prefill_logprobs(server):
     b = {t.token: t.logprob for t in txt.choices[0].logprobs.content[0].top_logprobs}
     common = set(a) & set(b)
     assert len(common) >= 3 and max(abs(a[t] - b[t]) for t in common) < 1e-3
+    # text_tail=1: the one memory comes as text after the injected preamble, the prompt text mode prefills
+    tail = chat(server, "Which food must I avoid?", memory={"k": 1, "context_window": 0, "text_tail": 1}, **kw)
+    assert report(tail)["kv_memory_ids"] == [] and 0 < report(tail)["injected_tokens"] < report(inj)["injected_tokens"]
+    c = {t.token: t.logprob for t in tail.choices[0].logprobs.content[0].top_logprobs}
+    assert max(abs(c[t] - b[t]) for t in set(c) & set(b)) < 1e-3
 
 
 def test_text_request_after_injection_gets_its_own_kv(server):
