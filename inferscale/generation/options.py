@@ -210,6 +210,8 @@ def plain_error(exc: ValidationError) -> TypeError | ValueError:
     if not err["loc"]:  # a check across fields: the message names them, the input is every option
         text = msg or "options are invalid"
     else:
-        got = "" if "got " in msg else f", got {err.get('input')!r}"
+        shown = repr(err.get("input"))
+        shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown):,} characters)"  # a huge input
+        got = "" if "got " in msg else f", got {shown}"
         text = f"{field}: {msg[0].lower() + msg[1:]}{got}" if msg else f"{field} is invalid"
     return TypeError(text) if wrong_type else ValueError(text)
