@@ -69,8 +69,9 @@ def plot_quality(summary: dict, path: Path) -> None:
     for ax in axes:
         ax.set_xscale("log")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    axes[1].legend(fontsize=8)
+    if cells:  # a partial run may have no held-out answer yet: nothing to label
+        axes[0].legend(fontsize=8)
+        axes[1].legend(fontsize=8)
     _save(fig, path)
 
 
