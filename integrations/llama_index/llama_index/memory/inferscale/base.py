@@ -73,8 +73,9 @@ class InferScaleMemoryBlock(PlainErrors, BaseMemoryBlock[str]):
         texts = [m for m in messages if isinstance(m.content, str) and m.content.strip()]  # skip tool-call shells
         by_session: dict[str, list] = {}
         for i, m in enumerate(texts):
+            own = {k: v for k, v in m.additional_kwargs.items() if k != "session_id"}  # the session is the key
             by_session.setdefault(m.additional_kwargs.get("session_id") or DEFAULT_SESSION, []).append(
-                to_session_message(m, i))
+                to_session_message(m.model_copy(update={"additional_kwargs": own}), i))
         for session_id, rows in by_session.items():  # every session's messages checked before any is written
             self._sessions.check(session_id, rows)
         for session_id, rows in by_session.items():
