@@ -63,7 +63,7 @@ def reembed_message(where: str, found: str, wanted: str, command: str) -> str:
             f"`{command}`, or open the store with embedder={found!r}")
 
 
-def _open_client(path: Path, server: "ChromaServer | None"):
+def open_client(path: Path, server: "ChromaServer | None"):
     """A Chroma client: the server's, or the embedded one in ``path`` (created when missing)."""
     import chromadb
     from chromadb.config import Settings
@@ -181,7 +181,7 @@ class FactStore:
 
     def _open(self, path: Path, server: ChromaServer | None, embedder: str | None, where: str) -> None:
         try:
-            self._client = _open_client(path, server)
+            self._client = open_client(path, server)
             temp = self.name + REEMBED_SUFFIX
             if embedder is not None and has_collection(self._client, temp) \
                     and not has_collection(self._client, self.name):  # a re-embed stopped before renaming

@@ -78,7 +78,7 @@ def copy_to_server(data_dir: Path, server: ChromaServer) -> tuple[int, int, Path
             written then); a copied memory is missing after the copy.
     """
     path = embedded_path(data_dir)
-    _check_not_served(data_dir)
+    check_not_served(data_dir)
     _check_not_reembedding(data_dir)
     try:
         if embedded_count(data_dir) == 0:
@@ -113,7 +113,7 @@ def copy_to_server(data_dir: Path, server: ChromaServer) -> tuple[int, int, Path
     return len(todo), len(rows["ids"]) - len(todo), backup
 
 
-def _check_not_served(data_dir: Path, doing: str = "copying its memories") -> None:
+def check_not_served(data_dir: Path, doing: str = "copying its memories") -> None:
     """Refuse while an ``inferscale serve`` holds the data dir (:mod:`inferscale.store.serve_lock`)."""
     try:
         serve_lock.check_free(data_dir)

@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 from inferscale.checks import first_line
 from inferscale.store.chroma import (_COLLECTION, EMBEDDER_KEY, REEMBED_SUFFIX, REEMBEDDING_KEY, FactStore,
-                                     _open_client, has_collection, lock_open, reembed_command)
-from inferscale.store.embedded import MANIFEST, _check_not_served
+                                     open_client, has_collection, lock_open, reembed_command)
+from inferscale.store.embedded import MANIFEST, check_not_served
 from inferscale.store.records import SCHEMA_VERSION, StoreError
 
 #: Marks the new collection complete (every memory embedded and counted).
@@ -65,7 +65,7 @@ def reembed(data_dir: Path, server, embedder: str, embed: Callable[[list[str]], 
             or another re-embed runs; the manifest cannot be read; the store cannot be read
             or written (one line; run it again to finish).
     """
-    _check_not_served(data_dir, "re-embedding its memories")
+    check_not_served(data_dir, "re-embedding its memories")
     path = Path(data_dir) / "chroma"
     where = server.url if server is not None else str(path)
     _read_manifest(data_dir)  # a damaged manifest is named before anything changes
@@ -89,7 +89,7 @@ def reembed(data_dir: Path, server, embedder: str, embed: Callable[[list[str]], 
 
 def _reembed(data_dir: Path, server, path: Path, where: str, embedder: str, embed, batch: int,
              progress: bool) -> int:
-    client = _open_client(path, server)
+    client = open_client(path, server)
     name = server.collection if server is not None else _COLLECTION
     temp = name + REEMBED_SUFFIX
     if has_collection(client, temp):
