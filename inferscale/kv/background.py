@@ -123,6 +123,10 @@ class BackgroundEncoder:
                 continue
             with self._idle:
                 self._busy = True
+            # a request may have started between the wait above and the take (the gather's
+            # sleep is in between): checked again now the jobs are claimed, so a job queued
+            # during a request never runs before it ends
+            self._yield_to_requests()
             if self._run(jobs):
                 continue
             time.sleep(self.retry_s)
