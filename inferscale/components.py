@@ -138,7 +138,7 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
         # partitions load on first use, and catch up on (or reload after) other processes' writes
         index = VectorIndex(device, loader=store.load_scope, versioner=history_log.scope_version,
                             changes=history_log.changes_since, fetch=store.fetch,
-                            keyword_text=turns.expanded_texts if config.keyword_turns else None)
+                            keyword_docs=turns.keyword_docs if config.keyword_turns else None)
         kv = KVManager(model_path, model_fingerprint(model_path), config.resolved_dtype, prompts, pool, turns,
                        config.encode_batch_tokens, config.max_model_len, jobs=kv_jobs, store=store,
                        verbose=config.verbose, storage=config.kv_storage_dtype,

@@ -123,9 +123,12 @@ class MemoryConfig(BaseSettings):
         top_k: default number of facts retrieved for a query.
         search_mode: how facts are ranked for a query: ``"hybrid"`` (default: cosine and
             BM25 keyword ranks fused, :mod:`inferscale.store.keyword`) or ``"dense"`` (cosine only).
-        keyword_turns: BM25 indexes each fact with its source turns' words (document
-            expansion, :meth:`inferscale.store.turns.TurnLog.expanded_texts`); ``False``: the
-            fact's text alone.
+        keyword_turns: hybrid search uses the conversation a fact was drawn from: BM25
+            indexes each fact with its source turns' words and the turn before them, and a
+            fact gets a share of the score of strong matches drawn from within a few turns
+            of its own (:meth:`inferscale.store.turns.TurnLog.keyword_docs`,
+            :func:`inferscale.store.keyword.turn_neighbor_bonus`); ``False``: the fact's text
+            alone, no neighbours.
         system_prompt: system prompt placed before the memory block.
         max_model_len: context length given to vLLM, in tokens.
         kv_cache_memory_bytes: vLLM's paged KV cache size, in bytes.

@@ -4,14 +4,18 @@ For every LoCoMo conversation, its observations are stored as facts (KV off: ret
 only) in one scope of a fresh store, and every question with evidence is searched in
 both modes through :meth:`inferscale.Memory.search`:
 
+- rankings :data:`MODES`: ``dense``, ``hybrid-fact``, ``hybrid-source`` (earlier defaults, rebuilt
+  here side by side) and ``hybrid`` (the product's);
 - **evidence recall@k**: the share of a question's evidence turns that are a source turn
   of one of the top-k facts; **hit@k**: whether at least one is (k = 5, 10, 20, 50, 100);
-- the **fusion constant** of :func:`inferscale.store.keyword.fuse`, chosen on conversations 0-2
-  only (recall@10 for c in :data:`TUNE_C`); conversations 3-9 are reported as held out;
+- the **fusion constant** of :func:`inferscale.store.keyword.fuse` and the **turn-neighbour**
+  settings of :func:`inferscale.store.keyword.turn_neighbor_bonus`, chosen on conversations 0-2
+  only (recall@10 for c in :data:`TUNE_C`, for :data:`TUNE_NEIGHBORS`); conversations 3-9 are
+  reported as held out;
 - **search latency** (median of timed searches, query embedding included, the two modes
   alternating query by query) at one
   conversation and in one scope of 20,000 facts (LoCoMo's facts repeated, each copy
-  numbered so texts stay distinct).
+  numbered so texts stay distinct, each with a logged source turn).
 
 Writes ``retrieval.json``, ``retrieval.md`` and ``retrieval.png`` to the output folder.
 """
@@ -28,16 +32,21 @@ import numpy as np
 from tqdm import tqdm
 
 from inferscale.datasets.locomo import LocomoSample, load_locomo, store_conversation
-from inferscale.store.keyword import RRF_C, KeywordIndex, fuse
+from inferscale.store.keyword import (NEIGHBOR_SHARE, NEIGHBOR_TURNS, RRF_C, KeywordIndex, fuse, fused_scores,
+                                      top_rows, turn_neighbor_bonus)
 from inferscale.types import FactInput
 
 KS = (5, 10, 20, 50, 100)
-#: rankings compared: cosine alone, cosine fused with BM25 over each fact's own text, and the
-#: product's hybrid: BM25 over the fact's text and its source turns' (``keyword_turns``)
-MODES = ("dense", "hybrid-fact", "hybrid")
+#: rankings compared: cosine alone; cosine fused with BM25 over each fact's own text; the
+#: same with BM25 over the fact's text and its source turns' (the default until stop 47); and
+#: the product's hybrid (``keyword_turns``): BM25 also over the turn before each source turn,
+#: plus the turn-neighbour bonus
+MODES = ("dense", "hybrid-fact", "hybrid-source", "hybrid")
 #: the categories the issue's target counts (5, adversarial, asks about what was never said)
 ANSWERABLE = (1, 2, 3, 4)
 TUNE_C = (1, 2, 5, 10, 20, 60)
+#: turn-neighbour settings tried on the tuning conversations: (share, reach in turns)
+TUNE_NEIGHBORS = tuple((share, reach) for share in (0.0, 0.2, 0.35, 0.5) for reach in (2.0, 4.0, 8.0))
 TUNE_CONVERSATIONS = (0, 1, 2)
 
 
@@ -58,18 +67,26 @@ def _conversation(memory, sample: LocomoSample, user: str) -> dict:
     out = {"sample": sample.sample_id, "facts": len(records), "questions": len(questions),
            "categories": [qa.category for qa in questions],
            "recall": {m: {k: [] for k in KS} for m in MODES}, "hit": {m: {k: [] for k in KS} for m in MODES},
-           "tune_recall_at_10": {c: [] for c in TUNE_C}}
+           "tune_recall_at_10": {c: [] for c in TUNE_C},
+           "tune_neighbors_recall_at_10": {f"{a}/{d}": [] for a, d in TUNE_NEIGHBORS}}
     texts = [r["memory"] for r in records]
     fact_only = KeywordIndex(texts)  # what hybrid search indexed before keyword_turns
     facts_in_order = memory.components.facts.list(Scope(user))
     assert [f.id for f in facts_in_order] == [r["id"] for r in records]
-    expanded = KeywordIndex(memory.components.turns.expanded_texts(Scope(user).key, facts_in_order))
+    turns = {t.dia_id: t.text for t in sample.turns}
+    source_only = KeywordIndex([" ".join([r["memory"], *(turns[t] for t in r["source_turn_ids"] if t in turns)])
+                                for r in records])  # the default until stop 47
+    docs, positions = memory.components.turns.keyword_docs(Scope(user).key, facts_in_order)
+    expanded, positions = KeywordIndex(docs), np.asarray(positions, dtype=np.float64)
+    placed = np.flatnonzero(np.isfinite(positions))
+    placed = placed[np.argsort(positions[placed], kind="stable")]
     facts = memory.embed(texts).numpy()
     for qa in questions:
         dense = facts @ memory.embed([qa.question])[0].numpy()
         ranked = {mode: [r["id"] for r in memory.search(qa.question, user_id=user, limit=max(KS), mode=mode)["results"]]
                   for mode in ("dense", "hybrid")}
         ranked["hybrid-fact"] = [records[i]["id"] for i in fuse(dense, fact_only.scores(qa.question), max(KS))]
+        ranked["hybrid-source"] = [records[i]["id"] for i in fuse(dense, source_only.scores(qa.question), max(KS))]
         for mode in MODES:
             for k in KS:
                 recall, hit = _recall(sample, ranked[mode][:k], qa.evidence, by_id)
@@ -77,8 +94,14 @@ def _conversation(memory, sample: LocomoSample, user: str) -> dict:
                 out["hit"][mode][k].append(hit)
         scores = expanded.scores(qa.question)
         for c in TUNE_C:
-            top = fuse(dense, scores, 10, c)
+            fused = fused_scores(dense, scores, c)
+            top = top_rows(fused + turn_neighbor_bonus(fused, positions, placed), dense, 10)
             out["tune_recall_at_10"][c].append(_recall(sample, [records[i]["id"] for i in top], qa.evidence, by_id)[0])
+        fused = fused_scores(dense, scores)
+        for share, reach in TUNE_NEIGHBORS:
+            top = top_rows(fused + turn_neighbor_bonus(fused, positions, placed, share=share, reach=reach), dense, 10)
+            out["tune_neighbors_recall_at_10"][f"{share}/{reach}"].append(
+                _recall(sample, [records[i]["id"] for i in top], qa.evidence, by_id)[0])
     return out
 
 
@@ -98,13 +121,20 @@ def _timed(memory, user: str, queries: list[str], repeats: int) -> dict[str, flo
 
 
 def _big_scope(memory, samples: list[LocomoSample], user: str, size: int) -> None:
-    """One scope of ``size`` facts: LoCoMo's observations repeated, each copy numbered."""
-    base = [f.dated_text() for s in samples for f in s.facts]
+    """One scope of ``size`` facts: LoCoMo's observations repeated, each copy numbered, each
+    drawn from a turn of its own (its observation's first source turn, logged again), so
+    hybrid search reads source turns and turn positions as it does on a conversation."""
+    base = []
+    for s in samples:
+        turns = {t.dia_id: t.text for t in s.turns}
+        base += [(f.dated_text(), next((turns[d] for d in f.dia_ids if d in turns), f.text)) for f in s.facts]
     if memory.count(user_id=user) >= size:
         return
-    inputs = [FactInput(f"{base[i % len(base)]} (copy {i // len(base)})") for i in range(size)]
     for start in tqdm(range(0, size, 256), desc=f"storing {size:,} facts", leave=False):
-        memory.add_facts(inputs[start:start + 256], user_id=user)
+        batch = range(start, min(size, start + 256))
+        memory.log_turns([{"id": f"big{i}", "content": base[i % len(base)][1]} for i in batch], user_id=user)
+        memory.add_facts([FactInput(f"{base[i % len(base)][0]} (copy {i // len(base)})", (f"big{i}",))
+                          for i in batch], user_id=user)
 
 
 def run(data: Path, out_dir: Path, *, big: int = 20_000, latency_queries: int = 50, repeats: int = 3,
@@ -162,7 +192,11 @@ def _summarize(convs: list[dict], latency: dict) -> dict:
         "ks": list(KS), "rrf_c": RRF_C,
         "tuning": {"conversations": [c["sample"] for c in tune],
                    "recall_at_10": {c: _mean([v for conv in tune for v in conv["tune_recall_at_10"][c]])
-                                    for c in TUNE_C}},
+                                    for c in TUNE_C},
+                   "neighbors_recall_at_10": {
+                       key: _mean([v for conv in tune for v in conv["tune_neighbors_recall_at_10"][key]])
+                       for key in tune[0]["tune_neighbors_recall_at_10"]} if tune else {},
+                   "neighbors_used": f"{NEIGHBOR_SHARE}/{NEIGHBOR_TURNS}"},
         "held_out": {"conversations": [c["sample"] for c in held], "questions": sum(c["questions"] for c in held),
                      "questions_1_4": sum(cat in ANSWERABLE for c in held for cat in c["categories"]),
                      **{f"{what}_{mode}": pooled(held, what, mode) for what in ("recall", "hit") for mode in MODES},
@@ -179,8 +213,10 @@ def _markdown(r: dict) -> str:
     h = r["held_out"]
     lines = ["# Retrieval: dense vs hybrid (dense + BM25, reciprocal rank fusion)", "",
              "Rankings: `dense` (cosine), `hybrid-fact` (cosine fused with BM25 over each fact's own text, the "
-             "default before `keyword_turns`), `hybrid` (the default: BM25 over each fact's text and its source "
-             "turns').", "",
+             "default before `keyword_turns`), `hybrid-source` (BM25 over each fact's text and its source turns', "
+             "the default until stop 47), `hybrid` (the default: BM25 also over the turn before each source turn, "
+             "and each fact gets a share of the fused score of strong matches drawn from within a few turns of "
+             "its own).", "",
              f"LoCoMo, every question with evidence; held out: {', '.join(h['conversations'])} "
              f"({h['questions']} questions, {h.get('questions_1_4', '?')} of categories 1-4). Reproduce: "
              f"`inferscale bench retrieval`."
@@ -211,6 +247,13 @@ def _markdown(r: dict) -> str:
     lines += ["", f"## Fusion constant (hybrid), tuned on {', '.join(t['conversations'])} only", "",
               "| c | recall@10 |", "|---|---|"]
     lines += [f"| {c}{' (used)' if int(c) == r['rrf_c'] else ''} | {v:.3f} |" for c, v in t["recall_at_10"].items()]
+    if t.get("neighbors_recall_at_10"):
+        lines += ["", f"## Turn neighbours (hybrid), tuned on {', '.join(t['conversations'])} only", "",
+                  "share 0 is no bonus; reach in turns.", "", "| share | reach | recall@10 |", "|---|---|---|"]
+        for key, v in t["neighbors_recall_at_10"].items():
+            share, reach = key.split("/")
+            used = " (used)" if key == t["neighbors_used"] else ""
+            lines.append(f"| {share}{used} | {reach} | {v:.3f} |")
     lines += ["", "## Search latency (median, query embedding included, limit 10)", "",
               "| scope | facts | dense (ms) | hybrid (ms) | hybrid - dense (ms) | hybrid / dense |", "|---|---|---|---|---|---|"]
     for name, row in r["latency_ms"].items():
@@ -227,7 +270,7 @@ def _plot(r: dict, path: Path) -> None:
 
     h = r["held_out"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, color in zip(MODES, ("tab:blue", "tab:orange", "tab:green")):
+    for mode, color in zip(MODES, ("tab:blue", "tab:orange", "tab:purple", "tab:green")):
         for what, style in (("recall", "-o"), ("hit", ":s")):
             values = h[f"{what}_{mode}"]
             ax.plot(r["ks"], [values[k] for k in values], style, color=color, label=f"{what}@k, {mode}")

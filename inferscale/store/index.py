@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from inferscale.store.filters import MISSING, Filter
-from inferscale.store.keyword import KeywordIndex, fuse
+from inferscale.store.keyword import KeywordIndex, fused_scores, top_rows, turn_neighbor_bonus
 from inferscale.store.records import FactRecord
 
 Loader = Callable[[str], "tuple[list[FactRecord], object]"]
@@ -53,7 +53,10 @@ class _Partition:
     keyword: KeywordIndex | None = None  # BM25 over the rows' texts: built on the first keyword search, then kept
     version: int | None = None  # the scope's version the rows are current for (VectorIndex.refresh)
     #: the text BM25 indexes for each record (its own text and its source turns'), default its text
-    keyword_text: Callable[[Sequence[FactRecord]], list[str]] | None = None
+    keyword_docs: Callable[[Sequence[FactRecord]], tuple[list[str], list[float]]] | None = None
+    #: each row's turn position (NaN: none), kept with the keyword index
+    positions: np.ndarray | None = None
+    placed: np.ndarray | None = None  # the rows with a position, sorted by it: built on use
 
     def changed(self) -> None:
         """Drop what is derived from the rows and rebuilt on use (the filter columns); the
@@ -62,12 +65,24 @@ class _Partition:
 
     def keyword_index(self) -> KeywordIndex:
         if self.keyword is None:
-            self.keyword = KeywordIndex(self.texts(self.records))
+            texts, positions = self.docs(self.records)
+            self.keyword = KeywordIndex(texts)
+            self.positions = np.asarray(positions, dtype=np.float64)
+            self.placed = None
         return self.keyword
 
-    def texts(self, records: Sequence[FactRecord]) -> list[str]:
-        """What BM25 indexes for ``records``."""
-        return self.keyword_text(records) if self.keyword_text is not None else [r.text for r in records]
+    def docs(self, records: Sequence[FactRecord]) -> tuple[list[str], list[float]]:
+        """What BM25 indexes for ``records``, and their turn positions (NaN: none)."""
+        if self.keyword_docs is not None:
+            return self.keyword_docs(records)
+        return [r.text for r in records], [float("nan")] * len(records)
+
+    def placed_rows(self) -> np.ndarray:
+        """The rows that have a turn position, sorted by it (after :meth:`keyword_index`)."""
+        if self.placed is None:
+            rows = np.flatnonzero(np.isfinite(self.positions))
+            self.placed = rows[np.argsort(self.positions[rows], kind="stable")]
+        return self.placed
 
     def column(self, key: str) -> np.ndarray:
         """The values of filter field ``key`` down the rows (built once per change)."""
@@ -92,9 +107,11 @@ class VectorIndex:
         fetch: ``fetch(scope_key, ids) -> (records, embeddings [n, dim])`` of those ids
             still in the scope (:meth:`inferscale.store.chroma.FactStore.fetch`). Without
             ``changes`` and ``fetch`` a moved version reloads the partition.
-        keyword_text: ``keyword_text(scope_key, records) -> texts``: what BM25 indexes for each
-            record (document expansion: a fact's text with its source turns' words,
-            :func:`inferscale.store.turns.TurnLog.expanded_texts`); ``None``: each record's text.
+        keyword_docs: ``keyword_docs(scope_key, records) -> (texts, positions)``: what BM25
+            indexes for each record (document expansion: a fact's text with its source turns'
+            words) and its turn position for the turn-neighbour bonus
+            (:meth:`inferscale.store.turns.TurnLog.keyword_docs`); ``None``: each record's
+            text, no positions.
 
     Thread-safe: one lock per partition, so a slow first load of one scope does not
     stall searches of others. ``loads`` and ``catch_ups`` count partitions loaded in
@@ -104,9 +121,10 @@ class VectorIndex:
     def __init__(self, device: torch.device | str, loader: Loader | None = None,
                  versioner: Callable[[str], int] | None = None, changes: Changes | None = None,
                  fetch: Fetcher | None = None,
-                 keyword_text: Callable[[str, Sequence[FactRecord]], list[str]] | None = None) -> None:
+                 keyword_docs: Callable[[str, Sequence[FactRecord]], tuple[list[str], list[float]]] | None = None
+                 ) -> None:
         self.device = torch.device(device)
-        self._keyword_text = keyword_text
+        self._keyword_docs = keyword_docs
         self.dim: int | None = None
         self._loader = loader
         self._versioner = versioner
@@ -136,8 +154,8 @@ class VectorIndex:
                 if part is not None:
                     return part
                 part = _Partition()
-                if self._keyword_text is not None:
-                    part.keyword_text = lambda records, scope=scope: self._keyword_text(scope, records)
+                if self._keyword_docs is not None:
+                    part.keyword_docs = lambda records, scope=scope: self._keyword_docs(scope, records)
                 # the version is read before the rows: a write that lands in between makes the
                 # partition stale (reloaded on the next read), never silently missing
                 part.version = self._versioner(scope) if self._versioner is not None else None
@@ -240,7 +258,9 @@ class VectorIndex:
                     part.records[j], part.fields[j] = r, r.filter_fields()
                     part.rows[j] = emb[i]
                     if part.keyword is not None:
-                        part.keyword.replace(j, part.texts([r])[0])
+                        (text,), (position,) = part.docs([r])
+                        part.keyword.replace(j, text)
+                        part.positions[j], part.placed = position, None
             if not fresh:
                 return
             n, need = len(part.records), len(part.records) + len(fresh)
@@ -259,7 +279,9 @@ class VectorIndex:
                 part.records.append(records[i])
                 part.fields.append(records[i].filter_fields())
             if part.keyword is not None:
-                part.keyword.append(part.texts([records[i] for i in fresh]))
+                texts, positions = part.docs([records[i] for i in fresh])
+                part.keyword.append(texts)
+                part.positions, part.placed = np.concatenate([part.positions, positions]), None
 
     # ------------------------------------------------------------------ writes
 
@@ -293,6 +315,7 @@ class VectorIndex:
             part.by_hash = {r.hash: r.id for r in part.records}
             if part.keyword is not None:
                 part.keyword.keep(keep)
+                part.positions, part.placed = part.positions[keep], None
 
     def clear(self) -> None:
         """Forget every partition (they reload from the loader on next use)."""
@@ -311,7 +334,9 @@ class VectorIndex:
             where: when given, only records whose filter fields satisfy it can be returned;
                 it is evaluated as a mask over the partition's columns.
             keyword_query: the query's text: rank by the fusion of cosine and BM25 over it
-                (:func:`inferscale.store.keyword.fuse`) instead of by cosine alone; the pairs
+                (:func:`inferscale.store.keyword.fused_scores`), plus each row's share of its
+                turn neighbours' (:func:`inferscale.store.keyword.turn_neighbor_bonus`),
+                instead of by cosine alone; the pairs
                 still carry the cosine.
         """
         part = self._partition(scope)
@@ -330,7 +355,10 @@ class VectorIndex:
                     return []
             if keyword_query is not None:
                 dense = scores.cpu().numpy()
-                top = fuse(dense, part.keyword_index().scores(keyword_query), k)
+                keyword = part.keyword_index()
+                fused = fused_scores(dense, keyword.scores(keyword_query))
+                fused += turn_neighbor_bonus(fused, part.positions, part.placed_rows())
+                top = top_rows(fused, dense, k)
                 return [(part.records[i], float(dense[i])) for i in top.tolist()]
             top = torch.topk(scores, min(k, eligible))
             return [(part.records[i], float(s)) for s, i in zip(top.values.tolist(), top.indices.tolist())]

@@ -121,21 +121,51 @@ class TurnLog:
         return {t.turn_id: t for t in rows}
 
     def expanded_texts(self, scope: str, records: Sequence) -> list[str]:
-        """Each record's text followed by its source turns' contents: what the keyword index
-        of a scope indexes (document expansion; a turn no longer logged adds nothing).
+        """What the keyword index of a scope indexes for each record (:meth:`keyword_docs`'s texts)."""
+        return self.keyword_docs(scope, records)[0]
 
-        On LoCoMo's held-out conversations this took BM25-and-cosine hybrid evidence
-        recall@10 from 0.632 to about 0.68 (docs/results/retrieval): an observation is short,
-        and the words a question repeats are often in the turn it was drawn from.
+    def keyword_docs(self, scope: str, records: Sequence) -> tuple[list[str], list[float]]:
+        """Each record's keyword text and turn position, for hybrid search.
+
+        The text is the record's own, then its source turns' contents, then the turn just
+        before each source turn (document expansion; a turn no longer logged adds nothing).
+        An observation is short, and the words a question repeats are often in the turn it
+        was drawn from or in the turn that prompted it. On LoCoMo's held-out conversations
+        the source turns took BM25-and-cosine hybrid evidence recall@10 from 0.632 to 0.677,
+        and the turn before them to 0.688 (conversations 0-2, where it was chosen: 0.671 ->
+        0.685; docs/results/retrieval).
+
+        The position is the mean log position (``seq``) of the record's logged source turns,
+        ``NaN`` when none is logged: :func:`inferscale.store.keyword.turn_neighbor_bonus`
+        uses it.
 
         Args:
             records: :class:`~inferscale.store.records.FactRecord` s of ``scope``.
+
+        Returns:
+            ``(texts, positions)``, one of each per record.
         """
         ids = sorted({t for r in records for t in r.source_turn_ids})
         turns: dict[str, Turn] = {}
         for i in range(0, len(ids), _IN_CHUNK):  # bounded IN lists (SQLite caps bound parameters)
             turns.update(self.get(scope, ids[i:i + _IN_CHUNK]))
-        return [" ".join([r.text, *(turns[t].content for t in r.source_turn_ids if t in turns)]) for r in records]
+        before = self._at(scope, sorted({t.seq - 1 for t in turns.values() if t.seq > 0}))
+        texts, positions = [], []
+        for r in records:
+            own = [turns[t] for t in r.source_turn_ids if t in turns]
+            mine = {t.seq for t in own}
+            prompts = [before[t.seq - 1].content for t in own if t.seq - 1 in before and t.seq - 1 not in mine]
+            texts.append(" ".join([r.text, *(t.content for t in own), *prompts]))
+            positions.append(sum(t.seq for t in own) / len(own) if own else float("nan"))
+        return texts, positions
+
+    def _at(self, scope: str, seqs: list[int]) -> dict[int, Turn]:
+        """The turns of ``scope`` at these log positions, by position."""
+        found: dict[int, Turn] = {}
+        for i in range(0, len(seqs), _IN_CHUNK):
+            rows = self._rows(select(*_COLUMNS).where(TURNS.c.scope == scope, TURNS.c.seq.in_(seqs[i:i + _IN_CHUNK])))
+            found.update((t.seq, t) for t in rows)
+        return found
 
     def window(self, scope: str, before_seq: int, w: int) -> list[Turn]:
         """The ``w`` turns of ``scope`` just before position ``before_seq``, oldest first."""
