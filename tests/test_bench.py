@@ -343,14 +343,14 @@ def test_retrieval_bench_compares_dense_and_hybrid_on_held_out_conversations(tmp
     assert (out / "retrieval.png").stat().st_size > 0 and "held out" in proc.stdout
     held = result["held_out"]
     assert len(held["conversations"]) == 1 and result["tuning"]["conversations"][0] == "conv-26"
-    for mode in ("dense", "hybrid-fact", "hybrid-source", "hybrid"):
+    for mode in ("dense", "hybrid-fact", "hybrid-source", "hybrid-turns", "hybrid"):
         recall = [held[f"recall_{mode}"][str(k)] for k in result["ks"]]
         hit = [held[f"hit_{mode}"][str(k)] for k in result["ks"]]
         assert recall == sorted(recall) and all(0 <= r <= h <= 1 for r, h in zip(recall, hit))  # grow with k
     assert held["recall_hybrid"]["100"] >= held["recall_dense"]["10"]
     assert 0 < held["questions_1_4"] < held["questions"] and 0 <= held["recall_hybrid_1_4"]["10"] <= 1
     # the fact's source turns in BM25 (keyword_turns, the default) find more evidence on this conversation
-    assert held["recall_hybrid"]["10"] > held["recall_hybrid-source"]["10"] > held["recall_hybrid-fact"]["10"]
+    assert held["recall_hybrid-turns"]["10"] > held["recall_hybrid-source"]["10"] > held["recall_hybrid-fact"]["10"]
     # ... and so do the turn before each source turn and the turn-neighbour bonus; the bonus
     # settings tried on the tuning conversations are reported, the one in use among them
     neighbours = result["tuning"]["neighbors_recall_at_10"]

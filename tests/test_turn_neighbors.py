@@ -1,6 +1,8 @@
 """Hybrid search reads the conversation a fact was drawn from: BM25 indexes the turn before
 each source turn too, and a fact drawn from within a few turns of a strong match gets a
-share of its score (:func:`inferscale.store.keyword.turn_neighbor_bonus`)."""
+share of its score (:func:`inferscale.store.keyword.turn_neighbor_bonus`); a query that
+names a month or year fuses the ranking of the memories that name it
+(:func:`inferscale.store.keyword.add_date_ranking`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 from inferscale import FactInput, Memory
-from inferscale.store.keyword import turn_neighbor_bonus
+from inferscale.store.keyword import add_date_ranking, date_terms, turn_neighbor_bonus
 from inferscale.store.records import Scope
 
 
@@ -119,6 +121,7 @@ def test_the_bonus_follows_writes(memory):
     memory.update(by_text[PISTACHIO], "Jo treated herself to pistachio gelato.", user_id="jo")
     _, fresh_positions = memory.components.turns.keyword_docs(Scope("jo").key, part.records)
     np.testing.assert_array_equal(part.positions, np.asarray(fresh_positions))
+    assert part.dates == [date_terms(r.text) for r in part.records]
     assert _ranked(memory)[1] == "Jo treated herself to pistachio gelato."
 
 
@@ -145,3 +148,34 @@ def test_the_vectorized_bonus_matches_its_definition():
         sources = int(rng.integers(0, 80))
         got = turn_neighbor_bonus(scores, positions, _placed(positions), share=0.35, reach=4.0, sources=sources)
         np.testing.assert_allclose(got, _loop_bonus(scores, positions, 0.35, 4.0, sources))
+
+
+def test_date_terms_are_capitalized_months_and_years():
+    assert date_terms("(7 May, 2023) Jo may move in June 1999 or 2150; Mayday.") == {"May", "2023", "June", "1999"}
+    assert date_terms("no date here") == frozenset()
+
+
+def test_the_date_ranking_counts_as_one_more_ranking():
+    fused = np.array([0.5, 0.4, -np.inf, 0.1])
+    dense = np.array([0.9, 0.2, 0.8, 0.5])
+    add_date_ranking(fused, dense, np.array([1, 2, 3]), c=2)
+    # rows 3 and 1 match, ranked by cosine (row 2 is excluded and stays so)
+    np.testing.assert_allclose(fused, [0.5, 0.4 + 1 / 4, -np.inf, 0.1 + 1 / 3])
+
+
+def test_a_question_naming_a_month_finds_that_month_s_memory(tmp_path, monkeypatch):
+    """"May" is a stop word to BM25 and "2023" is in every memory: without the date ranking
+    the June trip ranks first."""
+    import inferscale.store.index as index
+
+    may = "(7 May, 2023) Jo visited her aunt in Porto."
+    with Memory(data_dir=tmp_path / "store", dtype="float32", context_window=0, precompute_kv=False) as mem:
+        mem.add_facts(["(2 June, 2023) Jo took a trip to Rome.", may, "(20 November, 2023) Jo took a trip to Oslo."],
+                      user_id="jo")
+
+        def first() -> str:
+            return mem.search("Which trip did Jo take in May 2023?", user_id="jo", limit=3)["results"][0]["memory"]
+
+        assert first() == may
+        monkeypatch.setattr(index, "add_date_ranking", lambda *args, **kwargs: None)
+        assert first() == "(2 June, 2023) Jo took a trip to Rome."

@@ -4,8 +4,9 @@ For every LoCoMo conversation, its observations are stored as facts (KV off: ret
 only) in one scope of a fresh store, and every question with evidence is searched in
 both modes through :meth:`inferscale.Memory.search`:
 
-- rankings :data:`MODES`: ``dense``, ``hybrid-fact``, ``hybrid-source`` (earlier defaults, rebuilt
-  here side by side) and ``hybrid`` (the product's);
+- rankings :data:`MODES`: ``dense``, ``hybrid-fact``, ``hybrid-source`` (earlier defaults),
+  ``hybrid-turns`` (the product's without its date ranking), rebuilt here side by side, and
+  ``hybrid`` (the product's);
 - **evidence recall@k**: the share of a question's evidence turns that are a source turn
   of one of the top-k facts; **hit@k**: whether at least one is (k = 5, 10, 20, 50, 100);
 - the **fusion constant** of :func:`inferscale.store.keyword.fuse` and the **turn-neighbour**
@@ -39,9 +40,9 @@ from inferscale.types import FactInput
 KS = (5, 10, 20, 50, 100)
 #: rankings compared: cosine alone; cosine fused with BM25 over each fact's own text; the
 #: same with BM25 over the fact's text and its source turns' (the default until stop 47); and
-#: the product's hybrid (``keyword_turns``): BM25 also over the turn before each source turn,
-#: plus the turn-neighbour bonus
-MODES = ("dense", "hybrid-fact", "hybrid-source", "hybrid")
+#: ``hybrid-turns``: BM25 also over the turn before each source turn, plus the turn-neighbour
+#: bonus; and the product's hybrid: that, plus the date ranking of a query naming a month or year
+MODES = ("dense", "hybrid-fact", "hybrid-source", "hybrid-turns", "hybrid")
 #: the categories the issue's target counts (5, adversarial, asks about what was never said)
 ANSWERABLE = (1, 2, 3, 4)
 TUNE_C = (1, 2, 5, 10, 20, 60)
@@ -87,6 +88,9 @@ def _conversation(memory, sample: LocomoSample, user: str) -> dict:
                   for mode in ("dense", "hybrid")}
         ranked["hybrid-fact"] = [records[i]["id"] for i in fuse(dense, fact_only.scores(qa.question), max(KS))]
         ranked["hybrid-source"] = [records[i]["id"] for i in fuse(dense, source_only.scores(qa.question), max(KS))]
+        turned = fused_scores(dense, expanded.scores(qa.question))
+        turned += turn_neighbor_bonus(turned, positions, placed)
+        ranked["hybrid-turns"] = [records[i]["id"] for i in top_rows(turned, dense, max(KS))]
         for mode in MODES:
             for k in KS:
                 recall, hit = _recall(sample, ranked[mode][:k], qa.evidence, by_id)
@@ -214,9 +218,10 @@ def _markdown(r: dict) -> str:
     lines = ["# Retrieval: dense vs hybrid (dense + BM25, reciprocal rank fusion)", "",
              "Rankings: `dense` (cosine), `hybrid-fact` (cosine fused with BM25 over each fact's own text, the "
              "default before `keyword_turns`), `hybrid-source` (BM25 over each fact's text and its source turns', "
-             "the default until stop 47), `hybrid` (the default: BM25 also over the turn before each source turn, "
-             "and each fact gets a share of the fused score of strong matches drawn from within a few turns of "
-             "its own).", "",
+             "the default until stop 47), `hybrid-turns` (BM25 also over the turn before each source turn, and "
+             "each fact gets a share of the fused score of strong matches drawn from within a few turns of its "
+             "own), `hybrid` (the default: that, and a query naming a month or year fuses the ranking of the "
+             "memories naming it).", "",
              f"LoCoMo, every question with evidence; held out: {', '.join(h['conversations'])} "
              f"({h['questions']} questions, {h.get('questions_1_4', '?')} of categories 1-4). Reproduce: "
              f"`inferscale bench retrieval`."
@@ -270,7 +275,7 @@ def _plot(r: dict, path: Path) -> None:
 
     h = r["held_out"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, color in zip(MODES, ("tab:blue", "tab:orange", "tab:purple", "tab:green")):
+    for mode, color in zip(MODES, ("tab:blue", "tab:orange", "tab:purple", "tab:olive", "tab:green")):
         for what, style in (("recall", "-o"), ("hit", ":s")):
             values = h[f"{what}_{mode}"]
             ax.plot(r["ks"], [values[k] for k in values], style, color=color, label=f"{what}@k, {mode}")

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from inferscale.store.filters import MISSING, Filter
-from inferscale.store.keyword import KeywordIndex, fused_scores, top_rows, turn_neighbor_bonus
+from inferscale.store.keyword import (KeywordIndex, add_date_ranking, date_terms, fused_scores, top_rows,
+                                      turn_neighbor_bonus)
 from inferscale.store.records import FactRecord
 
 Loader = Callable[[str], "tuple[list[FactRecord], object]"]
@@ -57,6 +58,7 @@ class _Partition:
     #: each row's turn position (NaN: none), kept with the keyword index
     positions: np.ndarray | None = None
     placed: np.ndarray | None = None  # the rows with a position, sorted by it: built on use
+    dates: list[frozenset[str]] | None = None  # each row's own months and years, kept with the keyword index
 
     def changed(self) -> None:
         """Drop what is derived from the rows and rebuilt on use (the filter columns); the
@@ -69,6 +71,7 @@ class _Partition:
             self.keyword = KeywordIndex(texts)
             self.positions = np.asarray(positions, dtype=np.float64)
             self.placed = None
+            self.dates = [date_terms(r.text) for r in self.records]
         return self.keyword
 
     def docs(self, records: Sequence[FactRecord]) -> tuple[list[str], list[float]]:
@@ -83,6 +86,10 @@ class _Partition:
             rows = np.flatnonzero(np.isfinite(self.positions))
             self.placed = rows[np.argsort(self.positions[rows], kind="stable")]
         return self.placed
+
+    def rows_dated(self, terms: frozenset[str]) -> np.ndarray:
+        """The rows whose own text mentions every one of ``terms`` (after :meth:`keyword_index`)."""
+        return np.flatnonzero(np.fromiter((terms <= d for d in self.dates), dtype=bool, count=len(self.dates)))
 
     def column(self, key: str) -> np.ndarray:
         """The values of filter field ``key`` down the rows (built once per change)."""
@@ -261,6 +268,7 @@ class VectorIndex:
                         (text,), (position,) = part.docs([r])
                         part.keyword.replace(j, text)
                         part.positions[j], part.placed = position, None
+                        part.dates[j] = date_terms(r.text)
             if not fresh:
                 return
             n, need = len(part.records), len(part.records) + len(fresh)
@@ -282,6 +290,7 @@ class VectorIndex:
                 texts, positions = part.docs([records[i] for i in fresh])
                 part.keyword.append(texts)
                 part.positions, part.placed = np.concatenate([part.positions, positions]), None
+                part.dates += [date_terms(records[i].text) for i in fresh]
 
     # ------------------------------------------------------------------ writes
 
@@ -316,6 +325,7 @@ class VectorIndex:
             if part.keyword is not None:
                 part.keyword.keep(keep)
                 part.positions, part.placed = part.positions[keep], None
+                part.dates = [part.dates[i] for i in keep]
 
     def clear(self) -> None:
         """Forget every partition (they reload from the loader on next use)."""
@@ -334,7 +344,9 @@ class VectorIndex:
             where: when given, only records whose filter fields satisfy it can be returned;
                 it is evaluated as a mask over the partition's columns.
             keyword_query: the query's text: rank by the fusion of cosine and BM25 over it
-                (:func:`inferscale.store.keyword.fused_scores`), plus each row's share of its
+                (:func:`inferscale.store.keyword.fused_scores`; a query naming a month or year
+                adds the ranking of the rows that name it too,
+                :func:`inferscale.store.keyword.add_date_ranking`), plus each row's share of its
                 turn neighbours' (:func:`inferscale.store.keyword.turn_neighbor_bonus`),
                 instead of by cosine alone; the pairs
                 still carry the cosine.
@@ -357,6 +369,9 @@ class VectorIndex:
                 dense = scores.cpu().numpy()
                 keyword = part.keyword_index()
                 fused = fused_scores(dense, keyword.scores(keyword_query))
+                asked = date_terms(keyword_query)
+                if asked:
+                    add_date_ranking(fused, dense, part.rows_dated(asked))
                 fused += turn_neighbor_bonus(fused, part.positions, part.placed_rows())
                 top = top_rows(fused, dense, k)
                 return [(part.records[i], float(dense[i])) for i in top.tolist()]

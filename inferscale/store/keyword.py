@@ -6,6 +6,10 @@ scoring and stop words, Snowball stems from ``PyStemmer``, updated per write); :
 merges its ranking with the dense one by reciprocal rank fusion (Cormack, Clarke and
 Buettcher, SIGIR 2009: ``score = sum over rankings of 1 / (c + rank)``).
 
+Two more signals join the fusion: a query that names a month or year fuses the ranking of
+the memories naming it (:func:`add_date_ranking`), and a memory drawn from within a few
+turns of a strong match gets a share of its score (:func:`turn_neighbor_bonus`).
+
 The fusion constant ``c`` is :data:`RRF_C`, chosen on LoCoMo conversations 0-2 by
 ``inferscale bench retrieval`` (docs/results/retrieval/retrieval.md); every other
 conversation is held out.
@@ -204,6 +208,37 @@ def fuse(dense: np.ndarray, keyword: np.ndarray, k: int, c: int = RRF_C) -> np.n
         ``[min(k, eligible)]`` row indices, best first (ties by dense score, then row).
     """
     return top_rows(fused_scores(dense, keyword, c), dense, k)
+
+
+_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+           "November", "December")
+_DATE = re.compile(r"\b(" + "|".join(_MONTHS) + r"|(?:19|20)\d\d)\b")  # capitalized months, years 1900-2099
+
+
+def date_terms(text: str) -> frozenset[str]:
+    """The months (capitalized full names, as dates are written: "May", not "may") and years
+    (1900-2099) ``text`` mentions: ``"Jo moved on 7 May 2023."`` -> ``{"May", "2023"}``."""
+    return frozenset(_DATE.findall(text))
+
+
+def add_date_ranking(fused: np.ndarray, dense: np.ndarray, rows: np.ndarray, c: int = RRF_C) -> None:
+    """Fuse one more ranking into ``fused`` (in place): the rows whose memory mentions every
+    month and year the query mentions (``rows``, from :func:`date_terms`), ranked by cosine,
+    each adding ``1 / (c + rank)`` as the dense and keyword rankings do.
+
+    "What did Jo do in August 2023?" shares its date with the memories of that month, but
+    BM25 barely sees it (a conversation's year is in most memories; "may" is a stop word).
+    A ranking of its own has no weight to tune: it counts as the other two do.
+
+    Args:
+        fused: ``[n]`` fused scores (:func:`fused_scores`; ``-inf``: excluded, left so).
+        dense: ``[n]`` cosine similarities. rows: indices of the rows that match.
+        c: the fusion constant (:data:`RRF_C`).
+    """
+    rows = rows[np.isfinite(fused[rows])]
+    if rows.size:
+        ranked = rows[np.argsort(-dense[rows], kind="stable")]
+        fused[ranked] += 1.0 / (c + np.arange(1, len(ranked) + 1))
 
 
 def turn_neighbor_bonus(scores: np.ndarray, positions: np.ndarray, order: np.ndarray, *,
