@@ -48,7 +48,7 @@ from langgraph.store.base import validate_op_namespace
 from langgraph.store.base.embed import get_text_at_path, tokenize_path
 
 from inferscale import Memory
-from inferscale.store.records import Scope
+from inferscale.integration import Scope
 
 #: namespace heads that name an InferScale scope field: ``("users", "alice")`` -> ``user_id="alice"``
 SCOPE_HEADS = {"users": "user_id", "agents": "agent_id", "runs": "run_id"}
@@ -127,7 +127,7 @@ class InferScaleStore(BaseStore):
     def scope_of(self, namespace: tuple[str, ...]) -> dict[str, str]:
         """The InferScale scope a namespace's items are stored in (``("users", "alice", ...)``
         -> ``{"user_id": "alice"}``; the store's own scope for other namespaces, and for a
-        label no scope id can be: over 128 characters, blank, or with control characters,
+        label no scope id can be: over 256 characters, blank, or with control characters,
         such as ``("users", "alice\\n")``)."""
         if len(namespace) >= 2 and namespace[0] in SCOPE_HEADS and _is_scope_id(namespace[1]):
             return {SCOPE_HEADS[namespace[0]]: namespace[1]}
@@ -414,7 +414,7 @@ class _AddressLocks:
 
 
 def _is_scope_id(label: str) -> bool:
-    """Whether InferScale takes ``label`` as a scope id (:meth:`inferscale.store.records.Scope.of`)."""
+    """Whether InferScale takes ``label`` as a scope id (:meth:`inferscale.integration.Scope.of`)."""
     try:
         Scope.of(label, None, None)
     except (TypeError, ValueError):

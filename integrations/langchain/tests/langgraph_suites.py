@@ -4,7 +4,7 @@ The tests ship in the sdists of the releases we test against (``langgraph-checkp
 ``tests/test_store.py``, written against ``InMemoryStore``; ``langgraph-checkpoint-sqlite``'s
 ``tests/test_store.py`` and ``tests/test_async_store.py``, against ``SqliteStore`` and
 ``AsyncSqliteStore``). ``scripts/install.sh`` downloads and unpacks them into
-``.venv/langgraph-suites/`` (``INFERSCALE_LANGGRAPH_SUITES`` names another folder). Each
+``.venv/langgraph-suites/`` (``LANGGRAPH_SUITES_DIR`` names another folder). Each
 harness (``integration_tests/test_langgraph_own_*.py``) loads one module with :func:`load`,
 which swaps the store class the module names for one that makes an ``InferScaleStore``
 over the session's memory, and takes its tests and fixtures as its own. Each test starts on
@@ -30,7 +30,7 @@ from inferscale import Memory
 
 ROOT = Path(__file__).resolve().parents[3]
 #: where scripts/install.sh unpacks the sdists
-SUITES = Path(os.environ.get("INFERSCALE_LANGGRAPH_SUITES", ROOT / ".venv" / "langgraph-suites"))
+SUITES = Path(os.environ.get("LANGGRAPH_SUITES_DIR", ROOT / ".venv" / "langgraph-suites"))
 CHECKPOINT = "langgraph_checkpoint-4.3.2"
 SQLITE = "langgraph_checkpoint_sqlite-3.1.2"
 
@@ -91,7 +91,7 @@ def load(sdist: str, module: str) -> ModuleType:
     root = SUITES / sdist
     if not (root / "tests" / f"{module}.py").is_file():
         raise FileNotFoundError(f"{root}/tests/{module}.py is missing: run `bash scripts/install.sh` (it unpacks "
-                                f"LangGraph's sdists into {SUITES}), or set INFERSCALE_LANGGRAPH_SUITES")
+                                f"LangGraph's sdists into {SUITES}), or set LANGGRAPH_SUITES_DIR")
     # the sdist's tests import each other as the package `tests`: give them that name while they load
     saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "tests" or k.startswith("tests.")}
     sys.path.insert(0, str(root))
