@@ -89,9 +89,10 @@ class InferScaleStore(BaseStore):
     Raises:
         TypeError / ValueError: (constructor) neither or both of ``memory`` and ``url``, or
             an argument of the wrong type. ``put`` / ``batch``: a value that is not a dict,
-            a ``ttl``, a namespace whose scope id is invalid, a malformed filter,
-            ``offset + limit`` over 10,000 (nothing of that op is written). Over HTTP: ``PermissionError`` (wrong key), ``ConnectionError``
-            (no server), ``RuntimeError`` (a 5xx answer).
+            a ``ttl``, a namespace that maps to the store's registry scope, a malformed
+            filter, ``offset + limit`` over 10,000 (nothing of that op is written). Over HTTP:
+            ``PermissionError`` (wrong key), ``ConnectionError`` (no server), ``RuntimeError``
+            (a 5xx answer).
 
     Example:
         >>> store = InferScaleStore(memory)            # or InferScaleStore(url="http://127.0.0.1:8000", api_key=key)
@@ -219,14 +220,14 @@ class InferScaleStore(BaseStore):
     # ------------------------------------------------------------------ reads
 
     def _lookup(self, addresses: list[tuple[tuple[str, ...], str]]) -> dict:
-        """The stored memory of each address that has one: one search per scope."""
+        """The stored memory of each address that has one: one listing per scope."""
         by_scope: dict[str, tuple[dict, set[str]]] = {}
         for namespace, key in addresses:
             scope = self.scope_of(namespace)
             by_scope.setdefault(_scope_key(scope), (scope, set()))[1].add(_address(namespace, key))
         found = {}
         for scope, wanted in by_scope.values():
-            for memory in self.backend.search(_ANY_QUERY, scope, {"lg_item": {"in": sorted(wanted)}}, MAX_RESULTS):
+            for memory in self.backend.list(scope, {"lg_item": {"in": sorted(wanted)}}):
                 stored = memory["metadata"]["langgraph"]
                 found[(tuple(stored["namespace"]), stored["key"])] = memory
         return found
@@ -241,7 +242,7 @@ class InferScaleStore(BaseStore):
         return self._all_scopes()
 
     def _all_scopes(self) -> list[dict]:
-        found = self.backend.search(_ANY_QUERY, self.registry_scope, None, MAX_RESULTS)
+        found = self.backend.list(self.registry_scope, None)
         scopes = [m["metadata"]["langgraph_scope"] for m in found if "langgraph_scope" in m["metadata"]]
         self._registered.update(_scope_key(s) for s in scopes)
         return sorted(scopes, key=_scope_key)
@@ -271,8 +272,7 @@ class InferScaleStore(BaseStore):
 
     def _listing(self, scopes: list[dict], filters: dict) -> list[dict]:
         """Every memory of ``scopes`` matching ``filters``, oldest first (as ``InMemoryStore`` lists)."""
-        # every match is read, so the oldest come first whatever the placeholder query ranks
-        hits = [h for scope in scopes for h in self.backend.search(_ANY_QUERY, scope, filters, MAX_RESULTS)]
+        hits = [h for scope in scopes for h in self.backend.list(scope, filters)]
         return sorted(hits, key=lambda h: (h["created_at"], h["id"]))
 
     def _list_namespaces(self, op: ListNamespacesOp, everything: dict[str, list[dict]]) -> list[tuple[str, ...]]:
@@ -281,7 +281,7 @@ class InferScaleStore(BaseStore):
         for scope in self._scopes_under(tuple(prefix)):
             key = _scope_key(scope)
             if key not in everything:
-                everything[key] = self.backend.search(_ANY_QUERY, scope, {"lg_item": "*"}, MAX_RESULTS)
+                everything[key] = self.backend.list(scope, {"lg_item": "*"})
             namespaces.update(tuple(m["metadata"]["langgraph"]["namespace"]) for m in everything[key])
         kept = [ns for ns in namespaces if all(_matches(c, ns) for c in op.match_conditions or ())]
         if op.max_depth is not None:
@@ -308,7 +308,7 @@ class InferScaleStore(BaseStore):
         if key in self._registered:
             return
         if key not in {_scope_key(s) for s in self._all_scopes()}:
-            self.backend.add(key, self.registry_scope, {"langgraph_scope": scope})  # a repeat is a NOOP
+            self.backend.add(key, self.registry_scope, {"langgraph_scope": scope}, dedupe=True)  # a repeat: NOOP
         self._registered.add(key)
 
 
@@ -321,8 +321,8 @@ class _Local:
     def __init__(self, memory: Memory) -> None:
         self.memory = memory
 
-    def add(self, text: str, scope: dict, metadata: dict) -> dict:
-        return self.memory.add(text, metadata=metadata, infer=False, dedupe=False, **scope)["results"][0]
+    def add(self, text: str, scope: dict, metadata: dict, dedupe: bool = False) -> dict:
+        return self.memory.add(text, metadata=metadata, infer=False, dedupe=dedupe, **scope)["results"][0]
 
     def update(self, memory_id: str, text: str, metadata: dict, scope: dict) -> None:
         self.memory.update(memory_id, text, metadata=metadata, dedupe=False, **scope)
@@ -332,6 +332,10 @@ class _Local:
 
     def search(self, query: str, scope: dict, filters: dict | None, limit: int) -> list[dict]:
         return self.memory.search(query, limit=limit, filters=filters, **scope)["results"]
+
+    def list(self, scope: dict, filters: dict | None) -> list[dict]:
+        """Every memory of ``scope`` matching ``filters`` (at most 10,000), oldest first; no query embedded."""
+        return self.memory.get_all(limit=MAX_RESULTS, filters=filters, **scope)["results"]
 
 
 class _Http:
@@ -362,12 +366,13 @@ class _Http:
             raise ValueError(message)
         raise RuntimeError(f"inferscale serve answered {response.status_code}: {message}")
 
-    def add(self, text: str, scope: dict, metadata: dict) -> dict:
-        body = {"messages": text, "metadata": metadata, "infer": False, "dedupe": False, **scope}
+    def add(self, text: str, scope: dict, metadata: dict, dedupe: bool = False) -> dict:
+        body = {"messages": text, "metadata": metadata, "infer": False, "dedupe": dedupe, **scope}
         return self._call("POST", "/memories", json=body)["results"][0]
 
     def update(self, memory_id: str, text: str, metadata: dict, scope: dict) -> None:
-        self._call("PUT", f"/memories/{memory_id}", params=scope, json={"text": text, "metadata": metadata, "dedupe": False})
+        body = {"text": text, "metadata": metadata, "dedupe": False}
+        self._call("PUT", f"/memories/{memory_id}", params=scope, json=body)
 
     def delete(self, memory_id: str, scope: dict) -> None:
         self._call("DELETE", f"/memories/{memory_id}", params=scope)
@@ -375,6 +380,11 @@ class _Http:
     def search(self, query: str, scope: dict, filters: dict | None, limit: int) -> list[dict]:
         body = {"query": query, "limit": max(limit, 1), "filters": filters, **scope}
         return self._call("POST", "/search", json=body)["results"][:limit]
+
+    def list(self, scope: dict, filters: dict | None) -> list[dict]:
+        """Every match (at most 10,000), in any order: ``GET /memories`` takes no filters, so a
+        search with a placeholder query reads them all (the callers sort)."""
+        return self.search(_ANY_QUERY, scope, filters, MAX_RESULTS)
 
 
 # ---------------------------------------------------------------------- helpers

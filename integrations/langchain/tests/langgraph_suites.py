@@ -9,8 +9,10 @@ harness (``integration_tests/test_langgraph_own_*.py``) loads one module with :f
 which swaps the store class the module names for one that makes an ``InferScaleStore``
 over the session's memory, and takes its tests and fixtures as its own. Each test starts on
 an empty store (:func:`fresh_memory` resets the memory). A harness's ``DESELECTED`` names the
-tests of another store's internals, each with its reason; its ``XFAIL`` the tests of
-features InferScale lacks (``integrations/langchain/tests/conftest.py`` applies both).
+tests of another store's internals, each with its reason; ``DESELECTED_PARAMS`` the
+parameters whose runs repeat others on InferScale (SQLite's ``file`` database); ``XFAIL``
+the tests of features InferScale lacks (``integrations/langchain/tests/conftest.py``
+applies them).
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ DESELECTED: dict[str, str] = {
                                         "('Invalid filter key'); InferScaleStore builds no SQL and, as InMemoryStore, "
                                         "takes any key",
 }
+#: parameters whose tests repeat others on InferScaleStore: parameter id -> reason
+DESELECTED_PARAMS = {"file": "the same test on a file-backed SQLite database: on InferScaleStore, the [memory] "
+                             "run again"}
 #: tests of features InferScaleStore lacks: name -> the missing feature
 XFAIL: dict[str, str] = {
     "test_embed_with_path": EMBED,

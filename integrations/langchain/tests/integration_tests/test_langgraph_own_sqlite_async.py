@@ -11,6 +11,9 @@ DESELECTED: dict[str, str] = {
     "test_no_running_loop": "expects AsyncSqliteStore's sync methods to refuse the event loop's thread "
                             "(InvalidStateError); InferScaleStore serves sync and async calls alike",
 }
+#: parameters whose tests repeat others on InferScaleStore: parameter id -> reason
+DESELECTED_PARAMS = {"file": "the same test on a file-backed SQLite database: on InferScaleStore, the [memory] "
+                             "run again"}
 #: tests of features InferScaleStore lacks: name -> the missing feature
 XFAIL: dict[str, str] = {
     "test_embed_with_path": EMBED,
