@@ -5,10 +5,12 @@ values, index=False")."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
-from inferscale import Memory
+from inferscale import AsyncMemory, Memory
 
 KEY = "dedupe-test-key"
 TEXT = "The deploy key rotates every Monday."
@@ -44,6 +46,15 @@ def test_dedupe_false_stores_the_text_again(memory):
     assert {h["id"] for h in hits} >= {first["id"], second["id"]}
     # the default still refuses a third copy
     assert memory.add(TEXT, user_id="d-twice")["results"][0]["event"] == "NOOP"
+
+
+def test_async_memory_takes_dedupe(memory):
+    async def twice() -> list[dict]:
+        amemory = AsyncMemory(memory=memory)
+        return [(await amemory.add(TEXT, user_id="d-async", dedupe=False))["results"][0] for _ in range(2)]
+
+    first, second = asyncio.run(twice())
+    assert (first["event"], second["event"]) == ("ADD", "ADD") and first["id"] != second["id"]
 
 
 def test_a_holder_is_found_while_any_remains(memory):
