@@ -31,6 +31,26 @@ from inferscale.store.turns import Turn
 from inferscale.types import FactInput, MemoryNotFoundError, SearchResults, write_results
 
 
+#: the memories open in this process: an unpickled Memory is the open one of its data dir, if any
+_OPEN: "weakref.WeakSet[Memory]" = weakref.WeakSet()
+
+
+def reopen(settings: dict) -> "Memory":
+    """The open :class:`Memory` of this process over the same store as ``settings`` (the same
+    ``data_dir`` and ``chroma_url``), else a new one opened with them: what an unpickled
+    Memory is (:meth:`Memory.__reduce__`).
+
+    Raises:
+        As :class:`Memory`'s constructor, when a new one is opened.
+    """
+    data_dir = Path(settings["data_dir"]).resolve()
+    for memory in list(_OPEN):
+        if (not memory._closed and memory.config.data_dir.resolve() == data_dir
+                and memory.config.chroma_url == settings.get("chroma_url")):
+            return memory
+    return Memory(**settings)
+
+
 class Memory(Answering, Inspection):
     """Persistent per-user memory served to vLLM as precomputed KV.
 
@@ -102,6 +122,19 @@ class Memory(Answering, Inspection):
         except BaseException:
             c.kv.close()
             raise
+        _OPEN.add(self)
+
+    def __reduce__(self) -> tuple:
+        """A Memory pickles as its settings, as a database client pickles as its URL: unpickled
+        in a process where a Memory over the same store is open, it is that Memory; elsewhere
+        it opens the store anew with the same settings (:func:`reopen`). So a LangChain or
+        LlamaIndex object holding a Memory can be pickled, deep-copied or sent to a worker
+        process. The settings are those given to the constructor (``INFERSCALE_*`` variables
+        are read again where it is opened), with ``data_dir`` made absolute; a custom
+        ``engine``, ``extractor`` or ``reconciler`` is not carried."""
+        settings = self.config.model_dump(exclude_unset=True)
+        settings["data_dir"] = str(self.config.data_dir.resolve())
+        return reopen, (settings,)
 
     @classmethod
     def from_config(cls, config: dict) -> "Memory":

@@ -287,3 +287,20 @@ def test_chat_store_keeps_tool_call_messages_whole(memory, user):
     with pytest.raises(ValueError, match="has no text"):
         store.add_message("t", _user("user", ""))
     assert len(store.get_messages("t")) == len(msgs)  # refused messages wrote nothing
+
+
+def test_chat_store_pickles_and_deep_copies_over_the_same_memory(memory, user):
+    """LlamaIndex copies and pickles its components: an unpickled (or deep-copied) store
+    works at once, over the same open memory, with the same user and write settings."""
+    import copy
+    import pickle
+
+    store = InferScaleChatStore(memory, user_id=user, fact_roles=("user", "assistant"))
+    store.add_message("p", _user("user", "My bike is green."))
+    said = ["My bike is green."]
+    for clone in (pickle.loads(pickle.dumps(store)), copy.deepcopy(store)):
+        assert clone._sessions.memory is memory and clone._sessions.fact_roles == ("user", "assistant")
+        assert [m.content for m in clone.get_messages("p")] == said
+        clone.add_message("p", _user("assistant", f"Noted ({len(said)})."))
+        said.append(f"Noted ({len(said)}).")
+    assert [m.content for m in store.get_messages("p")] == said

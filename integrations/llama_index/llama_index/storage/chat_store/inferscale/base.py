@@ -52,6 +52,17 @@ class InferScaleChatStore(BaseChatStore):
         super().__init__()
         self._sessions = ChatSessions(memory, user_id=user_id, agent_id=agent_id, infer=infer, fact_roles=fact_roles)
 
+    def __getstate__(self) -> dict:
+        """What a pickle keeps: the memory (pickled as its settings, :meth:`inferscale.Memory.__reduce__`),
+        the scope and the write settings; the sessions themselves live in the memory."""
+        s = self._sessions
+        return {"memory": s.memory, "user_id": s.scope.user_id, "agent_id": s.scope.agent_id, "infer": s.infer,
+                "fact_roles": s.fact_roles}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["memory"], user_id=state["user_id"], agent_id=state["agent_id"], infer=state["infer"],
+                      fact_roles=state["fact_roles"])
+
     @classmethod
     def class_name(cls) -> str:
         """LlamaIndex's name for this class (serialisation)."""
