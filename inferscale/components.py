@@ -10,7 +10,6 @@ from ``memory.components``.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,8 @@ import torch
 
 from inferscale.checks import first_line
 from inferscale.config import MemoryConfig
-from inferscale.store.embedded import MANIFEST, embedded_count, hidden_memories_message, moved_message
+from inferscale.store.embedded import (embedded_count, hidden_memories_message, moved_message, read_manifest,
+                                      write_manifest)
 from inferscale.models.embedding import Embedder
 from inferscale.facts.writes import FactService
 from inferscale.store.history import HistoryLog
@@ -133,7 +133,7 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
     try:
         pool.enforce_budget()  # a budget lowered since the folder was filled holds from the start
         if manifest is not None:
-            (data / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            write_manifest(data, manifest)
         embedder = Embedder(config.embedder, device, source=embedder_source, backend=config.embedder_backend)
         # partitions load on first use, and catch up on (or reload after) other processes' writes
         index = VectorIndex(device, loader=store.load_scope, versioner=history_log.scope_version,
@@ -187,14 +187,10 @@ def check_data_dir(data: Path, embedder: str, chroma_url: str | None = None) -> 
             pass
     except OSError as exc:
         raise StoreError(f"cannot use data_dir {data}: {exc}. Choose a writable folder.") from exc
-    path = data / MANIFEST
     manifest = {"schema_version": SCHEMA_VERSION, "embedder": embedder}
-    if not path.exists():
+    found = read_manifest(data)
+    if found is None:
         return manifest
-    try:
-        found = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise StoreError(f"{path} is not valid JSON ({exc}); it is InferScale's store manifest") from exc
     if found.get("schema_version", 0) > SCHEMA_VERSION:
         raise StoreError(f"the store at {data} has schema version {found['schema_version']}, newer than this "
                          f"InferScale's {SCHEMA_VERSION}: upgrade inferscale to open it")

@@ -156,6 +156,10 @@ def test_bad_stores_are_refused_clearly(tmp_path):
     (store / "inferscale.json").write_text(json.dumps({**manifest, "schema_version": 99}))
     with pytest.raises(StoreError, match="newer"):
         new_memory(store)
+    for damaged, says in (("{not json", "cannot be read"), ("[1, 2]", "is not a JSON object")):
+        (store / "inferscale.json").write_text(damaged)
+        with pytest.raises(StoreError, match=f"manifest .*inferscale.json {says}.*delete it"):
+            new_memory(store)
 
 
 def test_async_memory_and_sync_inside_a_running_loop(tmp_path):

@@ -126,14 +126,42 @@ def _check_not_reembedding(data_dir: Path) -> None:
     sit in the re-embed's copy, not where a copy would read them."""
     from inferscale.store.chroma import REEMBEDDING_KEY
 
-    path = Path(data_dir) / MANIFEST
     try:
-        marked = REEMBEDDING_KEY in json.loads(path.read_text()) if path.is_file() else False
-    except (OSError, ValueError, TypeError):
+        marked = REEMBEDDING_KEY in (read_manifest(data_dir) or {})
+    except StoreError:
         marked = False  # a damaged manifest is named when the store opens
     if marked:
         raise StoreError(f"a re-embed of the memories of {data_dir} has not ended: finish it (`inferscale reembed`, "
                          "as the store's error says) before copying them")
+
+
+def read_manifest(data_dir: Path) -> dict | None:
+    """The data dir's manifest (``None`` when it has none): the one reader of
+    :data:`MANIFEST`, for opening a store, a re-embed and a copy.
+
+    Raises:
+        StoreError: it cannot be read or is not a JSON object (naming the file and the fix).
+    """
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise StoreError(f"the manifest {path} cannot be read ({type(exc).__name__}: {first_line(exc)}): restore it "
+                         "from a backup, or delete it to let the next open write a new one") from None
+    if not isinstance(manifest, dict):
+        raise StoreError(f"the manifest {path} is not a JSON object: restore it from a backup, or delete it to let "
+                         "the next open write a new one")
+    return manifest
+
+
+def write_manifest(data_dir: Path, manifest: dict) -> None:
+    """Write the data dir's manifest whole, then rename it into place (a reader never sees half)."""
+    path = Path(data_dir) / MANIFEST
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(path)
 
 
 #: The manifest field that says where a data dir's memories went (``inferscale copy-to-chroma``).
@@ -142,12 +170,9 @@ MOVED_TO = "memories_moved_to"
 
 def record_move(data_dir: Path, url: str, when: str) -> None:
     """Note in ``data_dir``'s manifest that its memories now live on the Chroma server ``url``."""
-    path = Path(data_dir) / MANIFEST
-    manifest = json.loads(path.read_text()) if path.is_file() else {}
+    manifest = read_manifest(data_dir) or {}
     manifest[MOVED_TO] = {"chroma_url": url, "at": when}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(path)
+    write_manifest(data_dir, manifest)
 
 
 def moved_message(data_dir: Path, manifest: dict) -> str | None:

@@ -22,7 +22,6 @@ LLM, not the embedder.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +31,7 @@ from tqdm import tqdm
 from inferscale.checks import first_line
 from inferscale.store.chroma import (_COLLECTION, EMBEDDER_KEY, REEMBED_SUFFIX, REEMBEDDING_KEY, FactStore,
                                      open_client, has_collection, lock_open, reembed_command)
-from inferscale.store.embedded import MANIFEST, check_not_served
+from inferscale.store.embedded import check_not_served, read_manifest, write_manifest
 from inferscale.store.records import SCHEMA_VERSION, StoreError
 
 #: Marks the new collection complete (every memory embedded and counted).
@@ -68,7 +67,7 @@ def reembed(data_dir: Path, server, embedder: str, embed: Callable[[list[str]], 
     check_not_served(data_dir, "re-embedding its memories")
     path = Path(data_dir) / "chroma"
     where = server.url if server is not None else str(path)
-    _read_manifest(data_dir)  # a damaged manifest is named before anything changes
+    read_manifest(data_dir)  # a damaged manifest is named before anything changes
     lock = None
     if server is None:
         lock = lock_open(path, exclusive=True)
@@ -143,30 +142,10 @@ def _take_name(client, new, name: str, data_dir: Path, embedder: str, count: int
     return count
 
 
-def _read_manifest(data_dir: Path) -> dict | None:
-    """The data dir's manifest (``None`` when it has none).
-
-    Raises:
-        StoreError: it is not a JSON object.
-    """
-    path = Path(data_dir) / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise StoreError(f"the manifest {path} cannot be read ({type(exc).__name__}: {first_line(exc)}): restore it "
-                         "from a backup, or delete it to let the next open write a new one") from None
-    if not isinstance(manifest, dict):
-        raise StoreError(f"the manifest {path} is not a JSON object: restore it from a backup, or delete it to let "
-                         "the next open write a new one")
-    return manifest
-
-
 def _record(data_dir: Path, embedder: str | None = None, *, reembedding: str | None = None) -> None:
     """Name ``embedder`` in the data dir's manifest and end its re-embed, or note a re-embed to
     ``reembedding`` under way (written whole, then renamed)."""
-    manifest = _read_manifest(data_dir)
+    manifest = read_manifest(data_dir)
     if manifest is None:
         return
     if reembedding is not None:
@@ -174,7 +153,4 @@ def _record(data_dir: Path, embedder: str | None = None, *, reembedding: str | N
     else:
         manifest["embedder"] = embedder
         manifest.pop(REEMBEDDING_KEY, None)
-    path = Path(data_dir) / MANIFEST
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(path)
+    write_manifest(data_dir, manifest)
