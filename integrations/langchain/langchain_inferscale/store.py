@@ -408,6 +408,9 @@ class InferScaleStore(BaseStore):
         Raises:
             Over HTTP: ``PermissionError``, ``ConnectionError``, ``RuntimeError``, as the class says.
         """
+        return self._sweep()
+
+    def _sweep(self) -> int:
         deleted = 0
         for scope in self._all_scopes():
             expired = self.backend.list(scope, {"lg_item": "*", **_expired_by(now())})
@@ -424,7 +427,7 @@ class InferScaleStore(BaseStore):
 
     async def asweep_ttl(self) -> int:
         """:meth:`sweep_ttl` in a worker thread."""
-        return await asyncio.to_thread(self.sweep_ttl)
+        return await asyncio.to_thread(self._sweep)
 
     def start_ttl_sweeper(self, sweep_interval_minutes: float | None = None) -> concurrent.futures.Future[None]:
         """Run :meth:`sweep_ttl` every ``sweep_interval_minutes`` (default ``ttl``'s, else 5) in a
@@ -439,6 +442,9 @@ class InferScaleStore(BaseStore):
         Raises:
             TypeError / ValueError: ``sweep_interval_minutes`` not a positive number.
         """
+        return self._start_sweeper(sweep_interval_minutes)
+
+    def _start_sweeper(self, sweep_interval_minutes: float | None) -> concurrent.futures.Future[None]:
         if sweep_interval_minutes is not None:
             _minutes("sweep_interval_minutes", sweep_interval_minutes)
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -454,7 +460,7 @@ class InferScaleStore(BaseStore):
             try:
                 while not stop.wait(interval * 60):
                     try:
-                        swept = self.sweep_ttl()
+                        swept = self._sweep()
                         if swept:
                             logger.info("swept %d expired store items", swept)
                     except Exception:  # noqa: BLE001 (the next sweep may succeed: a server restarting)
@@ -471,6 +477,9 @@ class InferScaleStore(BaseStore):
         """Stop the sweeper thread, waiting up to ``timeout`` seconds (``None``: until it
         stops; a sweep under way finishes first). Returns whether it stopped (``True`` when
         none was running)."""
+        return self._stop_sweeper(timeout)
+
+    def _stop_sweeper(self, timeout: float | None) -> bool:
         thread = self._sweeper
         if thread is None or not thread.is_alive():
             return True
@@ -485,15 +494,15 @@ class InferScaleStore(BaseStore):
     async def astart_ttl_sweeper(self, sweep_interval_minutes: float | None = None) -> asyncio.Future[None]:
         """:meth:`start_ttl_sweeper` from async code (the sweeper is the same thread); returns
         an asyncio future of its end."""
-        return asyncio.wrap_future(self.start_ttl_sweeper(sweep_interval_minutes))
+        return asyncio.wrap_future(self._start_sweeper(sweep_interval_minutes))
 
     async def astop_ttl_sweeper(self, timeout: float | None = None) -> bool:
         """:meth:`stop_ttl_sweeper`, waiting in a worker thread."""
-        return await asyncio.to_thread(self.stop_ttl_sweeper, timeout)
+        return await asyncio.to_thread(self._stop_sweeper, timeout)
 
     def __del__(self) -> None:
         if getattr(self, "_sweeper", None) is not None:
-            self.stop_ttl_sweeper(timeout=0.1)
+            self._stop_sweeper(0.1)
 
 
 # ---------------------------------------------------------------------- backends
