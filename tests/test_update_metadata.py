@@ -127,3 +127,21 @@ def test_put_without_text_updates_the_metadata_over_http(memory, loopback_front,
         assert resp.status_code == 200, resp.text
         assert memory.get(mid, user_id="um-http")["metadata"] == {"c": 3}
         assert spies["encode"] == 1
+
+
+def test_another_worker_sees_the_fields_at_once(postgres_url, chroma, tmp_path):
+    """Two API workers over one Chroma server and one PostgreSQL: a metadata update through
+    one is in the other's next filtered read, its loaded partition caught up by id."""
+    from inferscale.store.records import Scope
+
+    settings = dict(dtype="float32", context_window=0, precompute_kv=False, database_url=postgres_url,
+                    chroma_url=chroma["url"])
+    with Memory(data_dir=tmp_path / "w1", **settings) as w1, Memory(data_dir=tmp_path / "w2", **settings) as w2:
+        mid = w1.add(TEXT, user_id="alice", metadata={"n": 1}, infer=False)["results"][0]["id"]
+        assert [m["id"] for m in w2.get_all(user_id="alice", filters={"n": 1})["results"]] == [mid]
+        assert w2.components.index.loaded(Scope("alice").key)
+        w1.update_metadata(mid, {"n": 2}, user_id="alice")
+        assert w2.get_all(user_id="alice", filters={"n": 1})["results"] == []
+        assert [m["id"] for m in w2.get_all(user_id="alice", filters={"n": 2})["results"]] == [mid]
+        w2.update_metadata(mid, {"n": None, "m": 3}, user_id="alice")
+        assert w1.get_all(user_id="alice")["results"][0]["metadata"] == {"m": 3}
