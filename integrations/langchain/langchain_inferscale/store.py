@@ -96,8 +96,9 @@ class InferScaleStore(BaseStore):
     concurrent puts of a key leave one item); two processes writing one key still race.
 
     TTL, as ``SqliteStore`` has it: ``put(..., ttl=minutes)`` gives the item an expiry (``ttl``
-    omitted: ``ttl["default_ttl"]``, if the store has one; ``ttl=None``: none); ``get`` / ``search`` never return an
-    expired item, nor ``list_namespaces`` its namespace, even before a sweep; with
+    omitted: ``ttl["default_ttl"]``, if the store has one; ``ttl=None``: none); ``get`` /
+    ``search`` never return an expired item, nor ``list_namespaces`` its namespace, even
+    before a sweep; with
     ``ttl={"refresh_on_read": True}`` a ``get`` or ``search`` (unless ``refresh_ttl=False``)
     pushes each returned item's expiry ``ttl`` minutes past now, without re-embedding it,
     invalidating its KV or moving its ``updated_at``; ``sweep_ttl()`` deletes the expired
