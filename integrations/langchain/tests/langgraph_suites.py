@@ -2,8 +2,8 @@
 
 The tests ship in the sdists of the releases we test against (``langgraph-checkpoint``'s
 ``tests/test_store.py``, written against ``InMemoryStore``; ``langgraph-checkpoint-sqlite``'s
-``tests/test_store.py`` and ``tests/test_async_store.py``, against ``SqliteStore`` and
-``AsyncSqliteStore``). ``scripts/install.sh`` downloads and unpacks them into
+``tests/test_store.py``, ``tests/test_async_store.py`` and ``tests/test_ttl.py``, against
+``SqliteStore`` and ``AsyncSqliteStore``). ``scripts/install.sh`` downloads and unpacks them into
 ``.venv/langgraph-suites/`` (``LANGGRAPH_SUITES_DIR`` names another folder). Each
 harness (``integration_tests/test_langgraph_own_*.py``) loads one module with :func:`load`,
 which swaps the store class the module names for one that makes an ``InferScaleStore``
