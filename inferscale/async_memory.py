@@ -15,8 +15,8 @@ from typing import Any
 from inferscale.memory import Memory
 
 _METHODS = (
-    "add", "add_facts", "log_turns", "get", "get_all", "search", "update", "delete", "delete_all", "history",
-    "reset", "inject", "prepare", "generate", "count", "close",
+    "add", "add_facts", "log_turns", "get", "get_all", "search", "update", "update_metadata", "delete",
+    "delete_all", "history", "reset", "inject", "prepare", "generate", "count", "close",
     "wait_for_kv", "pending_kv", "get_turns", "delete_turns", "find_texts", "count_turns", "owner_of", "scopes",
     "kv_entries", "chats",
 )

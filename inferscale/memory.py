@@ -285,6 +285,41 @@ class Memory(Answering, Inspection):
                                            None if metadata is None else args.check_metadata(metadata), dedupe=dedupe)
         return {"message": "Memory updated successfully!", "id": rec.id, "memory": rec.text}
 
+    def update_metadata(self, memory_id: str, metadata: dict, *, user_id: str | None = None,
+                        agent_id: str | None = None, run_id: str | None = None) -> dict:
+        """Set top-level fields of a memory's metadata, keeping its other fields (a field
+        given as ``None`` is removed, as in a JSON merge patch). Its text, embedding, KV and
+        ``updated_at`` stay: nothing is embedded and the memory's KV stays valid (an expiry
+        or a tag can change on every read at the cost of one metadata write). The merge runs
+        under the scope's lock, so concurrent patches of one memory, from any process over
+        the store, keep each other's fields. The history records an ``UPDATE`` whose text is
+        unchanged.
+
+        Args:
+            metadata: the fields to set (``None`` values: fields to remove); at least one.
+
+        Returns:
+            ``{"message": "Memory metadata updated successfully!", "id", "metadata"}`` (the
+            memory's metadata as now stored).
+
+        Raises:
+            inferscale.types.MemoryNotFoundError: no such memory in this scope.
+            TypeError: ``metadata`` not a dict, a non-string key, a value JSON cannot hold.
+            ValueError: an empty ``metadata``, NaN or Infinity, a reserved key (``created_at``,
+                ``updated_at``), nesting deeper than metadata may be.
+
+        Example:
+            >>> memory.update_metadata(memory_id, {"expires_at": 1767225600.0, "draft": None}, user_id="alice")
+        """
+        scope = self._scope(user_id, agent_id, run_id)
+        check_id("memory_id", memory_id)
+        fields = args.check_metadata(metadata)
+        if metadata is None or not fields:
+            raise ValueError("metadata must name at least one field to set (or to remove, as None), e.g. "
+                             "{'topic': 'food'}")
+        rec = self.components.facts.update_metadata(scope, memory_id, fields)
+        return {"message": "Memory metadata updated successfully!", "id": rec.id, "metadata": rec.to_item()["metadata"]}
+
     def delete(self, memory_id: str, *, user_id: str | None = None, agent_id: str | None = None,
                run_id: str | None = None) -> dict:
         """Delete one memory of the scope (and its KV).

@@ -207,6 +207,35 @@ class FactService:
             self.kv.schedule(scope.key, [new], self.default_w)
         return new
 
+    def update_metadata(self, scope: Scope, memory_id: str, fields: dict) -> FactRecord:
+        """Set (or, given as ``None``, remove) top-level metadata ``fields`` of a memory,
+        keeping its other fields, its text, embedding, KV and ``updated_at``: written to Chroma
+        and the index without embedding anything or invalidating KV. The change is read and
+        merged under the scope's lock (shared by every process over the database), so two
+        patches of one memory never lose each other's fields; it is recorded in the history as
+        an ``UPDATE`` whose text is unchanged (other processes' index partitions catch up on it).
+
+        Args:
+            fields: the fields to set, ``None`` for a field to remove; already checked
+                (:func:`inferscale.arguments.check_metadata`).
+
+        Returns:
+            The memory as now stored.
+
+        Raises:
+            MemoryNotFoundError: no such memory in ``scope``.
+        """
+        with self._lock, self.history.scope_lock(scope.key):
+            self.index.refresh(scope.key)
+            old = self.get(scope, memory_id)
+            merged = {k: v for k, v in old.metadata.items() if k not in fields}
+            merged.update({k: v for k, v in fields.items() if v is not None})
+            new = replace(old, metadata=stored_metadata(merged))  # as deep as the stored or the given, both checked
+            self.store.update_metadata(new)
+            self.index.replace_records(scope.key, [new])
+            self.index.advance(scope.key, *self.history.record(scope.key, [(memory_id, "UPDATE", old.text, old.text)]))
+        return new
+
     def delete(self, scope: Scope, memory_ids: Sequence[str]) -> list[FactRecord]:
         """Delete memories of ``scope``; returns the deleted records.
 

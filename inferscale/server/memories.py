@@ -7,7 +7,8 @@
 Differences, each because InferScale's memories are scoped: the routes of one memory
 take the scope as query parameters (``?user_id=alice``) and a memory of another scope is
 404; ``PUT`` takes ``{"text", "metadata", "dedupe"}`` (the shape of Mem0's platform API; Mem0's
-OSS server passes its body through as the text). Every route is a thin call of
+OSS server passes its body through as the text); without ``text`` it sets only the
+``metadata`` fields given (``null`` removes one: :meth:`inferscale.Memory.update_metadata`). Every route is a thin call of
 :class:`inferscale.Memory`; its errors become 400 (bad input) and 404 (no such memory).
 Handlers are plain functions, so FastAPI runs them on its thread pool and the event
 loop keeps serving chat while a write waits for its lock.
@@ -72,7 +73,8 @@ class SearchRequest(ScopeFields):
 class MemoryUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    text: str = Field(description="the memory's new text")
+    text: str | None = Field(default=None, description="the memory's new text; omitted: only the metadata fields "
+                             "given are set (null removes one), keeping the text, embedding, KV and updated_at")
     metadata: dict[str, Any] | None = None
     dedupe: bool = Field(default=True, strict=True, description="false: take a text another memory of the scope "
                          "holds (else refused)")
@@ -116,8 +118,13 @@ def router() -> APIRouter:
     @r.put("/memories/{memory_id}", summary="Update a memory")
     def update(memory_id: str, body: MemoryUpdate, memory: MemoryDep, user_id: str | None = None,
                agent_id: str | None = None, run_id: str | None = None) -> dict:
-        return memory.update(memory_id, body.text, metadata=body.metadata, dedupe=body.dedupe,
-                             **_scope(user_id, agent_id, run_id))
+        scope = _scope(user_id, agent_id, run_id)
+        if body.text is None:  # a metadata-only update: nothing is embedded, the KV stays valid
+            if body.metadata is None:
+                raise ValueError("give text (with metadata, to replace both) or metadata alone (to set those "
+                                 "fields, keeping the text)")
+            return memory.update_metadata(memory_id, body.metadata, **scope)
+        return memory.update(memory_id, body.text, metadata=body.metadata, dedupe=body.dedupe, **scope)
 
     @r.get("/memories/{memory_id}/history", summary="Get a memory's history")
     def history(memory_id: str, memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,

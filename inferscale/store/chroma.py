@@ -271,6 +271,12 @@ class FactStore:
                 metadatas=[record.to_chroma_metadata()],
             )
 
+    def update_metadata(self, record: FactRecord) -> None:
+        """Replace a stored record's metadata (its user metadata and timestamps) alone: the
+        text and the embedding stay as stored, nothing is embedded."""
+        with self._lock:
+            self._col.update(ids=[record.id], metadatas=[record.to_chroma_metadata()])
+
     def delete(self, ids: list[str]) -> None:
         """Delete records by id (in batches of at most :attr:`max_batch`)."""
         with self._lock:

@@ -321,6 +321,22 @@ class VectorIndex:
         if records:
             self._put(self._partition(scope), records, embeddings)
 
+    def replace_records(self, scope: str, records: list[FactRecord]) -> None:
+        """Replace the rows of ``records`` in ``scope`` by these records, keeping each row's
+        embedding and keyword text (a metadata-only change: the text must be the stored one).
+        A record whose id the partition lacks is ignored (the partition is not loaded, or the
+        id is gone: the next load reads the store)."""
+        with self._lock:
+            part = self._parts.get(scope)
+        if part is None:
+            return
+        with part.lock:
+            part.changed()
+            for r in records:
+                j = part.pos.get(r.id)
+                if j is not None:
+                    part.records[j], part.fields[j] = r, r.filter_fields()
+
     def remove(self, scope: str, ids: set[str]) -> None:
         """Drop ``ids`` from ``scope`` (unknown ids are ignored)."""
         self._remove_rows(self._partition(scope), ids)

@@ -14,7 +14,12 @@ The mapping (decided in docs/adapters.md, "LangGraph store"):
   query ranks the other items and lists these after them, unscored, as ``InMemoryStore`` does;
 - the scopes the store has written to are recorded as memories of one more scope
   (``agent_id=<store_id>:scopes``), so ``list_namespaces`` and searches under a prefix
-  that names no scope find them.
+  that names no scope find them;
+- an item with a TTL keeps its expiry in its metadata (``lg_expires_at``, epoch seconds, and
+  ``lg_ttl_minutes``), so every process and client of the memory sees it: reads skip expired
+  items before any sweep, a read that refreshes moves ``lg_expires_at`` with a metadata-only
+  update (:meth:`inferscale.Memory.update_metadata`: nothing re-embedded, the KV kept,
+  ``updated_at`` unmoved) and :meth:`InferScaleStore.sweep_ttl` deletes expired items.
 
 Memories written here are memories like any other: ``ChatInferScale(user_id="alice")``
 (or an OpenAI client through ``inferscale serve``) injects the KV of the items of
@@ -24,8 +29,12 @@ Memories written here are memories like any other: ``ChatInferScale(user_id="ali
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import logging
+import math
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -43,12 +52,15 @@ from langgraph.store.base import (
     Result,
     SearchItem,
     SearchOp,
+    TTLConfig,
 )
 from langgraph.store.base import validate_op_namespace
 from langgraph.store.base.embed import get_text_at_path, tokenize_path
 
-from inferscale import Memory
+from inferscale import Memory, MemoryNotFoundError
 from inferscale.integration import Scope
+
+logger = logging.getLogger(__name__)
 
 #: namespace heads that name an InferScale scope field: ``("users", "alice")`` -> ``user_id="alice"``
 SCOPE_HEADS = {"users": "user_id", "agents": "agent_id", "runs": "run_id"}
@@ -58,6 +70,15 @@ MAX_RESULTS = 10_000
 TEXT_FIELDS = ("content", "text", "memory")
 _OPS = {"$eq": "eq", "$ne": "ne", "$gt": "gt", "$gte": "gte", "$lt": "lt", "$lte": "lte"}
 _ANY_QUERY = "item"  # a search needs a query; with filters only, every matching memory is returned
+#: the keys of LangGraph's ``TTLConfig``
+TTL_KEYS = ("default_ttl", "refresh_on_read", "sweep_interval_minutes")
+#: minutes between sweeps when neither ``start_ttl_sweeper`` nor ``ttl=`` says (SqliteStore's default)
+DEFAULT_SWEEP_MINUTES = 5.0
+
+
+def now() -> float:
+    """The store's clock: epoch seconds (every expiry is written and compared with it)."""
+    return time.time()
 
 
 class InferScaleStore(BaseStore):
@@ -74,8 +95,20 @@ class InferScaleStore(BaseStore):
     worker thread. Batches that write the same key run one at a time in this process (two
     concurrent puts of a key leave one item); two processes writing one key still race.
 
-    Not supported: TTL (``ttl=`` is refused), ``$ne`` on a field an item lacks (InferScale
-    never matches a missing field; ``InMemoryStore`` does).
+    TTL, as ``SqliteStore`` has it: ``put(..., ttl=minutes)`` gives the item an expiry (``ttl``
+    omitted: ``ttl["default_ttl"]``, if the store has one; ``ttl=None``: none); ``get`` /
+    ``search`` never return an expired item, nor ``list_namespaces`` its namespace, even
+    before a sweep; with
+    ``ttl={"refresh_on_read": True}`` a ``get`` or ``search`` (unless ``refresh_ttl=False``)
+    pushes each returned item's expiry ``ttl`` minutes past now, without re-embedding it,
+    invalidating its KV or moving its ``updated_at``; ``sweep_ttl()`` deletes the expired
+    items (returning how many) and ``start_ttl_sweeper()`` runs it in a daemon thread every
+    ``sweep_interval_minutes`` (``astart_ttl_sweeper`` / ``astop_ttl_sweeper`` /
+    ``asweep_ttl`` from async code). A put of a key whose item expired unswept stores a new item.
+    Until swept, an expired item is still a memory: ``ChatInferScale`` and the server inject it.
+
+    Not supported: ``$ne`` on a field an item lacks (InferScale never matches a missing
+    field; ``InMemoryStore`` does).
 
     Args:
         memory: the InferScale :class:`~inferscale.Memory` (in-process); or
@@ -85,12 +118,18 @@ class InferScaleStore(BaseStore):
         store_id: names the scope of namespaces that name no user, agent or run
             (``agent_id=store_id``) and the registry of scopes (``agent_id=store_id + ":scopes"``).
         text_fields: value fields whose string is the memory's text, first present wins.
+        ttl: LangGraph's ``TTLConfig``: ``default_ttl`` (minutes, > 0, for puts that give no
+            ``ttl``), ``refresh_on_read`` (bool, default ``False`` as in ``SqliteStore``: reads
+            refresh only when it is ``True``), ``sweep_interval_minutes`` (> 0, for
+            :meth:`start_ttl_sweeper`; default 5).
 
     Raises:
-        TypeError / ValueError: (constructor) neither or both of ``memory`` and ``url``, or
-            an argument of the wrong type. ``put`` / ``batch``: a value that is not a dict,
-            a ``ttl``, a namespace that maps to the store's registry scope, a malformed
-            filter, ``offset + limit`` over 10,000 (nothing of that op is written). Over HTTP:
+        TypeError / ValueError: (constructor) neither or both of ``memory`` and ``url``, an
+            argument of the wrong type, a ``ttl`` that is not a ``TTLConfig`` (an unknown key,
+            a minute count that is not a positive number). ``put`` / ``batch``: a value that
+            is not a dict, a ``ttl`` that is not a positive number of minutes, a namespace
+            that maps to the store's registry scope, a malformed filter, ``offset + limit``
+            over 10,000 (nothing of that op is written). Over HTTP:
             ``PermissionError`` (wrong key), ``ConnectionError`` (no server), ``RuntimeError``
             (a 5xx answer).
 
@@ -99,12 +138,16 @@ class InferScaleStore(BaseStore):
         >>> store.put(("users", "alice", "prefs"), "food", {"content": "I am allergic to peanuts."})
         >>> store.search(("users", "alice"), query="what can't I eat?")[0].value
         {'content': 'I am allergic to peanuts.'}
+        >>> session = InferScaleStore(memory, ttl={"default_ttl": 60, "refresh_on_read": True})
+        >>> session.put(("runs", "r1"), "scratch", {"content": "draft plan"})   # gone an hour after its last read
     """
 
-    supports_ttl = False
+    supports_ttl = True
+    ttl_config: TTLConfig | None = None
 
     def __init__(self, memory: Memory | None = None, *, url: str | None = None, api_key: str | None = None,
-                 timeout: float = 60.0, store_id: str = "langgraph", text_fields: Iterable[str] = TEXT_FIELDS) -> None:
+                 timeout: float = 60.0, store_id: str = "langgraph", text_fields: Iterable[str] = TEXT_FIELDS,
+                 ttl: TTLConfig | None = None) -> None:
         if (memory is None) == (url is None):
             raise ValueError("give either memory= (an inferscale.Memory, in-process) or url= (inferscale serve), "
                              "not both or neither")
@@ -115,6 +158,7 @@ class InferScaleStore(BaseStore):
         fields = tuple(text_fields) if not isinstance(text_fields, str) else None
         if not fields or not all(isinstance(f, str) and f for f in fields):
             raise TypeError(f"text_fields must be a list of field names, got {text_fields!r}")
+        self.ttl_config = _ttl_config(ttl)
         self.backend = _Local(memory) if memory is not None else _Http(url, api_key, timeout)
         self.store_id = store_id
         self.text_fields = fields
@@ -122,6 +166,8 @@ class InferScaleStore(BaseStore):
         self.registry_scope = {"agent_id": f"{store_id}:scopes"}
         self._registered: set[str] = set()
         self._writing = _AddressLocks()
+        self._sweeper: threading.Thread | None = None
+        self._sweeper_stop = threading.Event()
 
     # ------------------------------------------------------------------ the mapping
 
@@ -154,9 +200,9 @@ class InferScaleStore(BaseStore):
         search and list sees the store as it was before the batch's puts.
 
         Raises:
-            TypeError / ValueError / NotImplementedError: an op is malformed (a non-dict
-                value, a ``ttl``, a bad filter or limit); checked before anything is read
-                or written. Over HTTP, as the class says.
+            TypeError / ValueError: an op is malformed (a non-dict value, a ``ttl`` that is
+                not a positive number of minutes, a bad filter or limit); checked before
+                anything is read or written. Over HTTP, as the class says.
         """
         ops = list(ops)
         for op in ops:
@@ -165,23 +211,34 @@ class InferScaleStore(BaseStore):
         addressed = [(op.namespace, op.key) for op in ops if isinstance(op, GetOp)] + list(puts)
         texts = {address: self.text_of(op.value, op.index or None) for address, op in puts.items()
                  if op.value is not None}
+        refreshed: dict[tuple, dict] = {}  # address -> the memory read, for the reads that refresh its expiry
         # one key's writes, from any thread of this process, run one at a time: each looks the
         # item up and writes it before the next looks (two puts of a key leave one item)
         with self._writing.hold(_address(*address) for address in puts):
             found = self._lookup(addressed)
+            at = now()
             everything: dict[str, list[dict]] = {}  # scope -> its items, shared by the batch's list ops
             results: list[Result] = []
             for op in ops:
                 if isinstance(op, GetOp):
-                    results.append(_item(found.get((op.namespace, op.key))))
+                    memory = found.get((op.namespace, op.key))
+                    memory = None if memory is None or _expired(memory, at) else memory
+                    if memory is not None and self._refreshes(op):
+                        refreshed[(op.namespace, op.key)] = memory
+                    results.append(_item(memory))
                 elif isinstance(op, SearchOp):
-                    results.append(self._search(op))
+                    hits = self._search(op, at)
+                    if self._refreshes(op):
+                        refreshed.update(((tuple(h["metadata"]["langgraph"]["namespace"]),
+                                           h["metadata"]["langgraph"]["key"]), h) for h in hits)
+                    results.append([_item(h, search=True, score=h.get("score")) for h in hits])
                 elif isinstance(op, ListNamespacesOp):
-                    results.append(self._list_namespaces(op, everything))
+                    results.append(self._list_namespaces(op, everything, at))
                 else:
                     results.append(None)
             for address, op in puts.items():
                 self._write(op, found.get(address), texts.get(address))
+        self._refresh({a: m for a, m in refreshed.items() if a not in puts and "lg_ttl_minutes" in m["metadata"]})
         return results
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
@@ -196,8 +253,7 @@ class InferScaleStore(BaseStore):
             if op.value is not None and not isinstance(op.value, dict):
                 raise TypeError(f"the value of {op.namespace}/{op.key} must be a dict, got {type(op.value).__name__}")
             if op.ttl is not None:
-                raise NotImplementedError("InferScaleStore does not support TTL: put without ttl= (delete the item "
-                                          "yourself when it expires)")
+                _minutes(f"the ttl of {op.namespace}/{op.key}", op.ttl)
             if op.index is not False and op.index is not None and not isinstance(op.index, list):
                 raise TypeError(f"index must be False or a list of field paths, got {op.index!r}")
             self._check_scope(op.namespace)
@@ -247,27 +303,29 @@ class InferScaleStore(BaseStore):
         self._registered.update(_scope_key(s) for s in scopes)
         return sorted(scopes, key=_scope_key)
 
-    def _search(self, op: SearchOp) -> list[SearchItem]:
-        """A query ranks the indexed items (best first) and pages over them; when a page has
+    def _search(self, op: SearchOp, at: float) -> list[dict]:
+        """The memories of the search's items, in order (a ranked one with its ``score``). A
+        query ranks the indexed items (best first) and pages over them; when a page has
         room left, the items put with ``index=False`` fill it, oldest first and unscored
         (``InMemoryStore``'s way: they are never ranked, and the offset skips none of them).
-        Without a query: every match, oldest first."""
+        Without a query: every match, oldest first. Items expired at ``at`` match nothing."""
         try:
-            filters = {"lg_item": "*", **_namespace_filters(op.namespace_prefix), **_value_filters(op.filter or {})}
+            filters = {"lg_item": "*", **_namespace_filters(op.namespace_prefix), **_value_filters(op.filter or {}),
+                       "NOT": [_expired_by(at)]}
         except _MatchesNothing:  # a NaN compared: no value equals or orders against it
             return []
         wanted = op.offset + op.limit
         scopes = self._scopes_under(op.namespace_prefix)
         if not op.query:
-            return [_item(h, search=True) for h in self._listing(scopes, filters)[op.offset:wanted]]
-        indexed = {**filters, "NOT": [{"lg_indexed": False}]}  # items from before lg_indexed have no field
-        hits = [h for scope in scopes for h in self.backend.search(op.query, scope, indexed, wanted)]
+            return [{**h, "score": None} for h in self._listing(scopes, filters)[op.offset:wanted]]
+        indexed = {**filters, "NOT": [*filters["NOT"], {"lg_indexed": False}]}  # items from before lg_indexed
+        hits = [h for scope in scopes for h in self.backend.search(op.query, scope, indexed, wanted)]  # lack it
         if len({_scope_key(_memory_scope(h)) for h in hits}) > 1:  # best first across scopes; one scope's
             hits.sort(key=lambda h: -h.get("score", 0.0))            # hybrid rank is kept
-        found = [_item(h, search=True, score=h.get("score")) for h in hits[op.offset:wanted]]
+        found = hits[op.offset:wanted]
         if len(found) < op.limit:
             unindexed = self._listing(scopes, {**filters, "lg_indexed": False})
-            found += [_item(h, search=True) for h in unindexed[:op.limit - len(found)]]
+            found += [{**h, "score": None} for h in unindexed[:op.limit - len(found)]]
         return found
 
     def _listing(self, scopes: list[dict], filters: dict) -> list[dict]:
@@ -275,13 +333,14 @@ class InferScaleStore(BaseStore):
         hits = [h for scope in scopes for h in self.backend.list(scope, filters)]
         return sorted(hits, key=lambda h: (h["created_at"], h["id"]))
 
-    def _list_namespaces(self, op: ListNamespacesOp, everything: dict[str, list[dict]]) -> list[tuple[str, ...]]:
+    def _list_namespaces(self, op: ListNamespacesOp, everything: dict[str, list[dict]],
+                         at: float) -> list[tuple[str, ...]]:
         prefix = next((c.path for c in op.match_conditions or () if c.match_type == "prefix"), ())
         namespaces = set()
         for scope in self._scopes_under(tuple(prefix)):
             key = _scope_key(scope)
             if key not in everything:
-                everything[key] = self.backend.list(scope, {"lg_item": "*"})
+                everything[key] = self.backend.list(scope, {"lg_item": "*", "NOT": [_expired_by(at)]})
             namespaces.update(tuple(m["metadata"]["langgraph"]["namespace"]) for m in everything[key])
         kept = [ns for ns in namespaces if all(_matches(c, ns) for c in op.match_conditions or ())]
         if op.max_depth is not None:
@@ -297,6 +356,11 @@ class InferScaleStore(BaseStore):
                 self.backend.delete(stored["id"], scope)
             return
         metadata = _metadata(op.namespace, op.key, op.value, op.index is not False)
+        if op.ttl is not None:
+            metadata.update(lg_ttl_minutes=float(op.ttl), lg_expires_at=now() + op.ttl * 60)
+        if stored is not None and _expired(stored, now()):  # expired, not yet swept: a new item replaces it
+            self.backend.delete(stored["id"], scope)
+            stored = None
         if stored is not None:
             self.backend.update(stored["id"], text, metadata, scope)
             return
@@ -310,6 +374,136 @@ class InferScaleStore(BaseStore):
         if key not in {_scope_key(s) for s in self._all_scopes()}:
             self.backend.add(key, self.registry_scope, {"langgraph_scope": scope}, dedupe=True)  # a repeat: NOOP
         self._registered.add(key)
+
+
+    # ------------------------------------------------------------------ TTL
+
+    def _refreshes(self, op: GetOp | SearchOp) -> bool:
+        """Whether ``op`` refreshes the expiry of what it returns: it asks to (``refresh_ttl``,
+        by default ``True``) and the store's ``ttl`` says ``refresh_on_read: True`` (as
+        ``SqliteStore`` decides)."""
+        return bool(op.refresh_ttl and self.ttl_config and self.ttl_config.get("refresh_on_read", False))
+
+    def _refresh(self, read: dict[tuple, dict]) -> None:
+        """Push the expiry of the items read (address -> the memory as read) ``lg_ttl_minutes``
+        past now: under the items' locks, each is looked up again and refreshed if it is the
+        same memory, still unexpired and still has a TTL (a put or a sweep since the read wins),
+        with a metadata-only update of ``lg_expires_at`` alone."""
+        if not read:
+            return
+        with self._writing.hold(_address(*address) for address in read):
+            current = self._lookup(list(read))
+            at = now()
+            for address, memory in current.items():
+                meta = memory["metadata"]
+                if memory["id"] != read[address]["id"] or _expired(memory, at) or "lg_ttl_minutes" not in meta:
+                    continue
+                self.backend.update_metadata(memory["id"], {"lg_expires_at": at + meta["lg_ttl_minutes"] * 60},
+                                             _memory_scope(memory))
+
+    def sweep_ttl(self) -> int:
+        """Delete the items whose TTL has expired; returns how many were deleted. Each scope
+        the store has written to is listed for expired items; under the items' locks each is
+        looked up again and deleted if still expired (a refresh or a put since wins).
+
+        Raises:
+            Over HTTP: ``PermissionError``, ``ConnectionError``, ``RuntimeError``, as the class says.
+        """
+        return self._sweep()
+
+    def _sweep(self) -> int:
+        deleted = 0
+        for scope in self._all_scopes():
+            expired = self.backend.list(scope, {"lg_item": "*", **_expired_by(now())})
+            addresses = [(tuple(m["metadata"]["langgraph"]["namespace"]), m["metadata"]["langgraph"]["key"])
+                         for m in expired]
+            if not addresses:
+                continue
+            with self._writing.hold(_address(*address) for address in addresses):
+                at = now()
+                for memory in self._lookup(addresses).values():
+                    if _expired(memory, at):
+                        deleted += self.backend.delete_if_present(memory["id"], scope)
+        return deleted
+
+    async def asweep_ttl(self) -> int:
+        """:meth:`sweep_ttl` in a worker thread."""
+        return await asyncio.to_thread(self._sweep)
+
+    def start_ttl_sweeper(self, sweep_interval_minutes: float | None = None) -> concurrent.futures.Future[None]:
+        """Run :meth:`sweep_ttl` every ``sweep_interval_minutes`` (default ``ttl``'s, else 5) in a
+        daemon thread, as ``SqliteStore`` does (a failed sweep is logged and the next one runs).
+        Unlike ``SqliteStore`` it runs without a ``ttl=`` config too (puts may give ``ttl``).
+
+        Returns:
+            A future that completes when the sweeper stops (:meth:`stop_ttl_sweeper`);
+            cancelling it stops the sweeper. A sweeper already running is kept (the future
+            returned then only stops it when cancelled).
+
+        Raises:
+            TypeError / ValueError: ``sweep_interval_minutes`` not a positive number.
+        """
+        return self._start_sweeper(sweep_interval_minutes)
+
+    def _start_sweeper(self, sweep_interval_minutes: float | None) -> concurrent.futures.Future[None]:
+        if sweep_interval_minutes is not None:
+            _minutes("sweep_interval_minutes", sweep_interval_minutes)
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        future.add_done_callback(lambda f: self._sweeper_stop.set() if f.cancelled() else None)
+        if self._sweeper is not None and self._sweeper.is_alive():
+            logger.info("the TTL sweeper is already running")
+            return future
+        interval = float(sweep_interval_minutes or (self.ttl_config or {}).get("sweep_interval_minutes")
+                         or DEFAULT_SWEEP_MINUTES)
+        stop = self._sweeper_stop = threading.Event()  # a new event: a stopped sweeper's thread keeps its own
+
+        def sweep_loop() -> None:
+            try:
+                while not stop.wait(interval * 60):
+                    try:
+                        swept = self._sweep()
+                        if swept:
+                            logger.info("swept %d expired store items", swept)
+                    except Exception:  # noqa: BLE001 (the next sweep may succeed: a server restarting)
+                        logger.exception("a TTL sweep failed")
+                future.set_result(None)
+            except BaseException as exc:  # noqa: BLE001
+                future.set_exception(exc)
+
+        self._sweeper = threading.Thread(target=sweep_loop, daemon=True, name="inferscale-store-ttl-sweeper")
+        self._sweeper.start()
+        return future
+
+    def stop_ttl_sweeper(self, timeout: float | None = None) -> bool:
+        """Stop the sweeper thread, waiting up to ``timeout`` seconds (``None``: until it
+        stops; a sweep under way finishes first). Returns whether it stopped (``True`` when
+        none was running)."""
+        return self._stop_sweeper(timeout)
+
+    def _stop_sweeper(self, timeout: float | None) -> bool:
+        thread = self._sweeper
+        if thread is None or not thread.is_alive():
+            return True
+        self._sweeper_stop.set()
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("the TTL sweeper did not stop within %s s", timeout)
+            return False
+        self._sweeper = None
+        return True
+
+    async def astart_ttl_sweeper(self, sweep_interval_minutes: float | None = None) -> asyncio.Future[None]:
+        """:meth:`start_ttl_sweeper` from async code (the sweeper is the same thread); returns
+        an asyncio future of its end."""
+        return asyncio.wrap_future(self._start_sweeper(sweep_interval_minutes))
+
+    async def astop_ttl_sweeper(self, timeout: float | None = None) -> bool:
+        """:meth:`stop_ttl_sweeper`, waiting in a worker thread."""
+        return await asyncio.to_thread(self._stop_sweeper, timeout)
+
+    def __del__(self) -> None:
+        if getattr(self, "_sweeper", None) is not None:
+            self._stop_sweeper(0.1)
 
 
 # ---------------------------------------------------------------------- backends
@@ -329,6 +523,17 @@ class _Local:
 
     def delete(self, memory_id: str, scope: dict) -> None:
         self.memory.delete(memory_id, **scope)
+
+    def delete_if_present(self, memory_id: str, scope: dict) -> int:
+        """1 when deleted, 0 when it was gone (another process deleted it)."""
+        try:
+            self.memory.delete(memory_id, **scope)
+        except MemoryNotFoundError:
+            return 0
+        return 1
+
+    def update_metadata(self, memory_id: str, fields: dict, scope: dict) -> None:
+        self.memory.update_metadata(memory_id, fields, **scope)
 
     def search(self, query: str, scope: dict, filters: dict | None, limit: int) -> list[dict]:
         return self.memory.search(query, limit=limit, filters=filters, **scope)["results"]
@@ -362,7 +567,9 @@ class _Http:
             message = response.text[:300]
         if response.status_code == 401:
             raise PermissionError(f"inferscale serve refused the API key: {message}")
-        if response.status_code in (400, 404, 413, 422):
+        if response.status_code == 404:
+            raise _NotFound(message)
+        if response.status_code in (400, 413, 422):
             raise ValueError(message)
         raise RuntimeError(f"inferscale serve answered {response.status_code}: {message}")
 
@@ -376,6 +583,18 @@ class _Http:
 
     def delete(self, memory_id: str, scope: dict) -> None:
         self._call("DELETE", f"/memories/{memory_id}", params=scope)
+
+    def delete_if_present(self, memory_id: str, scope: dict) -> int:
+        """1 when deleted, 0 when the server says it was gone (404)."""
+        try:
+            self._call("DELETE", f"/memories/{memory_id}", params=scope)
+        except _NotFound:
+            return 0
+        return 1
+
+    def update_metadata(self, memory_id: str, fields: dict, scope: dict) -> None:
+        """``PUT /memories/{id}`` without ``text``: a metadata-only update."""
+        self._call("PUT", f"/memories/{memory_id}", params=scope, json={"metadata": fields})
 
     def search(self, query: str, scope: dict, filters: dict | None, limit: int) -> list[dict]:
         body = {"query": query, "limit": max(limit, 1), "filters": filters, **scope}
@@ -421,6 +640,59 @@ class _AddressLocks:
                     entry[1] -= 1
                     if entry[1] == 0:
                         del self._locks[key]
+
+
+class _NotFound(ValueError):
+    """The server answered 404 (a ``ValueError``, as other bad input over HTTP)."""
+
+
+def _minutes(name: str, value: Any) -> float:
+    """``value`` as a number of minutes: a finite number > 0.
+
+    Raises:
+        TypeError: not a number (``True`` is not one). ValueError: zero, negative, NaN or infinite.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of minutes, such as 30 or 0.5, got {type(value).__name__} "
+                        f"{value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of minutes, got {value!r} (put ttl=None for an item "
+                         "that never expires)")
+    return float(value)
+
+
+def _ttl_config(ttl: Any) -> TTLConfig | None:
+    """A copy of a checked ``TTLConfig`` (``None`` stays ``None``).
+
+    Raises:
+        TypeError: not a dict, ``refresh_on_read`` not a bool, a minute count not a number.
+        ValueError: a key ``TTLConfig`` lacks, a minute count not positive.
+    """
+    if ttl is None:
+        return None
+    if not isinstance(ttl, dict):
+        raise TypeError(f"ttl must be a TTLConfig dict such as {{'default_ttl': 60, 'refresh_on_read': True}}, "
+                        f"got {type(ttl).__name__}")
+    unknown = sorted(str(k) for k in ttl if k not in TTL_KEYS)
+    if unknown:
+        raise ValueError(f"ttl has unknown key(s) {unknown}: TTLConfig's keys are {list(TTL_KEYS)}")
+    for key in ("default_ttl", "sweep_interval_minutes"):
+        if ttl.get(key) is not None:
+            _minutes(f"ttl[{key!r}]", ttl[key])
+    if "refresh_on_read" in ttl and not isinstance(ttl["refresh_on_read"], bool):
+        raise TypeError(f"ttl['refresh_on_read'] must be True or False, got {ttl['refresh_on_read']!r}")
+    return TTLConfig(**ttl)
+
+
+def _expired(memory: dict, at: float) -> bool:
+    """Whether the item of ``memory`` had expired at ``at`` (epoch seconds)."""
+    expires = memory["metadata"].get("lg_expires_at")
+    return expires is not None and expires <= at
+
+
+def _expired_by(at: float) -> dict:
+    """The metadata filter of the items expired at ``at`` (items without a TTL lack the field)."""
+    return {"lg_expires_at": {"lte": at}}
 
 
 def _is_scope_id(label: str) -> bool:

@@ -31,6 +31,11 @@ def suite_memory(serving_dir, engine, suite_user):
     return memory
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "flaky(retries): LangGraph's TTL suite marks its timing tests for "
+                            "pytest-retry, which is not installed: they run once")
+
+
 def pytest_collection_modifyitems(config, items):
     """LangGraph's own store tests (``integration_tests/test_langgraph_own_*.py``): drop those
     their harness's ``DESELECTED`` names (tests of another store's internals, each with its

@@ -2,8 +2,8 @@
 
 The tests ship in the sdists of the releases we test against (``langgraph-checkpoint``'s
 ``tests/test_store.py``, written against ``InMemoryStore``; ``langgraph-checkpoint-sqlite``'s
-``tests/test_store.py`` and ``tests/test_async_store.py``, against ``SqliteStore`` and
-``AsyncSqliteStore``). ``scripts/install.sh`` downloads and unpacks them into
+``tests/test_store.py``, ``tests/test_async_store.py`` and ``tests/test_ttl.py``, against
+``SqliteStore`` and ``AsyncSqliteStore``). ``scripts/install.sh`` downloads and unpacks them into
 ``.venv/langgraph-suites/`` (``LANGGRAPH_SUITES_DIR`` names another folder). Each
 harness (``integration_tests/test_langgraph_own_*.py``) loads one module with :func:`load`,
 which swaps the store class the module names for one that makes an ``InferScaleStore``
@@ -46,14 +46,13 @@ _memory: Memory | None = None
 class SuiteStore(InferScaleStore):
     """``InMemoryStore(index=...)`` as the suites call it: an ``InferScaleStore`` over the
     session's memory. ``index`` (the suites' fake embedder and fields) is kept as
-    ``index_config`` and otherwise unused: InferScale embeds with its own model."""
+    ``index_config`` and otherwise unused: InferScale embeds with its own model; ``ttl``
+    is the store's."""
 
     def __init__(self, *, index: dict | None = None, ttl: dict | None = None) -> None:
         if _memory is None:
             raise RuntimeError("no suite memory: use the harness's fresh_memory fixture")
-        if ttl is not None:
-            raise NotImplementedError("InferScaleStore does not support TTL")
-        super().__init__(_memory)
+        super().__init__(_memory, ttl=ttl)
         self.index_config = index
 
     def setup(self) -> None:
@@ -61,8 +60,20 @@ class SuiteStore(InferScaleStore):
 
 
 class AsyncSuiteStore(SuiteStore):
+    """``AsyncSqliteStore``'s names: its TTL methods are coroutines under the sync names
+    (``await store.sweep_ttl()``); ``InferScaleStore`` has them as ``asweep_ttl`` and the like."""
+
     async def setup(self) -> None:  # type: ignore[override]
         """``await AsyncSqliteStore.setup()``: nothing to create."""
+
+    async def sweep_ttl(self) -> int:  # type: ignore[override]
+        return await self.asweep_ttl()
+
+    async def start_ttl_sweeper(self, sweep_interval_minutes: float | None = None):  # type: ignore[override]
+        return await self.astart_ttl_sweeper(sweep_interval_minutes)
+
+    async def stop_ttl_sweeper(self, timeout: float | None = None) -> bool:  # type: ignore[override]
+        return await self.astop_ttl_sweeper(timeout)
 
 
 class SqliteStoreShim:

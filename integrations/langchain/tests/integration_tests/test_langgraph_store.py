@@ -172,8 +172,8 @@ def test_bad_input_is_refused_and_changes_nothing(store, memory):
     store.put(("docs",), "kept", {"text": "Python tutorial"})
     before = store.search(("docs",))
     for call, error, words in [
-        (lambda: store.put(("docs",), "t", {"text": "x"}, ttl=5), NotImplementedError, "TTL"),
-        (lambda: store.batch([PutOp(("docs",), "t", {"text": "x"}, ttl=5.0)]), NotImplementedError, "TTL"),
+        (lambda: store.put(("docs",), "t", {"text": "x"}, ttl=-5), ValueError, "positive number of minutes"),
+        (lambda: store.batch([PutOp(("docs",), "t", {"text": "x"}, ttl="5")]), TypeError, "number of minutes"),
         (lambda: store.batch([PutOp(("docs",), "t", ["not", "a", "dict"])]), TypeError, "must be a dict"),
         (lambda: store.search(("docs",), filter={"n": {"$regex": "x"}}), ValueError, "$regex"),
         (lambda: store.search(("docs",), limit=20_000), ValueError, "offset + limit"),
