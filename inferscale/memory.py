@@ -13,6 +13,7 @@ calls included: another scope's memory id is "not found".
 from __future__ import annotations
 
 import threading
+import uuid
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
@@ -31,20 +32,27 @@ from inferscale.store.turns import Turn
 from inferscale.types import FactInput, MemoryNotFoundError, SearchResults, write_results
 
 
-#: the memories open in this process: an unpickled Memory is the open one of its data dir, if any
-_OPEN: "weakref.WeakSet[Memory]" = weakref.WeakSet()
+#: the memories open in this process, by a handle unique to each (:meth:`Memory.__reduce__`)
+_OPEN: "weakref.WeakValueDictionary[str, Memory]" = weakref.WeakValueDictionary()
 
 
-def reopen(settings: dict) -> "Memory":
-    """The open :class:`Memory` of this process over the same store as ``settings`` (the same
-    ``data_dir`` and ``chroma_url``), else a new one opened with them: what an unpickled
-    Memory is (:meth:`Memory.__reduce__`).
+def reopen(settings: dict, handle: str | None = None) -> "Memory":
+    """What an unpickled :class:`Memory` is (:meth:`Memory.__reduce__`): the very Memory that
+    was pickled when it is open in this process; else an open Memory of this process over
+    the same store (the same ``data_dir`` and ``chroma_url``); else a new one opened with
+    ``settings``.
+
+    Args:
+        settings: the constructor's settings. handle: the pickled Memory's (a uuid).
 
     Raises:
         As :class:`Memory`'s constructor, when a new one is opened.
     """
+    same = _OPEN.get(handle) if handle else None
+    if same is not None and not same._closed:
+        return same
     data_dir = Path(settings["data_dir"]).resolve()
-    for memory in list(_OPEN):
+    for memory in list(_OPEN.values()):
         if (not memory._closed and memory.config.data_dir.resolve() == data_dir
                 and memory.config.chroma_url == settings.get("chroma_url")):
             return memory
@@ -122,19 +130,21 @@ class Memory(Answering, Inspection):
         except BaseException:
             c.kv.close()
             raise
-        _OPEN.add(self)
+        self._handle = uuid.uuid4().hex
+        _OPEN[self._handle] = self
 
     def __reduce__(self) -> tuple:
         """A Memory pickles as its settings, as a database client pickles as its URL: unpickled
         in a process where a Memory over the same store is open, it is that Memory; elsewhere
         it opens the store anew with the same settings (:func:`reopen`). So a LangChain or
         LlamaIndex object holding a Memory can be pickled, deep-copied or sent to a worker
-        process. The settings are those given to the constructor (``INFERSCALE_*`` variables
+        process. In-process it is the pickled Memory itself while that is open. The settings
+        are those given to the constructor (``INFERSCALE_*`` variables
         are read again where it is opened), with ``data_dir`` made absolute; a custom
         ``engine``, ``extractor`` or ``reconciler`` is not carried."""
         settings = self.config.model_dump(exclude_unset=True)
         settings["data_dir"] = str(self.config.data_dir.resolve())
-        return reopen, (settings,)
+        return reopen, (settings, self._handle)
 
     @classmethod
     def from_config(cls, config: dict) -> "Memory":

@@ -40,3 +40,10 @@ def test_a_closed_memory_unpickles_as_a_new_one(tmp_path):
     with pickle.loads(blob) as again:
         assert again is not mem
         assert [r["memory"] for r in again.get_all(user_id="u")["results"]] == ["I keep bees on the roof."]
+
+
+def test_of_two_memories_over_one_store_the_pickled_one_comes_back(tmp_path):
+    with Memory(data_dir=tmp_path / "store", dtype="float32", precompute_kv=False) as first, \
+            Memory(data_dir=tmp_path / "store", dtype="float32", precompute_kv=False) as second:
+        assert pickle.loads(pickle.dumps(second)) is second
+        assert pickle.loads(pickle.dumps(first)) is first
