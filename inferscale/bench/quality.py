@@ -38,7 +38,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from inferscale.bench.common import (
-    ResultLog, bootstrap, ensure_conversation, markdown_table, mean, pick_questions, scope_of, write_outputs,
+    ResultLog, bootstrap, ensure_conversation, machine, markdown_table, mean, pick_questions, scope_of, write_outputs,
 )
 from inferscale.bench.plots import plot_quality
 from inferscale.datasets.locomo import CATEGORIES, load_locomo, token_f1
@@ -216,6 +216,7 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (
     summary["settings"] = log.settings
     summary["answers_done"] = sum(1 for r in log.all() if "k" in r and "seconds" in r)
     summary["answers_planned"], summary["interrupted"] = planned, interrupted
+    summary["machine"] = machine()
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
     plot_quality(summary, out_dir / f"{NAME}.png")
     return summary
@@ -353,6 +354,12 @@ def to_markdown(summary: dict) -> str:
              f"({s['tuning_questions']} each). NLL change: mean NLL of the mode over text's, minus 1 (negative is "
              f"better); F1 change: mode minus text; 95% bootstrap intervals over answers resampled in pairs. "
              f"\"memories as KV\": the share injected (the rest prefilled as text)."]
+    machine = summary.get("machine")
+    modes = ",".join(s["modes"])
+    parts.append(f"Reproduce: `inferscale bench quality --out <folder>"
+                 + ("" if modes == ",".join(MODES) else f" --modes {modes}") + "` (it resumes what the folder holds)."
+                 + (f" Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, vLLM "
+                    f"{machine.get('vllm')}; report written at commit {machine['commit']}." if machine else ""))
     if summary.get("answers_done", 0) < summary.get("answers_planned", 0):
         parts.append(f"**Partial run**: {summary['answers_done']} of {summary['answers_planned']} (question, k) "
                      f"pairs answered so far; `inferscale bench quality --out <this folder>` resumes it.")
