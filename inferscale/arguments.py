@@ -225,6 +225,20 @@ def _non_string_key(value: Any, level: int = 0) -> Any:
     return None
 
 
+def check_metadata_patch(metadata: Any) -> dict:
+    """A metadata patch (:meth:`inferscale.Memory.update_metadata`): checked as
+    :func:`check_metadata`, with at least one field (``None`` values: fields to remove).
+
+    Raises:
+        TypeError / ValueError: as :func:`check_metadata`; ``ValueError`` when it names no field.
+    """
+    fields = check_metadata(metadata)
+    if metadata is None or not fields:
+        raise ValueError("metadata must name at least one field to set (or to remove, as None), e.g. "
+                         "{'topic': 'food'}")
+    return fields
+
+
 def check_metadata(metadata: Any) -> dict:
     """``metadata`` as stored (``None`` -> ``{}``): a JSON object with string keys, at most
     :data:`MAX_METADATA_DEPTH` levels deep, without the reserved timestamp keys.

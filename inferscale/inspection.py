@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import inferscale.arguments as args
 from inferscale.checks import check_id, check_int
 
 from inferscale.components import Components
 from inferscale.config import MemoryConfig
 from inferscale.kv.inventory import kv_entries
 from inferscale.store.records import Scope
+from inferscale.store.turns import Turn
+from inferscale.types import MemoryNotFoundError
 
 #: the largest context window (turns) a report is read at, as MemoryConfig.context_window allows
 MAX_CONTEXT_WINDOW = 100_000
@@ -103,3 +106,56 @@ class Inspection:
         budgets = {"device": pool.device_budget_bytes, "host": pool.host_budget_bytes,
                    "disk": pool.disk_budget_bytes}
         return memory_html(self.scopes(), self.kv_stats(), budgets, self.config.data_dir)
+
+    def history(self, memory_id: str, *, user_id: str | None = None, agent_id: str | None = None,
+                run_id: str | None = None) -> list[dict]:
+        """The ADD / UPDATE / DELETE events of a memory of the scope, oldest first.
+
+        Raises:
+            inferscale.types.MemoryNotFoundError: the scope never held this memory.
+        """
+        scope = self._scope(user_id, agent_id, run_id)
+        check_id("memory_id", memory_id)
+        events = self.components.history_log.events(scope.key, memory_id)
+        if not events:
+            raise MemoryNotFoundError(f"memory {memory_id!r} not found for {scope.as_dict()}")
+        return [e.to_dict() for e in events]
+
+    def owner_of(self, memory_id: str) -> dict[str, str]:
+        """The scope of a memory from its id alone (``{"user_id": "alice"}``), for APIs that
+        address memories by id (Mem0's Platform API); memory ids are uuid4s, unique across
+        scopes. A deleted memory keeps its owner (its history is still the scope's).
+
+        Raises:
+            inferscale.types.MemoryNotFoundError: no scope ever held this memory.
+        """
+        self._check_open()
+        check_id("memory_id", memory_id)
+        key = self.components.history_log.owner(memory_id)
+        if key is None:
+            raise MemoryNotFoundError(f"memory {memory_id!r} not found")
+        return Scope.from_key(key).as_dict()
+
+    def count(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> int:
+        """How many memories the scope holds."""
+        return self.components.facts.count(self._scope(user_id, agent_id, run_id))
+
+    def get_turns(self, *, user_id: str | None = None, agent_id: str | None = None,
+                  run_id: str | None = None) -> list[Turn]:
+        """Every turn of the scope's conversation log, oldest first."""
+        return self.components.turns.scope_turns(self._scope(user_id, agent_id, run_id).key)
+
+    def count_turns(self, *, user_id: str | None = None, agent_id: str | None = None,
+                    run_id: str | None = None) -> int:
+        """How many turns the scope's conversation log holds."""
+        return self.components.turns.count(self._scope(user_id, agent_id, run_id).key)
+
+    def find_texts(self, texts: Sequence[str], *, user_id: str | None = None, agent_id: str | None = None,
+                   run_id: str | None = None) -> dict[str, str]:
+        """Map each of ``texts`` that the scope already stores (exact text) to its memory id.
+
+        Raises:
+            TypeError / ValueError: ``texts`` is not a list of non-empty strings.
+        """
+        scope = self._scope(user_id, agent_id, run_id)
+        return self.components.facts.find_texts(scope, args.check_texts(texts))

@@ -13,7 +13,6 @@ calls included: another scope's memory id is "not found".
 from __future__ import annotations
 
 import threading
-import uuid
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,39 +26,13 @@ from inferscale.config import MemoryConfig
 from inferscale.facts.extraction import (FactExtractor, LLMFactExtractor, Reconciler, SimilarityReconciler,
                                          extract_and_reconcile)
 from inferscale.runtime.lifecycle import close_at_exit
+from inferscale.reopening import Reopenable
 from inferscale.store.records import Scope
 from inferscale.store.turns import Turn
-from inferscale.types import FactInput, MemoryNotFoundError, SearchResults, write_results
+from inferscale.types import FactInput, SearchResults, write_results
 
 
-#: the memories open in this process, by a handle unique to each (:meth:`Memory.__reduce__`)
-_OPEN: "weakref.WeakValueDictionary[str, Memory]" = weakref.WeakValueDictionary()
-
-
-def reopen(settings: dict, handle: str | None = None) -> "Memory":
-    """What an unpickled :class:`Memory` is (:meth:`Memory.__reduce__`): the very Memory that
-    was pickled when it is open in this process; else an open Memory of this process over
-    the same store (the same ``data_dir`` and ``chroma_url``); else a new one opened with
-    ``settings``.
-
-    Args:
-        settings: the constructor's settings. handle: the pickled Memory's (a uuid).
-
-    Raises:
-        As :class:`Memory`'s constructor, when a new one is opened.
-    """
-    same = _OPEN.get(handle) if handle else None
-    if same is not None and not same._closed:
-        return same
-    data_dir = Path(settings["data_dir"]).resolve()
-    for memory in list(_OPEN.values()):
-        if (not memory._closed and memory.config.data_dir.resolve() == data_dir
-                and memory.config.chroma_url == settings.get("chroma_url")):
-            return memory
-    return Memory(**settings)
-
-
-class Memory(Answering, Inspection):
+class Memory(Answering, Inspection, Reopenable):
     """Persistent per-user memory served to vLLM as precomputed KV.
 
     Args:
@@ -130,21 +103,7 @@ class Memory(Answering, Inspection):
         except BaseException:
             c.kv.close()
             raise
-        self._handle = uuid.uuid4().hex
-        _OPEN[self._handle] = self
-
-    def __reduce__(self) -> tuple:
-        """A Memory pickles as its settings, as a database client pickles as its URL: unpickled
-        in a process where a Memory over the same store is open, it is that Memory; elsewhere
-        it opens the store anew with the same settings (:func:`reopen`). So a LangChain or
-        LlamaIndex object holding a Memory can be pickled, deep-copied or sent to a worker
-        process. In-process it is the pickled Memory itself while that is open. The settings
-        are those given to the constructor (``INFERSCALE_*`` variables
-        are read again where it is opened), with ``data_dir`` made absolute; a custom
-        ``engine``, ``extractor`` or ``reconciler`` is not carried."""
-        settings = self.config.model_dump(exclude_unset=True)
-        settings["data_dir"] = str(self.config.data_dir.resolve())
-        return reopen, (settings, self._handle)
+        self._register_open()
 
     @classmethod
     def from_config(cls, config: dict) -> "Memory":
@@ -323,11 +282,7 @@ class Memory(Answering, Inspection):
         """
         scope = self._scope(user_id, agent_id, run_id)
         check_id("memory_id", memory_id)
-        fields = args.check_metadata(metadata)
-        if metadata is None or not fields:
-            raise ValueError("metadata must name at least one field to set (or to remove, as None), e.g. "
-                             "{'topic': 'food'}")
-        rec = self.components.facts.update_metadata(scope, memory_id, fields)
+        rec = self.components.facts.update_metadata(scope, memory_id, args.check_metadata_patch(metadata))
         return {"message": "Memory metadata updated successfully!", "id": rec.id, "metadata": rec.to_item()["metadata"]}
 
     def delete(self, memory_id: str, *, user_id: str | None = None, agent_id: str | None = None,
@@ -422,59 +377,6 @@ class Memory(Answering, Inspection):
         scope, filters = args.scope_and_filters(user_id, agent_id, run_id, filters)
         limit = result_limit(limit, top_k)
         return {"results": [r.to_item() for r in self.components.facts.list(scope, filters)[:limit]]}
-
-    def history(self, memory_id: str, *, user_id: str | None = None, agent_id: str | None = None,
-                run_id: str | None = None) -> list[dict]:
-        """The ADD / UPDATE / DELETE events of a memory of the scope, oldest first.
-
-        Raises:
-            inferscale.types.MemoryNotFoundError: the scope never held this memory.
-        """
-        scope = self._scope(user_id, agent_id, run_id)
-        check_id("memory_id", memory_id)
-        events = self.components.history_log.events(scope.key, memory_id)
-        if not events:
-            raise MemoryNotFoundError(f"memory {memory_id!r} not found for {scope.as_dict()}")
-        return [e.to_dict() for e in events]
-
-    def owner_of(self, memory_id: str) -> dict[str, str]:
-        """The scope of a memory from its id alone (``{"user_id": "alice"}``), for APIs that
-        address memories by id (Mem0's Platform API); memory ids are uuid4s, unique across
-        scopes. A deleted memory keeps its owner (its history is still the scope's).
-
-        Raises:
-            inferscale.types.MemoryNotFoundError: no scope ever held this memory.
-        """
-        self._check_open()
-        check_id("memory_id", memory_id)
-        key = self.components.history_log.owner(memory_id)
-        if key is None:
-            raise MemoryNotFoundError(f"memory {memory_id!r} not found")
-        return Scope.from_key(key).as_dict()
-
-    def count(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> int:
-        """How many memories the scope holds."""
-        return self.components.facts.count(self._scope(user_id, agent_id, run_id))
-
-    def get_turns(self, *, user_id: str | None = None, agent_id: str | None = None,
-                  run_id: str | None = None) -> list[Turn]:
-        """Every turn of the scope's conversation log, oldest first."""
-        return self.components.turns.scope_turns(self._scope(user_id, agent_id, run_id).key)
-
-    def count_turns(self, *, user_id: str | None = None, agent_id: str | None = None,
-                    run_id: str | None = None) -> int:
-        """How many turns the scope's conversation log holds."""
-        return self.components.turns.count(self._scope(user_id, agent_id, run_id).key)
-
-    def find_texts(self, texts: Sequence[str], *, user_id: str | None = None, agent_id: str | None = None,
-                   run_id: str | None = None) -> dict[str, str]:
-        """Map each of ``texts`` that the scope already stores (exact text) to its memory id.
-
-        Raises:
-            TypeError / ValueError: ``texts`` is not a list of non-empty strings.
-        """
-        scope = self._scope(user_id, agent_id, run_id)
-        return self.components.facts.find_texts(scope, args.check_texts(texts))
 
     # ------------------------------------------------------------------ lifetime
 
