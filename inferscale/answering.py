@@ -253,7 +253,7 @@ class Answering:
 
     def inject(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                run_id: str | None = None, k: int | None = None, context_window: int | None = None,
-               wait_for_kv: bool = False, text_tail: int = 0) -> Injection:
+               wait_for_kv: bool = False, text_tail: int = 0, memory_order: str = "best_last") -> Injection:
         """Retrieve the scope's top-``k`` facts and prepare one vLLM request that injects their KV.
 
         Facts whose KV is not encoded yet are placed as text after the injected ones (see
@@ -265,6 +265,7 @@ class Answering:
             wait_for_kv: encode missing KV first, so every fact is injected.
             text_tail: the best-ranked facts prefilled as text after the injected rest
                 (:class:`~inferscale.generation.options.GenerationOptions`).
+            memory_order: ``"best_last"`` (default) or ``"best_first"``.
 
         Raises:
             UnknownScopeError: the scope has no memories and no turns.
@@ -272,14 +273,15 @@ class Answering:
         """
         return self.prepare(query, user_id=user_id, agent_id=agent_id, run_id=run_id, k=k,
                             context_window=context_window, mode="inject", max_tokens=1, wait_for_kv=wait_for_kv,
-                            text_tail=text_tail)
+                            text_tail=text_tail, memory_order=memory_order)
 
     def memory_block(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                      run_id: str | None = None, instructions: str | None = None, **overrides: Any) -> MemoryBlock:
         """The memory block of a chat whose template someone else applies (vLLM's chat
         endpoint, ``inferscale serve``): the system turn's text and, in inject mode, the plan
         (:meth:`~inferscale.generation.request.RequestBuilder.prepare_memory_block`). An unknown scope gets
-        an empty block. ``overrides``: ``mode``, ``k``, ``context_window``, ``wait_for_kv``.
+        an empty block. ``overrides``: ``mode``, ``k``, ``context_window``, ``wait_for_kv``,
+        ``text_tail``, ``memory_order``.
 
         Raises:
             TypeError / ValueError: a bad option, an empty query or instructions.

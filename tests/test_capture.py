@@ -228,6 +228,36 @@ def test_a_text_tail_prefills_the_best_memories_after_the_injected_rest(memory, 
     assert memory.kv_stats()["misses_kept"] == kept  # a tail is not a miss
 
 
+def test_best_first_puts_the_best_memory_after_the_preamble(memory, encoder):
+    """``memory_order="best_first"``: the same memories in the reverse order, the best one
+    right after the preamble; with a text tail, the tail is still the best-ranked memories
+    (now first among the text lines); vLLM's first-token logprobs match the transformers
+    reference over that very prompt, and text mode reverses its lines alike."""
+    for text in FACTS:
+        memory.add(text, user_id="order-a", infer=False)
+    assert memory.wait_for_kv(timeout=600)
+    last = memory.inject(QUESTION, user_id="order-a", k=4)
+    first = memory.inject(QUESTION, user_id="order-a", k=4, memory_order="best_first")
+    best = [m["id"] for m in first.memories]  # rank order, best first, either way
+    assert [m["id"] for m in last.memories] == best
+    assert last.kv_memory_ids == best[::-1] and first.kv_memory_ids == best
+    assert list(first.prompt_token_ids) != list(last.prompt_token_ids)
+    assert sorted(first.prompt_token_ids) == sorted(last.prompt_token_ids)  # the same tokens, reordered
+    tail = memory.inject(QUESTION, user_id="order-a", k=4, memory_order="best_first", text_tail=1)
+    assert tail.kv_memory_ids == best[1:] and tail.text_memory_ids == best[:1]
+    out = memory.generate(QUESTION, user_id="order-a", k=4, max_tokens=1, temperature=0, logprobs=5,
+                          memory_order="best_first")
+    assert out.num_injected_tokens == first.plan.memory_end
+    ref = ReferenceModel(encoder).next_token_logprobs(
+        first.prompt_token_ids, [(s.start, memory.components.pool.get(s.key)) for s in first.plan.segments])
+    for token, lp in out.first_logprobs.items():
+        assert abs(float(ref[token]) - lp) < 1e-3
+    text = memory.prepare(QUESTION, user_id="order-a", k=4, mode="text", memory_order="best_first")
+    assert list(text.prompt_token_ids) == list(first.prompt_token_ids)
+    with pytest.raises(ValueError, match="memory_order"):
+        memory.inject(QUESTION, user_id="order-a", k=4, memory_order="worst_first")
+
+
 def test_admission_on_a_second_use_keeps_a_miss_only_when_it_comes_again(serving_dir, engine):
     """``kv_admission_window_s``: while keeping KV would evict (a disk budget nearly full), a
     first miss is served as text and only remembered; the second within the window is captured,

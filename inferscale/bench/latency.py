@@ -38,7 +38,7 @@ from inferscale.bench.common import (
 from inferscale.bench.plots import plot_latency
 from inferscale.datasets.locomo import load_locomo
 from inferscale.kv.quant import QUANTIZED_DTYPES
-from inferscale.bench.quality import text_tail_of
+from inferscale.bench.quality import memory_order_of, parse_mode as quality_mode, text_tail_of
 from inferscale.memory import Memory
 
 NAME = "latency"
@@ -46,19 +46,17 @@ NAME = "latency"
 
 def parse_mode(mode: str) -> tuple[str, int]:
     """``"text"`` -> ``("text", 0)``; ``"inject-w20"`` (or ``"inject-w20-tail2"``: the 2 best
-    memories as text after the injected rest, :func:`~inferscale.bench.quality.text_tail_of`)
-    -> ``("inject", 20)``.
+    memories as text after the injected rest, :func:`~inferscale.bench.quality.text_tail_of`;
+    either may end in ``-bestfirst``) -> ``("inject", 20)``.
 
     Raises:
-        ValueError: anything else.
+        ValueError: anything else (``captured`` too: this benchmark encodes its KV).
     """
-    if mode == "text":
-        return "text", 0
-    head, sep, tail = mode.partition("-tail")
-    if head.startswith("inject-w") and head[len("inject-w"):].isdigit() and (not sep or tail.isdigit()):
-        return "inject", int(head[len("inject-w"):])
-    raise ValueError(f"unknown mode {mode!r}: use 'text', 'inject-w<N>' (N = context window in turns) or "
-                     "'inject-w<N>-tail<M>' (the M best memories as text after the injected rest)")
+    kind, w = quality_mode(mode)
+    if kind == "captured":
+        raise ValueError(f"unknown mode {mode!r}: the latency benchmark takes text or inject-w<N>[-tail<M>]"
+                         "[-bestfirst]")
+    return kind, w or 0
 
 
 def split_storage(mode: str) -> tuple[str, str]:
@@ -145,7 +143,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, sample: int = 0, question
         mode, w = parse_mode(base)
         t0 = time.perf_counter()
         g = memories[storage].generate(picked[qi].question, user_id=user_id, k=k, context_window=w, mode=mode,
-                                       max_tokens=1, wait_for_kv=True, text_tail=text_tail_of(base))
+                                       max_tokens=1, wait_for_kv=True, text_tail=text_tail_of(base),
+                                       memory_order=memory_order_of(base))
         e2e = time.perf_counter() - t0
         log.add(_key(name, k, qi), {
             "mode": name, "k": k, "question": qi, "ttft_s": g.ttft_s, "retrieval_s": g.retrieval_s, "e2e_s": e2e,

@@ -54,25 +54,41 @@ MODES = ("text", "inject-w0", "inject-w5", "inject-w20", "inject-w50", "captured
 CAPTURE_ONLY_W = 1
 
 
+#: a mode name's suffix that puts the best-ranked memory first (``GenerationOptions.memory_order``)
+BEST_FIRST = "-bestfirst"
+
+
+def memory_order_of(name: str) -> str:
+    """The memory order a mode names: ``"inject-w5-bestfirst"`` -> ``"best_first"``; else ``"best_last"``."""
+    return "best_first" if name.endswith(BEST_FIRST) else "best_last"
+
+
+def _without_order(name: str) -> str:
+    return name[:-len(BEST_FIRST)] if name.endswith(BEST_FIRST) else name
+
+
 def parse_mode(name: str) -> tuple[str, int | None]:
     """``"text"`` -> ``("text", None)``; ``"inject-w20"`` (or ``"inject-w20-tail2"``, see
     :func:`text_tail_of`) -> ``("inject", 20)``; ``"captured"`` -> ``("captured", None)``.
+    Any of them may end in ``-bestfirst`` (:func:`memory_order_of`).
 
     Raises:
         ValueError: anything else.
     """
+    name = _without_order(name)
     if name in ("text", "captured"):
         return name, None
     head, _, tail = name.partition("-tail")
     if head.startswith("inject-w") and head[len("inject-w"):].isdigit() and (not _ or tail.isdigit()):
         return "inject", int(head[len("inject-w"):])
     raise ValueError(f"unknown mode {name!r}: use text, inject-w<N> (N = context window in turns), "
-                     "inject-w<N>-tail<M> (the M best memories as text after the injected rest) or captured")
+                     "inject-w<N>-tail<M> (the M best memories as text after the injected rest) or captured, "
+                     "each optionally ending in -bestfirst (the best memory first, not last)")
 
 
 def text_tail_of(name: str) -> int:
     """The text tail a mode names: ``"inject-w5-tail2"`` -> 2 (``GenerationOptions.text_tail``); else 0."""
-    _, sep, tail = name.partition("-tail")
+    _, sep, tail = _without_order(name).partition("-tail")
     return int(tail) if sep and tail.isdigit() else 0
 
 
@@ -187,7 +203,8 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, tuning: Sequence[int] = (
                     mem = captured if mode == "captured" else base
                     options = mem.options(k=k, mode="text" if mode == "text" else "inject", max_tokens=max_tokens,
                                           temperature=0, context_window=CAPTURE_ONLY_W if w is None else w,
-                                          wait_for_kv=mode == "inject", text_tail=text_tail_of(name))
+                                          wait_for_kv=mode == "inject", text_tail=text_tail_of(name),
+                                          memory_order=memory_order_of(name))
                     req = mem.components.requests.prepare(Scope(scope_of(conv)), qa.question, options)
                     _check_sources(name, mode, req)
                     with nll_lock:  # one transformers forward at a time; vLLM batches the generations

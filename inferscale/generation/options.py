@@ -76,6 +76,10 @@ class GenerationOptions(PlainErrors, BaseModel):
             (issue 43's "text tail": their tokens then attend to every memory before them,
             as EPIC and CacheBlend recompute a few tokens to recover what separately encoded
             KV misses); default 0: every stored KV is injected.
+        memory_order: where the best-ranked memory sits in the memory block: ``"best_last"``
+            (default: nearest the question) or ``"best_first"`` (right after the preamble).
+            Within the block, memories with stored KV still come before those prefilled as
+            text (vLLM's connector injects a prefix). Measured in docs/results/memory_order.
         json_schema: constrain the answer to JSON valid for this JSON Schema (vLLM's
             structured outputs; ``{"type": "object"}`` for any JSON object).
         tools: tools the model may call, in OpenAI's function format
@@ -102,6 +106,7 @@ class GenerationOptions(PlainErrors, BaseModel):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, strict=True)
     wait_for_kv: bool = Field(default=False, strict=True)
     text_tail: int = Field(default=0, ge=0, strict=True)
+    memory_order: Literal["best_last", "best_first"] = "best_last"
     json_schema: dict | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None

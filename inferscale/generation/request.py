@@ -186,9 +186,10 @@ class RequestBuilder:
                 followup: Sequence[dict] | None = None) -> PreparedRequest:
         """Retrieve the top ``options.k`` facts, lay out the prompt and, in inject mode, plan the injection.
 
-        Text mode: the facts best-ranked last. Inject mode never waits for encoding unless
-        ``options.wait_for_kv``: the facts whose KV is in the pool come first (injected,
-        best-ranked last among them), then those without KV as text (prefilled, likewise),
+        Text mode: the facts best-ranked last (``options.memory_order``). Inject mode never
+        waits for encoding unless ``options.wait_for_kv``: the facts whose KV is in the pool
+        come first (injected, best-ranked last among them), then those without KV as text
+        (prefilled, likewise; ``best_first`` reverses both),
         then the question; the missing KV is queued for the background encoder, so a
         later request injects it.
 
@@ -269,7 +270,7 @@ class RequestBuilder:
         t0 = time.perf_counter()
         hits = self.facts.search(scope, query[:self.facts.max_query_chars], options.k)  # the embedder reads less
         retrieval = time.perf_counter() - t0
-        ranked = [r for r, _ in hits[::-1]]  # best last
+        ranked = [r for r, _ in (hits if options.memory_order == "best_first" else hits[::-1])]
         if max_block_tokens is not None:
             block = len(self.prompts.preamble_ids) + sum(len(self.prompts.fact_line_ids(r.text)) for r in ranked)
             if block > max_block_tokens:
@@ -321,8 +322,8 @@ class RequestBuilder:
             except DiskFullError:  # no room for their KV: they come as text, as a miss does
                 ready = [self.kv.stored(k) for k in keys]
                 sources.update({r.id: "text: KV disk full" for r, ok in zip(ranked, ready) if not ok})
-        # the text tail: the best-ranked memories (last) come as text even with KV, nearest the question
-        tail = {r.id for r in ranked[max(0, len(ranked) - options.text_tail):]} if options.text_tail else set()
+        # the text tail: the best-ranked memories come as text even with KV, after the injected rest
+        tail = {r.id for r, _ in hits[:options.text_tail]}
         inject = [ok and r.id not in tail for r, ok in zip(ranked, ready)]
         sources.update({r.id: "text: tail" for r, ok in zip(ranked, ready) if ok and r.id in tail})
         order = [i for i, ok in enumerate(inject) if ok] + [i for i, ok in enumerate(inject) if not ok]
@@ -354,7 +355,7 @@ class RequestBuilder:
 @dataclass(frozen=True)
 class _Selection:
     """Retrieved facts in prompt order (stored KV first, then text; best-ranked last within
-    each) and, in inject mode, the KV key of each injected segment by its owner (the
+    each, or first with ``memory_order="best_first"``) and, in inject mode, the KV key of each injected segment by its owner (the
     preamble's :data:`~inferscale.generation.prompt.PREAMBLE_OWNER`, then the stored facts' ids)."""
 
     ranked: list[FactRecord]

@@ -51,6 +51,8 @@ class MemoryOptions(BaseModel):
         wait_for_kv: encode missing KV before answering instead of prefilling those facts.
         text_tail: the best-ranked memories prefilled as text after the injected rest (0..200;
             default 0; ``GenerationOptions.text_tail``).
+        memory_order: ``"best_last"`` (default: the best memory nearest the question) or
+            ``"best_first"`` (``GenerationOptions.memory_order``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -60,6 +62,7 @@ class MemoryOptions(BaseModel):
     context_window: int | None = Field(default=None, ge=0, le=1000, strict=True)
     wait_for_kv: bool = Field(default=False, strict=True)
     text_tail: int = Field(default=0, ge=0, le=MAX_K, strict=True)
+    memory_order: Literal["best_last", "best_first"] = "best_last"
 
 
 class ChatRequestError(ValueError):

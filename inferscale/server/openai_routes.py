@@ -115,7 +115,7 @@ def _memory_block(memory: Memory, scope, query: str, options: MemoryOptions, ins
     return memory.memory_block(query, **scope.as_dict(), instructions=instructions,
                                mode="inject" if options.mode == "inject" else "text", k=options.k,
                                context_window=options.context_window, wait_for_kv=options.wait_for_kv,
-                               text_tail=options.text_tail)
+                               text_tail=options.text_tail, memory_order=options.memory_order)
 
 
 def _no_constant(name: str):
