@@ -324,7 +324,7 @@ def bench_quality(
     questions: int = typer.Option(29, min=1, help="Questions per held-out conversation (7 x 29 = 203 answers a cell)."),
     k: str = typer.Option("10,50", help="Memories per request, comma-separated."),
     modes: str = typer.Option("text,inject-w0,inject-w5,inject-w20,inject-w50,captured",
-                              help="text, inject-w<N>, inject-w<N>-tail<M> (the M best memories as text after the injected rest) and/or captured, comma-separated (text is always scored)."),
+                              help="text, inject-w<N>, inject-w<N>-tail<M> (the M best memories as text after the injected rest) and/or captured, each optionally ending in -bestfirst (the best memory first, not last), comma-separated (text is always scored)."),
     max_tokens: int = typer.Option(24, min=1, help="Answer budget (tokens)."),
     concurrency: int = typer.Option(4, min=1, help="Questions in flight (vLLM batches their generations)."),
     capture_traffic: Optional[int] = typer.Option(

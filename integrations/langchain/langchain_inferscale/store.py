@@ -33,6 +33,7 @@ import concurrent.futures
 import json
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -783,10 +784,29 @@ def _condition(key: str, cond: Any) -> dict | None:
         ops = {_OPS[k]: _json(v) for k, v in cond.items() if not (k == "$ne" and _is_nan(v))}  # x != NaN: all
         if any(_is_nan(v) for v in ops.values()):
             raise _MatchesNothing
+        ops = dict(item for item in (_finite(op, v) for op, v in ops.items()) if item is not None)
         return ops or None
-    if _is_nan(cond):
+    if _is_nan(cond) or _is_inf(cond):  # no stored value is NaN or infinite (JSON has neither)
         raise _MatchesNothing
     return {"eq": _json(cond)}
+
+
+def _finite(op: str, value: Any) -> tuple[str, Any] | None:
+    """A comparison with an infinity as one with the largest finite float, which JSON (and so
+    a filter over HTTP) can carry: ``x < inf`` is ``x <= max``, ``x > -inf`` is ``x >= -max``;
+    ``None`` when every value passes (``x != inf``).
+
+    Raises:
+        _MatchesNothing: no finite value passes (``x > inf``, ``x == -inf``).
+    """
+    if not _is_inf(value):
+        return op, value
+    big = value > 0
+    if op == "ne":
+        return None
+    if (op in ("lt", "lte") and big) or (op in ("gt", "gte") and not big):
+        return ("lte", sys.float_info.max) if big else ("gte", -sys.float_info.max)
+    raise _MatchesNothing
 
 
 class _MatchesNothing(Exception):
@@ -796,6 +816,10 @@ class _MatchesNothing(Exception):
 
 def _is_nan(value: Any) -> bool:
     return isinstance(value, float) and value != value
+
+
+def _is_inf(value: Any) -> bool:
+    return isinstance(value, float) and value in (math.inf, -math.inf)
 
 
 def _json(value: Any) -> Any:

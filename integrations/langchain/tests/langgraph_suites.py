@@ -12,7 +12,9 @@ an empty store (:func:`fresh_memory` resets the memory). A harness's ``DESELECTE
 tests of another store's internals, each with its reason; ``DESELECTED_PARAMS`` the
 parameters whose runs repeat others on InferScale (SQLite's ``file`` database); ``XFAIL``
 the tests of features InferScale lacks (``integrations/langchain/tests/conftest.py``
-applies them).
+applies them). Every test runs twice (:func:`transport`): on a store over the memory
+in-process (``[in-process]``) and on one over HTTP, through ``inferscale serve``'s front on a
+loopback port (``[http]``).
 """
 
 from __future__ import annotations
@@ -40,19 +42,26 @@ SQLITE = "langgraph_checkpoint_sqlite-3.1.2"
 EMBED = ("a store-level embedder (index={'embed': ...}) and one vector per indexed field, max-pooled: InferScale "
          "embeds each memory's text once, with its own model")
 
+#: the loopback front's API key
+KEY = "lg-suite-key"
 _memory: Memory | None = None
+#: the front's URL while a test runs over HTTP
+_url: str | None = None
 
 
 class SuiteStore(InferScaleStore):
     """``InMemoryStore(index=...)`` as the suites call it: an ``InferScaleStore`` over the
-    session's memory. ``index`` (the suites' fake embedder and fields) is kept as
+    session's memory, in-process or over HTTP (:func:`transport`). ``index`` (the suites' fake embedder and fields) is kept as
     ``index_config`` and otherwise unused: InferScale embeds with its own model; ``ttl``
     is the store's."""
 
     def __init__(self, *, index: dict | None = None, ttl: dict | None = None) -> None:
         if _memory is None:
             raise RuntimeError("no suite memory: use the harness's fresh_memory fixture")
-        super().__init__(_memory, ttl=ttl)
+        if _url is None:
+            super().__init__(_memory, ttl=ttl)
+        else:
+            super().__init__(url=_url, api_key=KEY, ttl=ttl)
         self.index_config = index
 
     def setup(self) -> None:
@@ -143,3 +152,19 @@ def fresh_memory(suite_memory):
     _memory = suite_memory
     yield suite_memory
     _memory = None
+
+
+@pytest.fixture(scope="session")
+def suite_front(suite_memory, loopback_front):
+    """``inferscale serve``'s front (its memory routes; no vLLM behind it) over the suite memory."""
+    with loopback_front(suite_memory, KEY) as url:
+        yield url
+
+
+@pytest.fixture(autouse=True, params=["in-process", "http"])
+def transport(request, fresh_memory):
+    """Each test on a store over the memory in-process, then over HTTP (the front)."""
+    global _url
+    _url = request.getfixturevalue("suite_front") if request.param == "http" else None
+    yield request.param
+    _url = None

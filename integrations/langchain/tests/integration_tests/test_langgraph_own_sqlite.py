@@ -1,7 +1,9 @@
 """``langgraph-checkpoint-sqlite`` 3.1.2's ``tests/test_store.py`` (written against
 ``SqliteStore``) run on ``InferScaleStore`` (:mod:`langgraph_suites`)."""
 
-from langgraph_suites import EMBED, SQLITE, fresh_memory, load, suite_memory, suite_members  # noqa: F401 (fixtures)
+from langgraph_suites import (  # noqa: F401 (fixtures)
+    EMBED, SQLITE, fresh_memory, load, suite_front, suite_memory, suite_members, transport,
+)
 
 globals().update(suite_members(load(SQLITE, "test_store")))
 

@@ -2,7 +2,9 @@
 and ``AsyncSqliteStore``) run on ``InferScaleStore`` (:mod:`langgraph_suites`). Its tests sleep
 on real time with TTLs of 1 to 4 seconds."""
 
-from langgraph_suites import SQLITE, fresh_memory, load, suite_memory, suite_members  # noqa: F401 (fixtures)
+from langgraph_suites import (  # noqa: F401 (fixtures)
+    SQLITE, fresh_memory, load, suite_front, suite_memory, suite_members, transport,
+)
 
 globals().update(suite_members(load(SQLITE, "test_ttl")))
 

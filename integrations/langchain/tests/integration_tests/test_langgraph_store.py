@@ -318,14 +318,18 @@ def test_concurrent_writes_to_one_key_leave_one_item(store):
     asyncio.run(race())
 
 
-def test_a_nan_filter_matches_what_in_memory_store_matches(store):
+def test_a_nan_or_infinite_filter_matches_what_in_memory_store_matches(store):
     """NaN equals and orders against nothing (so those filters match no item), and every value
-    differs from it (``$ne`` matches every item), as in ``InMemoryStore``."""
+    differs from it (``$ne`` matches every item), as in ``InMemoryStore``; every finite value is
+    below infinity and above minus infinity, over HTTP too (JSON has no infinity)."""
     reference = InMemoryStore()
     for s in (store, reference):
         s.put(("docs", "nan"), "a", {"text": "alpha", "x": 1.0})
         s.put(("docs", "nan"), "b", {"text": "beta", "x": 2.0})
     nan = float("nan")
-    for flt in ({"x": nan}, {"x": {"$gt": nan}}, {"x": {"$lte": nan}}, {"x": {"$ne": nan}}, {"x": {"$ne": nan, "$gt": 1.5}}):
+    inf = float("inf")
+    for flt in ({"x": nan}, {"x": {"$gt": nan}}, {"x": {"$lte": nan}}, {"x": {"$ne": nan}}, {"x": {"$ne": nan, "$gt": 1.5}},
+                {"x": {"$lt": inf}}, {"x": {"$gt": -inf, "$lt": 1.5}}, {"x": {"$gte": inf}}, {"x": -inf},
+                {"x": {"$ne": inf}}, {"x": {"$lte": -inf}}, {"x": {"$gt": 1.5, "$lte": inf}}):
         got = sorted(i.key for i in store.search(("docs", "nan"), filter=flt))
         assert got == sorted(i.key for i in reference.search(("docs", "nan"), filter=flt)), flt
