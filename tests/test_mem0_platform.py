@@ -116,6 +116,24 @@ def test_memory_client_makes_every_call_scoped(front, memory):
     assert [m["memory"] for m in memory.get_all(agent_id="m-helper")["results"]] == ["Answer in French."]
 
 
+def test_a_metadata_only_update_replaces_the_metadata_and_keeps_text_and_kv(front, memory):
+    """``PUT /v1/memories/{id}/`` with metadata alone (Mem0's ``client.update(id, metadata=...)``):
+    the metadata is replaced, the text, ``updated_at`` and embedding stay (nothing re-embedded,
+    the KV stays valid), and the history records an update whose text is unchanged."""
+    added = memory.add("My kayak is yellow.", user_id="m-meta", infer=False, metadata={"topic": "boats", "old": 1})
+    mid = added["results"][0]["id"]
+    before = memory.get(mid, user_id="m-meta")
+    r = http(front, "PUT", f"/v1/memories/{mid}/", json={"metadata": {"topic": "sport", "level": 2}})
+    assert r.status_code == 200, r.text
+    assert r.json()["memory"] == "My kayak is yellow." and r.json()["metadata"] == {"topic": "sport", "level": 2}
+    after = memory.get(mid, user_id="m-meta")
+    assert after["metadata"] == {"topic": "sport", "level": 2} and after["updated_at"] == before["updated_at"]
+    assert [e["event"] for e in memory.history(mid, user_id="m-meta")] == ["ADD", "UPDATE"]
+    assert memory.search("kayak colour", user_id="m-meta")["results"][0]["id"] == mid
+    bad = http(front, "PUT", f"/v1/memories/{mid}/", json={"metadata": {"created_at": 5}})
+    assert bad.status_code == 400 and memory.get(mid, user_id="m-meta")["metadata"] == after["metadata"]
+
+
 def test_older_clients_v1_and_v2_routes_answer_in_their_shapes(front, memory):
     r = http(front, "POST", "/v1/memories/", json={"messages": [{"role": "user", "content": "I own a red kayak."}],
                                                   "user_id": "v1-user", "infer": False, "output_format": "v1.1"})

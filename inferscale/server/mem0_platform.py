@@ -161,8 +161,13 @@ def router() -> APIRouter:
         scope = memory.owner_of(memory_id)
         if body.text is None and body.metadata is None:
             raise ValueError("give text and/or metadata to update (timestamp and expiration_date are not supported)")
-        text = body.text if body.text is not None else memory.get(memory_id, **scope)["memory"]
-        memory.update(memory_id, text, metadata=body.metadata, **scope)
+        if body.text is None:  # metadata alone: replaced as a patch, so the text, embedding and KV stay
+            current = memory.get(memory_id, **scope).get("metadata") or {}
+            patch = {**{k: None for k in current if k not in body.metadata}, **body.metadata}
+            if patch:
+                memory.update_metadata(memory_id, patch, **scope)
+        else:
+            memory.update(memory_id, body.text, metadata=body.metadata, **scope)
         return platform_item(memory.get(memory_id, **scope))
 
     @r.delete("/v1/memories/{memory_id}/", summary="Mem0: delete a memory")
