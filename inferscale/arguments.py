@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from inferscale.checks import MAX_CONTEXT_WINDOW, check_int, check_role
 from inferscale.store.filters import MAX_DEPTH as MAX_FILTER_DEPTH
-from inferscale.store.records import Scope
+from inferscale.store.records import EXPIRES_AT, Scope
 from inferscale.store.turns import Turn
 from inferscale.types import FactInput, require_text
 
@@ -241,11 +241,13 @@ def check_metadata_patch(metadata: Any) -> dict:
 
 def check_metadata(metadata: Any) -> dict:
     """``metadata`` as stored (``None`` -> ``{}``): a JSON object with string keys, at most
-    :data:`MAX_METADATA_DEPTH` levels deep, without the reserved timestamp keys.
+    :data:`MAX_METADATA_DEPTH` levels deep, without the reserved timestamp keys; its
+    ``expires_at`` (:data:`~inferscale.store.records.EXPIRES_AT`), when given, in epoch seconds.
 
     Raises:
         TypeError: not a dict, a non-string key, not JSON-serialisable. ValueError: NaN or
-            Infinity, not valid Unicode (a lone surrogate), too deep, a reserved key.
+            Infinity, not valid Unicode (a lone surrogate), too deep, a reserved key, an
+            ``expires_at`` that is not a number.
     """
     if metadata is None:
         return {}
@@ -268,4 +270,16 @@ def check_metadata(metadata: Any) -> dict:
     if reserved:
         raise ValueError(f"metadata keys {reserved} are reserved: every memory has them as timestamps (filters "
                          "read those); rename the keys")
+    _check_expiry(metadata.get(EXPIRES_AT))
     return dict(metadata)
+
+
+def _check_expiry(value: Any) -> None:
+    """``metadata["expires_at"]`` is the memory's expiry: epoch seconds, or ``None`` (none).
+
+    Raises:
+        ValueError: anything else (a date string, a bool).
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"metadata[{EXPIRES_AT!r}] is the memory's expiry in epoch seconds (a number such as "
+                         f"{4102444800}; search and chat skip the memory after it), got {value!r}")

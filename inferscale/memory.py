@@ -278,7 +278,7 @@ class Memory(Answering, Inspection, Reopenable):
                 ``updated_at``), nesting deeper than metadata may be.
 
         Example:
-            >>> memory.update_metadata(memory_id, {"expires_at": 1767225600.0, "draft": None}, user_id="alice")
+            >>> memory.update_metadata(memory_id, {"expires_at": 4102444800.0, "draft": None}, user_id="alice")
         """
         scope = self._scope(user_id, agent_id, run_id)
         check_id("memory_id", memory_id)
@@ -338,20 +338,20 @@ class Memory(Answering, Inspection, Reopenable):
 
     def search(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                run_id: str | None = None, limit: int | None = None, threshold: float | None = None,
-               filters: dict | None = None, mode: str | None = None, top_k: int | None = None) -> dict:
+               filters: dict | None = None, mode: str | None = None, top_k: int | None = None,
+               show_expired: bool = False) -> dict:
         """The scope's facts best matching ``query``: hybrid (cosine and BM25 keyword ranks
         fused) or dense (exact cosine) top-``limit``.
 
-        The scope is given as keywords (``user_id="alice"``, Mem0 2.x) or inside ``filters``
-        (``filters={"user_id": "alice"}``, Mem0's current style), or both when they agree.
+        The scope: keywords (``user_id="alice"``, Mem0 2.x) and/or ``filters={"user_id": ...}`` (Mem0 now).
 
         Args:
-            limit / top_k: most results (default 100); ``top_k`` is Mem0's current name for it.
-            threshold: minimum cosine similarity of a result.
+            limit / top_k: most results (default 100; ``top_k``: Mem0's current name). threshold: least cosine.
             filters: metadata filters (:mod:`inferscale.store.filters`); a field no memory has
                 matches nothing. Top-level ``user_id`` / ``agent_id`` / ``run_id`` keys are
                 the scope, not metadata.
             mode: ``"hybrid"`` or ``"dense"`` (default: ``config.search_mode``, hybrid).
+            show_expired: also find memories whose ``metadata["expires_at"]`` has passed (Mem0's name).
 
         Returns:
             ``{"results": [{"id", "memory", "score", "metadata", ...}]}``, best first; empty
@@ -365,7 +365,8 @@ class Memory(Answering, Inspection, Reopenable):
         """
         self._check_open()
         scope, filters = args.scope_and_filters(user_id, agent_id, run_id, filters)
-        hits = self.components.facts.search(scope, query, result_limit(limit, top_k), threshold, filters, mode)
+        limit = result_limit(limit, top_k)
+        hits = self.components.facts.search(scope, query, limit, threshold, filters, mode, show_expired)
         return SearchResults([r.to_item(s) for r, s in hits], query, mode or self.config.search_mode)
 
     def get_all(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,

@@ -47,10 +47,10 @@ def test_sets_and_removes_fields_keeping_text_embedding_kv_and_updated_at(memory
     added = memory.add(TEXT, user_id="um-1", metadata={"topic": "ops", "draft": True}, infer=False)["results"][0]
     before = memory.get(added["id"], user_id="um-1")
     spies.update(encode=0, invalidate=0)
-    out = memory.update_metadata(added["id"], {"expires_at": 1767225600.5, "draft": None}, user_id="um-1")
-    assert out["metadata"] == {"topic": "ops", "expires_at": 1767225600.5}
+    out = memory.update_metadata(added["id"], {"expires_at": 4102444800.5, "draft": None}, user_id="um-1")
+    assert out["metadata"] == {"topic": "ops", "expires_at": 4102444800.5}
     after = memory.get(added["id"], user_id="um-1")
-    assert after["metadata"] == {"topic": "ops", "expires_at": 1767225600.5}
+    assert after["metadata"] == {"topic": "ops", "expires_at": 4102444800.5}
     assert (after["memory"], after["hash"], after["created_at"], after["updated_at"]) == \
         (before["memory"], before["hash"], before["created_at"], before["updated_at"])
     assert spies == {"encode": 0, "invalidate": 0}
@@ -59,7 +59,7 @@ def test_sets_and_removes_fields_keeping_text_embedding_kv_and_updated_at(memory
         == [added["id"]]
     assert memory.get_all(user_id="um-1", filters={"draft": True})["results"] == []
     hit = memory.search("when is the staging database rebuilt?", user_id="um-1", limit=1)["results"][0]
-    assert hit["id"] == added["id"] and hit["metadata"]["expires_at"] == 1767225600.5
+    assert hit["id"] == added["id"] and hit["metadata"]["expires_at"] == 4102444800.5
     events = memory.history(added["id"], user_id="um-1")
     assert [(e["event"], e["old_memory"], e["new_memory"]) for e in events][-1] == ("UPDATE", TEXT, TEXT)
 

@@ -20,7 +20,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Iterator, Sequence
 
-from inferscale.checks import check_int, check_number
+from inferscale.checks import check_bool, check_int, check_number
 from inferscale.models.embedding import Embedder
 from inferscale.store.filters import compile_filter
 from inferscale.store.history import HistoryLog
@@ -321,7 +321,7 @@ class FactService:
 
     def search(
         self, scope: Scope, query: str, limit: int, threshold: float | None = None, filters: dict | None = None,
-        mode: str | None = None,
+        mode: str | None = None, show_expired: bool = False,
     ) -> list[tuple[FactRecord, float]]:
         """Top-``limit`` of ``scope`` for ``query``, best first, each with its cosine similarity.
 
@@ -334,6 +334,7 @@ class FactService:
                 :mod:`inferscale.store.keyword`) or ``"dense"`` (cosine order); default
                 ``search_mode``. Under fusion the order is the fused rank, so scores need
                 not descend.
+            show_expired: also rank memories whose ``expires_at`` has passed (skipped by default).
 
         Raises:
             ValueError: empty query, bad limit / threshold / mode, malformed filters.
@@ -344,6 +345,7 @@ class FactService:
                              "with a shorter query (or raise max_query_chars)")
         check_int("limit", limit)
         check_number("threshold", threshold, -1.0, 1.0, optional=True)  # a cosine similarity
+        check_bool("show_expired", show_expired)
         mode = self.search_mode if mode is None else mode
         if not isinstance(mode, str):
             raise TypeError(f"mode must be a string, one of {SEARCH_MODES}, got {type(mode).__name__}")
@@ -354,7 +356,7 @@ class FactService:
         if limit == 0 or self.index.size(scope.key) == 0:
             return []
         hits = self.index.search(scope.key, self.embedder.encode([query])[0], limit, where=where,
-                                 keyword_query=query if mode == "hybrid" else None)
+                                 keyword_query=query if mode == "hybrid" else None, show_expired=show_expired)
         if threshold is not None:
             hits = [(r, s) for r, s in hits if s >= threshold]
         return hits

@@ -61,6 +61,8 @@ class SearchRequest(ScopeFields):
                                            "puts the scope here too ({'user_id': 'alice', ...})")
     mode: Literal["hybrid", "dense"] | None = Field(default=None, description="ranking: 'hybrid' (cosine and BM25 "
                                                     "fused) or 'dense' (cosine); default the server's search_mode")
+    show_expired: bool = Field(default=False, strict=True, description="also find memories whose metadata "
+                               "expires_at (epoch seconds) has passed")
 
     def scope(self) -> dict[str, str]:
         """The body's scope fields, or none when ``filters`` carries the scope (Mem0's current style)."""
@@ -113,7 +115,7 @@ def router() -> APIRouter:
     @r.post("/search", summary="Search memories")
     def search(body: SearchRequest, memory: MemoryDep) -> dict:
         return memory.search(body.query, limit=body.limit, top_k=body.top_k, threshold=body.threshold,
-                                               filters=body.filters, mode=body.mode, **body.scope())
+                             filters=body.filters, mode=body.mode, show_expired=body.show_expired, **body.scope())
 
     @r.put("/memories/{memory_id}", summary="Update a memory")
     def update(memory_id: str, body: MemoryUpdate, memory: MemoryDep, user_id: str | None = None,

@@ -24,6 +24,7 @@ the partition, reloads it instead.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -33,7 +34,7 @@ import torch
 from inferscale.store.filters import MISSING, Filter
 from inferscale.store.keyword import (KeywordIndex, add_date_ranking, date_terms, fused_scores, top_rows,
                                       turn_neighbor_bonus)
-from inferscale.store.records import FactRecord
+from inferscale.store.records import EXPIRES_AT, FactRecord
 
 Loader = Callable[[str], "tuple[list[FactRecord], object]"]
 Changes = Callable[[str, int, int], "tuple[int, list[str]] | None"]
@@ -60,11 +61,24 @@ class _Partition:
     positions: np.ndarray | None = None
     placed: np.ndarray | None = None  # the rows with a position, sorted by it: built on use
     dates: list[frozenset[str]] | None = None  # each row's own months and years, kept with the keyword index
+    #: each row's expiry (epoch seconds, inf: none); ``False`` when no row has one; built on use
+    expiry: np.ndarray | bool | None = None
 
     def changed(self) -> None:
-        """Drop what is derived from the rows and rebuilt on use (the filter columns); the
-        keyword index is updated by the writes themselves."""
+        """Drop what is derived from the rows and rebuilt on use (the filter columns, the
+        expiries); the keyword index is updated by the writes themselves."""
         self.columns.clear()
+        self.expiry = None
+
+    def live(self, at: float) -> np.ndarray | None:
+        """``[n]`` bool: the rows not expired at ``at`` (epoch seconds): a row expires when its
+        metadata's :data:`~inferscale.store.records.EXPIRES_AT` is a number ``<= at``.
+        ``None`` when no row has an expiry (the common case costs nothing per search)."""
+        if self.expiry is None:
+            ex = np.fromiter((v if isinstance(v, (int, float)) and not isinstance(v, bool) else np.inf
+                              for v in self.column(EXPIRES_AT)), dtype=np.float64, count=len(self.fields))
+            self.expiry = ex if np.isfinite(ex).any() else False
+        return None if self.expiry is False else self.expiry > at
 
     def keyword_index(self) -> KeywordIndex:
         if self.keyword is None:
@@ -369,9 +383,13 @@ class VectorIndex:
     # ------------------------------------------------------------------ reads
 
     def search(
-        self, scope: str, query: torch.Tensor, k: int, where: Filter | None = None, keyword_query: str | None = None
+        self, scope: str, query: torch.Tensor, k: int, where: Filter | None = None, keyword_query: str | None = None,
+        show_expired: bool = False,
     ) -> list[tuple[FactRecord, float]]:
         """Top ``k`` of ``scope`` for ``query`` ``[dim]``: ``(record, cosine)`` pairs, best first.
+
+        Records whose metadata's ``expires_at`` (epoch seconds) has passed are not returned
+        unless ``show_expired``.
 
         Args:
             where: when given, only records whose filter fields satisfy it can be returned;
@@ -392,8 +410,12 @@ class VectorIndex:
             q = torch.nn.functional.normalize(query.to(self.device, torch.float32), dim=-1)
             scores = part.rows[:n] @ q
             eligible = n
-            if where is not None:
-                mask = torch.from_numpy(where.mask(part.column, n)).to(self.device)
+            keep = None if where is None else where.mask(part.column, n)
+            live = None if show_expired else part.live(time.time())  # expired: not found, swept or not
+            if live is not None:
+                keep = live if keep is None else keep & live
+            if keep is not None:
+                mask = torch.from_numpy(keep).to(self.device)
                 scores = scores.masked_fill(~mask, float("-inf"))
                 eligible = int(mask.sum())
                 if eligible == 0:

@@ -17,6 +17,10 @@ SCHEMA_VERSION = 1
 #: index entry and KV job of the scope (Mem0 sets no limit; 256 covers emails, UUIDs and URLs)
 MAX_SCOPE_ID_CHARS = 256
 
+#: the metadata key of a memory's expiry (epoch seconds): once it has passed, search and chat
+#: no longer find the memory (it stays listed by ``get_all`` until deleted)
+EXPIRES_AT = "expires_at"
+
 
 @dataclass(frozen=True)
 class Scope:

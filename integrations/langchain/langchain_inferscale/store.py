@@ -15,9 +15,10 @@ The mapping (decided in docs/adapters.md, "LangGraph store"):
 - the scopes the store has written to are recorded as memories of one more scope
   (``agent_id=<store_id>:scopes``), so ``list_namespaces`` and searches under a prefix
   that names no scope find them;
-- an item with a TTL keeps its expiry in its metadata (``lg_expires_at``, epoch seconds, and
+- an item with a TTL keeps its expiry in its metadata (``expires_at``, epoch seconds, and
   ``lg_ttl_minutes``), so every process and client of the memory sees it: reads skip expired
-  items before any sweep, a read that refreshes moves ``lg_expires_at`` with a metadata-only
+  items before any sweep, and so do InferScale's own search and chat (the core's expiry,
+  :data:`inferscale.store.records.EXPIRES_AT`), a read that refreshes moves ``expires_at`` with a metadata-only
   update (:meth:`inferscale.Memory.update_metadata`: nothing re-embedded, the KV kept,
   ``updated_at`` unmoved) and :meth:`InferScaleStore.sweep_ttl` deletes expired items.
 
@@ -358,7 +359,7 @@ class InferScaleStore(BaseStore):
             return
         metadata = _metadata(op.namespace, op.key, op.value, op.index is not False)
         if op.ttl is not None:
-            metadata.update(lg_ttl_minutes=float(op.ttl), lg_expires_at=now() + op.ttl * 60)
+            metadata.update(lg_ttl_minutes=float(op.ttl), expires_at=now() + op.ttl * 60)
         if stored is not None and _expired(stored, now()):  # expired, not yet swept: a new item replaces it
             self.backend.delete(stored["id"], scope)
             stored = None
@@ -389,7 +390,7 @@ class InferScaleStore(BaseStore):
         """Push the expiry of the items read (address -> the memory as read) ``lg_ttl_minutes``
         past now: under the items' locks, each is looked up again and refreshed if it is the
         same memory, still unexpired and still has a TTL (a put or a sweep since the read wins),
-        with a metadata-only update of ``lg_expires_at`` alone."""
+        with a metadata-only update of ``expires_at`` alone."""
         if not read:
             return
         with self._writing.hold(_address(*address) for address in read):
@@ -399,7 +400,7 @@ class InferScaleStore(BaseStore):
                 meta = memory["metadata"]
                 if memory["id"] != read[address]["id"] or _expired(memory, at) or "lg_ttl_minutes" not in meta:
                     continue
-                self.backend.update_metadata(memory["id"], {"lg_expires_at": at + meta["lg_ttl_minutes"] * 60},
+                self.backend.update_metadata(memory["id"], {"expires_at": at + meta["lg_ttl_minutes"] * 60},
                                              _memory_scope(memory))
 
     def sweep_ttl(self) -> int:
@@ -597,14 +598,16 @@ class _Http:
         """``PUT /memories/{id}`` without ``text``: a metadata-only update."""
         self._call("PUT", f"/memories/{memory_id}", params=scope, json={"metadata": fields})
 
-    def search(self, query: str, scope: dict, filters: dict | None, limit: int) -> list[dict]:
-        body = {"query": query, "limit": max(limit, 1), "filters": filters, **scope}
+    def search(self, query: str, scope: dict, filters: dict | None, limit: int,
+               show_expired: bool = False) -> list[dict]:
+        body = {"query": query, "limit": max(limit, 1), "filters": filters, "show_expired": show_expired, **scope}
         return self._call("POST", "/search", json=body)["results"][:limit]
 
     def list(self, scope: dict, filters: dict | None) -> list[dict]:
         """Every match (at most 10,000), in any order: ``GET /memories`` takes no filters, so a
-        search with a placeholder query reads them all (the callers sort)."""
-        return self.search(_ANY_QUERY, scope, filters, MAX_RESULTS)
+        search with a placeholder query reads them all, expired ones too, as ``get_all`` does
+        (the callers sort)."""
+        return self.search(_ANY_QUERY, scope, filters, MAX_RESULTS, show_expired=True)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -687,13 +690,13 @@ def _ttl_config(ttl: Any) -> TTLConfig | None:
 
 def _expired(memory: dict, at: float) -> bool:
     """Whether the item of ``memory`` had expired at ``at`` (epoch seconds)."""
-    expires = memory["metadata"].get("lg_expires_at")
+    expires = memory["metadata"].get("expires_at")
     return expires is not None and expires <= at
 
 
 def _expired_by(at: float) -> dict:
     """The metadata filter of the items expired at ``at`` (items without a TTL lack the field)."""
-    return {"lg_expires_at": {"lte": at}}
+    return {"expires_at": {"lte": at}}
 
 
 def _is_scope_id(label: str) -> bool:

@@ -100,9 +100,9 @@ def test_expired_items_are_hidden_before_a_sweep_and_swept(make_store, memory, c
     store.put(("other",), "short2", {"text": "a namespace of its own"}, ttl=2)
     stored = memories(memory, store)
     assert stored["default"]["metadata"]["lg_ttl_minutes"] == 10.0
-    assert stored["default"]["metadata"]["lg_expires_at"] == pytest.approx(clock.t + 600)
-    assert stored["short"]["metadata"]["lg_expires_at"] == pytest.approx(clock.t + 120)
-    assert "lg_expires_at" not in stored["forever"]["metadata"]
+    assert stored["default"]["metadata"]["expires_at"] == pytest.approx(clock.t + 600)
+    assert stored["short"]["metadata"]["expires_at"] == pytest.approx(clock.t + 120)
+    assert "expires_at" not in stored["forever"]["metadata"]
     assert store.list_namespaces() == [("docs",), ("other",)]
 
     clock.advance(3)  # the short ones expired; nothing swept yet
@@ -140,7 +140,7 @@ def test_a_read_refreshes_without_embedding_invalidating_kv_or_moving_updated_at
     assert spies == {"reembed": 0, "invalidate": 0}  # a refresh embeds nothing and keeps the KV
     after = memories(memory, store)
     for key in ("a", "b"):
-        assert after[key]["metadata"]["lg_expires_at"] == pytest.approx(clock.t + 300)
+        assert after[key]["metadata"]["expires_at"] == pytest.approx(clock.t + 300)
         assert (after[key]["id"], after[key]["memory"], after[key]["updated_at"]) == \
             (before[key]["id"], before[key]["memory"], before[key]["updated_at"])
     assert after["c"]["metadata"] == before["c"]["metadata"]
@@ -157,11 +157,11 @@ def test_reads_refresh_only_when_refresh_on_read_is_true(make_store, memory, clo
     for ttl in (None, {"default_ttl": 5}, {"default_ttl": 5, "refresh_on_read": False}):
         store = make_store(ttl=ttl)
         store.put(("docs",), "k", {"text": "no refresh"}, ttl=5)
-        expires = memories(memory, store)["k"]["metadata"]["lg_expires_at"]
+        expires = memories(memory, store)["k"]["metadata"]["expires_at"]
         clock.advance(1)
         store.get(("docs",), "k", refresh_ttl=True)
         store.search(("docs",), refresh_ttl=True)
-        assert memories(memory, store)["k"]["metadata"]["lg_expires_at"] == expires
+        assert memories(memory, store)["k"]["metadata"]["expires_at"] == expires
         store.delete(("docs",), "k")
 
 
@@ -170,7 +170,7 @@ def test_a_put_sets_replaces_or_clears_the_expiry(make_store, memory, clock):
     store.put(("docs",), "k", {"text": "first"}, ttl=1)
     first = memories(memory, store)["k"]
     store.put(("docs",), "k", {"text": "second"})  # no ttl, no default: no expiry
-    assert "lg_expires_at" not in memories(memory, store)["k"]["metadata"]
+    assert "expires_at" not in memories(memory, store)["k"]["metadata"]
     clock.advance(2)
     assert store.get(("docs",), "k").value == {"text": "second"}
     store.put(("docs",), "k", {"text": "third"}, ttl=1)
