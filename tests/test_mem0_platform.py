@@ -245,3 +245,16 @@ def test_a_body_sent_in_chunks_past_the_limit_is_413_before_it_is_parsed(front, 
                    headers={**TOKEN, "Content-Type": "application/json"})
     assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.json()["detail"]
     assert memory.scopes() == before and http(front, "GET", "/v1/ping/").status_code == 200
+
+
+def test_search_skips_expired_memories_unless_show_expired(front, memory):
+    """A memory whose metadata ``expires_at`` has passed is not found by Mem0's search, unless
+    the body says ``show_expired: true``."""
+    import time
+
+    gone = memory.add("My gym badge number is 77.", user_id="m-exp", infer=False,
+                      metadata={"expires_at": time.time() - 1})["results"][0]["id"]
+    body = {"query": "gym badge", "filters": {"user_id": "m-exp"}}
+    assert http(front, "POST", "/v2/memories/search/", json=body).json() == []
+    shown = http(front, "POST", "/v2/memories/search/", json={**body, "show_expired": True}).json()
+    assert [m["id"] for m in shown] == [gone]

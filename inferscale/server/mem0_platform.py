@@ -133,8 +133,9 @@ def router() -> APIRouter:
                              "drop rerank")
         scope, filters = split_filters(body)
         mode = "hybrid" if body.keyword_search else None
+        expired = (body.model_extra or {}).get("show_expired") is True  # Mem0's: metadata expires_at passed
         hits = memory.search(body.query, top_k=body.top_k or body.limit or 10, threshold=body.threshold,
-                             filters=filters, mode=mode, **scope)["results"]
+                             filters=filters, mode=mode, show_expired=expired, **scope)["results"]
         return [platform_item(h, body.fields) for h in hits]
 
     @r.post("/v1/memories/search/", summary="Mem0: search (v1)")
