@@ -254,13 +254,40 @@ class CacheLayout:
         Returns:
             Two ``[N, num_kv_heads, head_size]`` tensors (copies) in the cache's dtype, on its device.
         """
+        k, v = self.gather_index(tuple(cache.shape), block_ids, positions)
+        return cache.take(k), cache.take(v)
+
+    def gather_index(self, shape: tuple[int, ...], block_ids: Sequence[int],
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the K and V elements of prompt ``positions`` sit in a cache of ``shape``: two
+        ``[N, num_kv_heads, head_size]`` int64 tensors of indices into the cache viewed as
+        1-D (``torch.take``), on the layout's device. Every layer of one shape shares them,
+        so a capture computes them once and reads each layer with two gathers.
+
+        Raises:
+            IndexError: a position beyond the request's blocks.
+        """
+        device = self.k_index.device
         pos = positions.to(torch.long).cpu()
-        local = pos // self.block_size
-        needed = torch.unique(local)
-        ids = torch.tensor([block_ids[int(i)] for i in needed], dtype=torch.long, device=cache.device)
-        blocks = cache.index_select(self.block_dim, ids).movedim(self.block_dim, 0).reshape(len(ids), -1)
-        row = torch.searchsorted(needed, local).to(cache.device)
-        offset = (pos % self.block_size).to(cache.device)
-        k = blocks[row[:, None, None], self.k_index[offset]]
-        v = blocks[row[:, None, None], self.v_index[offset]]
-        return k, v
+        blocks = torch.as_tensor(list(block_ids), dtype=torch.long)[pos // self.block_size].to(device)
+        offset = (pos % self.block_size).to(device)
+        rest, block_stride = _block_offsets(shape, self.block_dim, device)
+        base = (blocks * block_stride)[:, None, None]
+        return base + rest[self.k_index[offset]], base + rest[self.v_index[offset]]
+
+
+def _block_offsets(shape: tuple[int, ...], block_dim: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """For a tensor of ``shape`` viewed as 1-D: the index of each element of block 0, in the
+    block's own element order (the other dimensions, in order), and the distance between two
+    blocks (elements)."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    rest_shape = [n for i, n in enumerate(shape) if i != block_dim]
+    rest_strides = [st for i, st in enumerate(strides) if i != block_dim]
+    flat = torch.arange(math.prod(rest_shape), device=device)
+    out = torch.zeros_like(flat)
+    for n, st in zip(reversed(rest_shape), reversed(rest_strides)):
+        out += (flat % n) * st
+        flat = flat // n
+    return out, strides[block_dim]
