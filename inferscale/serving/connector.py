@@ -71,6 +71,7 @@ from inferscale.kv.injection import (
 )
 from inferscale.kv.pool import KVPool
 from inferscale.kv.rope import RopeRotator
+from inferscale.serving.step_gate import StepGate
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,6 +82,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+#: the longest a capture waits for a pause between the worker's steps before it is stored
+#: anyway (seconds): a busy engine still gets its captures, whose copies wait in memory meanwhile
+MAX_CAPTURE_DEFER_S = 1.0
 
 
 @dataclass
@@ -239,6 +243,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._layout: CacheLayout | bool | None = None
         self._num_blocks = getattr(kv_cache_config, "num_blocks", 0)
         self._writer: ThreadPoolExecutor | None = None
+        self._gate = StepGate()  # the writer stores captures between the worker's steps
         self._stats_lock = threading.Lock()
 
     # ---------------- scheduler side ----------------
@@ -382,6 +387,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         return self._layers
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._gate.begin()
         meta = self._get_connector_metadata()
         if not isinstance(meta, InferScaleConnectorMetadata):
             return
@@ -439,7 +445,13 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         """After the step's forward pass: read the due captures out of the paged cache (copies)
-        and queue them for the writer thread; the step goes on at once."""
+        and queue them for the writer thread, which stores them between steps; the step goes on at once."""
+        try:
+            self._read_captures()
+        finally:
+            self._gate.end()
+
+    def _read_captures(self) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, InferScaleConnectorMetadata) or not meta.captures or not self._layers:
             return
@@ -493,6 +505,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         assert self._rotator is not None
         stored = tokens = errors = 0
         try:
+            self._gate.wait_quiet(MAX_CAPTURE_DEFER_S)
             keys = self._rotator.unrotate(keys, positions.to(keys.device))
             if capture.disk_budget_bytes != self._pool.disk_budget_bytes:
                 self._pool.set_disk_budget(capture.disk_budget_bytes)
@@ -503,6 +516,7 @@ class InferScaleConnector(KVConnectorBase_V1):
                             span.token_ids)
                 offset += n
                 try:
+                    self._gate.wait_quiet(MAX_CAPTURE_DEFER_S)  # between spans too: a step may have begun
                     self._pool.put(span.key, to_storage(kv, capture.storage))
                     stored, tokens = stored + 1, tokens + n
                 except Exception as exc:  # a full disk, an unwritable folder: the memory stays text
