@@ -164,7 +164,9 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
         cell["ttft_p99_vs_first"] = cell["ttft_p99_s"] / base["ttft_p99_s"]
         cell["ttft_p50_vs_first"] = cell["ttft_p50_s"] / base["ttft_p50_s"]
     ceilings = {}
+    unsized = 0
     if refs is not None:
+        sizes, unsized = _sizes_of_all(refs, tokens, sizes)
         for share in budgets:
             budget = full if share >= 1 else max(int(full * share), 1 << 20)
             ceilings[f"{share:g}"] = belady_token_share(refs, tokens, sizes, budget, warmup)
@@ -173,11 +175,22 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, users: int = 12, question
                "full_pool_bytes": full, "touch_interval_s": touch_interval_s, "half_life_s": half_life_s,
                "admission_window_s": admission_window_s,
                "policies": list(policies), "encoders": list(encoders), "clairvoyant_kv_token_share": ceilings,
+               "clairvoyant_sizes_estimated": unsized,
                "cells": cells,
                "machine": machine()}
     write_outputs(out_dir, NAME, summary, to_markdown(summary))
     plot_tiers(summary, Path(out_dir) / f"{NAME}.png")
     return summary
+
+
+def _sizes_of_all(refs, tokens: dict[str, int], sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+    """``sizes`` completed for every fact ``refs`` reads: a fact served from memory whose file
+    was gone when the folder was measured gets the pool's mean bytes per token times its
+    tokens. Returns the sizes and how many were estimated so."""
+    known = [k for k in sizes if k in tokens]
+    per_token = sum(sizes[k] for k in known) / max(sum(tokens[k] for k in known), 1)
+    missing = {key for q in refs for key in q if key not in sizes}
+    return {**sizes, **{k: int(round(per_token * tokens[k])) for k in missing}}, len(missing)
 
 
 def _encode_all(mem: Memory, scopes: Sequence[str], w: int) -> None:
@@ -297,7 +310,8 @@ served as text and then ({'; '.join(ENCODER_TEXT[e] for e in summary.get('encode
 (the pool's 60 s scaled to the time-compressed trace){'' if half_life is None else f", lrfu's half-life {half_life:g} s (the pool's hour, scaled alike)"}.
 Each policy replays every budget, largest first, from the full pool with every entry's priority
 reset. "Clairvoyant" is Belady's MIN on the same reference string (the facts the unbounded replay
-retrieved, in order): what a cache that knows the future would serve, the ceiling of any policy.
+retrieved, in order): what a cache that knows the future would serve, the ceiling of any policy{
+'' if not summary.get('clairvoyant_sizes_estimated') else f" ({summary['clairvoyant_sizes_estimated']} facts served from memory had no file when the folder was measured: their sizes are the pool's mean bytes per token times their tokens)"}.
 TTFT p50 and p99 are compared with the same policy's and encoder's unbounded replay; "encoder s"
 is the background encoder's busy time during the counted questions, per 100 of them.
 Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores; commit {m.get('commit', '?')}.
