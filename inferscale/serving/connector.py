@@ -538,11 +538,10 @@ class InferScaleConnector(KVConnectorBase_V1):
 
 
 def _yield_to_requests() -> None:
-    """The capture writer thread's setup, so that storing KV never slows a request's step:
-    its torch work runs on one thread (a second OpenMP team beside the forward pass's makes
-    both wait at their barriers: on 2 cores, a 25% disk budget's captures made RMSNorm 6x
-    slower, docs/results/tiers_capture) and, on Linux, at the lowest CPU priority (nice 19,
-    this thread only)."""
+    """The capture writer thread's setup, to keep storing KV out of the requests' way: its
+    torch work runs on one thread (a second OpenMP team beside the forward pass's makes both
+    wait at their barriers) and, on Linux, at the lowest CPU priority (nice 19, this thread
+    only). docs/decisions.md, "Capture off the request's path", says what it changed."""
     torch.set_num_threads(1)  # this thread's OpenMP setting: the forward pass's thread keeps its own
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

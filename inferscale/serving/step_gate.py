@@ -2,9 +2,9 @@
 
 The worker runs one step (a forward pass) at a time; the KV connector sees each one begin
 (``start_load_kv``) and end (``wait_for_save``). Work done in the worker's process during a
-step takes the GIL and the cores from it: a capture written beside the next request's
-prefill made it 30 ms slower at a 25% disk budget (2 cores, docs/results/tiers_capture). So
-the writer waits for a quiet moment, as LMCache stores off the request path and as
+step takes the GIL and the cores from it (on 2 cores, at a 25% disk budget, requests with no
+miss took about 24 ms longer with capture on than with it off: docs/decisions.md, "Capture
+off the request's path"). So the writer waits for a quiet moment, as LMCache stores off the request path and as
 InferScale's background encoder waits for no request in flight, but never longer than
 ``max_wait_s``: an engine that never pauses still gets its captures stored (their copies
 wait in memory meanwhile).
