@@ -396,3 +396,14 @@ def test_tiers_replay_keeps_each_budget_and_serves_what_it_evicted_as_text(tmp_p
     assert capture["reencodes"] < idle["reencodes"]  # misses kept from the questions' own prefill instead
     assert "clairvoyant (Belady)" in (tmp_path / "out" / "tiers.md").read_text()
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"tiers.json", "tiers.md", "tiers.png"}
+
+
+def test_belady_sizes_cover_facts_served_without_a_file():
+    """A fact the unbounded replay served from memory but whose file was gone when the folder
+    was measured gets the pool's mean bytes per token times its tokens, and is counted (the
+    ceiling once raised KeyError at the end of a run)."""
+    from inferscale.bench.tiers import _sizes_of_all
+
+    sizes, estimated = _sizes_of_all([["a", "b"], ["c", "a"]], {"a": 10, "b": 30, "c": 5}, {"a": 100, "b": 300})
+    assert sizes == {"a": 100, "b": 300, "c": 50} and estimated == 1
+    assert _sizes_of_all([["a"]], {"a": 10}, {"a": 100}) == ({"a": 100}, 0)
