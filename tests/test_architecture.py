@@ -145,7 +145,8 @@ def test_no_module_outside_serving_imports_vllm_when_imported():
 
 def test_the_connector_loads_a_small_part_of_the_package():
     """vLLM's engine process loads the connector: it needs the KV pool, rotation, injection
-    and capture (and the (de)quantizer of 8- and 4-bit KV, the pool's tiers), not the settings,
+    and capture (and the (de)quantizer of 8- and 4-bit KV, the pool's tiers, the capture
+    writer's step gate), not the settings,
     the model registry, prompts or tools."""
     import subprocess
     import sys
@@ -160,7 +161,7 @@ def test_the_connector_loads_a_small_part_of_the_package():
                       "inferscale.kv.capture", "inferscale.kv.injection", "inferscale.kv.pool", "inferscale.kv.quant", "inferscale.kv.rope",
                       "inferscale.kv.entry", "inferscale.kv.tiers", "inferscale.kv.disk",
                       "inferscale.kv.remote", "inferscale.serving",
-                      "inferscale.serving.connector"}, sorted(loaded)
+                      "inferscale.serving.connector", "inferscale.serving.step_gate"}, sorted(loaded)
 
 
 def test_the_adapters_use_only_the_public_api_and_the_integration_module():
