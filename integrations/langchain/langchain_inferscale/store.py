@@ -12,6 +12,10 @@ The mapping (decided in docs/adapters.md, "LangGraph store"):
   may share a text (puts add with ``dedupe=False``), as a key-value store's values may;
 - an item put with ``index=False`` is stored with ``lg_indexed: False``: a search with a
   query ranks the other items and lists these after them, unscored, as ``InMemoryStore`` does;
+- a store given LangGraph's ``index={"dims", "embed", "fields"}`` embeds each field path of an
+  item with that embedder and ranks by the best cosine, as LangGraph's stores do (the vectors
+  kept in the item's metadata, :mod:`langchain_inferscale._store_index`); without one, a
+  query search is InferScale's own hybrid search;
 - the scopes the store has written to are recorded as memories of one more scope
   (``agent_id=<store_id>:scopes``), so ``list_namespaces`` and searches under a prefix
   that names no scope find them;
@@ -61,6 +65,7 @@ from langgraph.store.base.embed import get_text_at_path, tokenize_path
 
 from inferscale import Memory, MemoryNotFoundError
 from inferscale.integration import Scope
+from langchain_inferscale._store_index import VECTORS, StoreIndex
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +129,14 @@ class InferScaleStore(BaseStore):
             ``ttl``), ``refresh_on_read`` (bool, default ``False`` as in ``SqliteStore``: reads
             refresh only when it is ``True``), ``sweep_interval_minutes`` (> 0, for
             :meth:`start_ttl_sweeper`; default 5).
+        index: LangGraph's ``IndexConfig`` (``dims``, ``embed``, ``fields``): a store-level
+            embedder, as ``InMemoryStore(index=...)`` takes it. Each put embeds one vector per
+            text its field paths match (the put's ``index`` list, else ``fields``, else the
+            value as JSON), in one ``embed_documents`` call a batch; a query search embeds the
+            query with ``embed_query`` and ranks the matching items by their best cosine (score
+            in [-1, 1]). The memory's own text is the same fields' strings joined. ``None``
+            (default): InferScale's own embedder and hybrid search rank (scores are cosines of
+            its embedder, the order its fusion's).
 
     Raises:
         TypeError / ValueError: (constructor) neither or both of ``memory`` and ``url``, an
@@ -133,7 +146,8 @@ class InferScaleStore(BaseStore):
             that maps to the store's registry scope, a malformed filter, ``offset + limit``
             over 10,000 (nothing of that op is written). Over HTTP:
             ``PermissionError`` (wrong key), ``ConnectionError`` (no server), ``RuntimeError``
-            (a 5xx answer).
+            (a 5xx answer). ``put`` with ``index=``: whatever the embedder raises, and
+            ``ValueError`` for vectors of another size than ``dims`` (nothing written).
 
     Example:
         >>> store = InferScaleStore(memory)            # or InferScaleStore(url="http://127.0.0.1:8000", api_key=key)
@@ -146,10 +160,14 @@ class InferScaleStore(BaseStore):
 
     supports_ttl = True
     ttl_config: TTLConfig | None = None
+    #: the ``index`` given (LangGraph's ``IndexConfig``), ``None`` without a store-level embedder
+    index_config: dict | None = None
+    #: its ``embed`` as LangChain ``Embeddings`` (``ensure_embeddings``), ``None`` without one
+    embeddings: Any = None
 
     def __init__(self, memory: Memory | None = None, *, url: str | None = None, api_key: str | None = None,
                  timeout: float = 60.0, store_id: str = "langgraph", text_fields: Iterable[str] = TEXT_FIELDS,
-                 ttl: TTLConfig | None = None) -> None:
+                 ttl: TTLConfig | None = None, index: dict | None = None) -> None:
         if (memory is None) == (url is None):
             raise ValueError("give either memory= (an inferscale.Memory, in-process) or url= (inferscale serve), "
                              "not both or neither")
@@ -161,6 +179,9 @@ class InferScaleStore(BaseStore):
         if not fields or not all(isinstance(f, str) and f for f in fields):
             raise TypeError(f"text_fields must be a list of field names, got {text_fields!r}")
         self.ttl_config = _ttl_config(ttl)
+        self.index = StoreIndex(index) if index is not None else None
+        self.index_config = dict(index) if index is not None else None
+        self.embeddings = self.index.embeddings if self.index is not None else None
         self.backend = _Local(memory) if memory is not None else _Http(url, api_key, timeout)
         self.store_id = store_id
         self.text_fields = fields
@@ -186,7 +207,8 @@ class InferScaleStore(BaseStore):
         """The memory text of a value: the strings at the ``index`` paths, joined by spaces,
         when given and present; else the first string of ``text_fields``; else compact JSON."""
         if index:
-            texts = [t for path in index for t in get_text_at_path(value, tokenize_path(path)) if t.strip()]
+            texts = [t for path in index for t in get_text_at_path(value, path if path == "$" else tokenize_path(path))
+                     if t.strip()]
             if texts:
                 return " ".join(texts)
         for name in self.text_fields:
@@ -211,8 +233,10 @@ class InferScaleStore(BaseStore):
             self._check(op)
         puts = {(op.namespace, op.key): op for op in ops if isinstance(op, PutOp)}  # the last put of a key wins
         addressed = [(op.namespace, op.key) for op in ops if isinstance(op, GetOp)] + list(puts)
-        texts = {address: self.text_of(op.value, op.index or None) for address, op in puts.items()
+        fields = self.index.fields if self.index is not None else None
+        texts = {address: self.text_of(op.value, op.index or fields) for address, op in puts.items()
                  if op.value is not None}
+        vectors = dict(zip(puts, self.index.vectors(list(puts.values())))) if self.index is not None else {}
         refreshed: dict[tuple, dict] = {}  # address -> the memory read, for the reads that refresh its expiry
         # one key's writes, from any thread of this process, run one at a time: each looks the
         # item up and writes it before the next looks (two puts of a key leave one item)
@@ -239,7 +263,7 @@ class InferScaleStore(BaseStore):
                 else:
                     results.append(None)
             for address, op in puts.items():
-                self._write(op, found.get(address), texts.get(address))
+                self._write(op, found.get(address), texts.get(address), vectors.get(address))
         self._refresh({a: m for a, m in refreshed.items() if a not in puts and "lg_ttl_minutes" in m["metadata"]})
         return results
 
@@ -310,7 +334,9 @@ class InferScaleStore(BaseStore):
         query ranks the indexed items (best first) and pages over them; when a page has
         room left, the items put with ``index=False`` fill it, oldest first and unscored
         (``InMemoryStore``'s way: they are never ranked, and the offset skips none of them).
-        Without a query: every match, oldest first. Items expired at ``at`` match nothing."""
+        Without a query: every match, oldest first. Items expired at ``at`` match nothing.
+        With a store-level embedder (``index=``), a query ranks every match by its vectors
+        (:meth:`StoreIndex.rank`) and those without vectors fill the page the same way."""
         try:
             filters = {"lg_item": "*", **_namespace_filters(op.namespace_prefix), **_value_filters(op.filter or {}),
                        "NOT": [_expired_by(at)]}
@@ -320,6 +346,10 @@ class InferScaleStore(BaseStore):
         scopes = self._scopes_under(op.namespace_prefix)
         if not op.query:
             return [{**h, "score": None} for h in self._listing(scopes, filters)[op.offset:wanted]]
+        if self.index is not None:
+            ranked, scoreless = self.index.rank(op.query, self._listing(scopes, filters))
+            found = ranked[op.offset:wanted]
+            return found + [{**h, "score": None} for h in scoreless[:max(0, op.limit - len(found))]]
         indexed = {**filters, "NOT": [*filters["NOT"], {"lg_indexed": False}]}  # items from before lg_indexed
         hits = [h for scope in scopes for h in self.backend.search(op.query, scope, indexed, wanted)]  # lack it
         if len({_scope_key(_memory_scope(h)) for h in hits}) > 1:  # best first across scopes; one scope's
@@ -351,13 +381,15 @@ class InferScaleStore(BaseStore):
 
     # ------------------------------------------------------------------ writes
 
-    def _write(self, op: PutOp, stored: dict | None, text: str | None) -> None:
+    def _write(self, op: PutOp, stored: dict | None, text: str | None, vectors: dict | None = None) -> None:
         scope = self.scope_of(op.namespace)
         if op.value is None:
             if stored is not None:
                 self.backend.delete(stored["id"], scope)
             return
         metadata = _metadata(op.namespace, op.key, op.value, op.index is not False)
+        if vectors is not None:
+            metadata[VECTORS] = vectors
         if op.ttl is not None:
             metadata.update(lg_ttl_minutes=float(op.ttl), expires_at=now() + op.ttl * 60)
         if stored is not None and _expired(stored, now()):  # expired, not yet swept: a new item replaces it

@@ -11,7 +11,7 @@ over the session's memory, and takes its tests and fixtures as its own. Each tes
 an empty store (:func:`fresh_memory` resets the memory). A harness's ``DESELECTED`` names the
 tests of another store's internals, each with its reason; ``DESELECTED_PARAMS`` the
 parameters whose runs repeat others on InferScale (SQLite's ``file`` database); ``XFAIL``
-the tests of features InferScale lacks (``integrations/langchain/tests/conftest.py``
+the tests of features InferScale lacks (none today) (``integrations/langchain/tests/conftest.py``
 applies them). Every test runs twice (:func:`transport`): on a store over the memory
 in-process (``[in-process]``) and on one over HTTP, through ``inferscale serve``'s front on a
 loopback port (``[http]``).
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -38,31 +39,30 @@ SUITES = Path(os.environ.get("LANGGRAPH_SUITES_DIR", ROOT / ".venv" / "langgraph
 CHECKPOINT = "langgraph_checkpoint-4.3.2"
 SQLITE = "langgraph_checkpoint_sqlite-3.1.2"
 
-#: why the suites' embedder tests cannot pass (xfail reason)
-EMBED = ("a store-level embedder (index={'embed': ...}) and one vector per indexed field, max-pooled: InferScale "
-         "embeds each memory's text once, with its own model")
-
 #: the loopback front's API key
 KEY = "lg-suite-key"
 _memory: Memory | None = None
 #: the front's URL while a test runs over HTTP
 _url: str | None = None
+#: numbers each SuiteStore's store_id
+_instances = itertools.count()
 
 
 class SuiteStore(InferScaleStore):
     """``InMemoryStore(index=...)`` as the suites call it: an ``InferScaleStore`` over the
-    session's memory, in-process or over HTTP (:func:`transport`). ``index`` (the suites' fake embedder and fields) is kept as
-    ``index_config`` and otherwise unused: InferScale embeds with its own model; ``ttl``
-    is the store's."""
+    session's memory, in-process or over HTTP (:func:`transport`), with the suites' ``index``
+    (their fake embedder and fields) as its store-level embedder and ``ttl`` as its TTL. Each
+    instance is a store of its own, as each new ``InMemoryStore`` (or SQLite ``:memory:``
+    database) is: its own ``store_id``, so namespaces that name no scope do not meet."""
 
     def __init__(self, *, index: dict | None = None, ttl: dict | None = None) -> None:
         if _memory is None:
             raise RuntimeError("no suite memory: use the harness's fresh_memory fixture")
+        store_id = f"langgraph-{next(_instances)}"
         if _url is None:
-            super().__init__(_memory, ttl=ttl)
+            super().__init__(_memory, ttl=ttl, index=index, store_id=store_id)
         else:
-            super().__init__(url=_url, api_key=KEY, ttl=ttl)
-        self.index_config = index
+            super().__init__(url=_url, api_key=KEY, ttl=ttl, index=index, store_id=store_id)
 
     def setup(self) -> None:
         """``SqliteStore.setup()``: nothing to create."""

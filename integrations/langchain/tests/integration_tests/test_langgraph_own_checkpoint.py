@@ -2,7 +2,7 @@
 run on ``InferScaleStore`` (:mod:`langgraph_suites`)."""
 
 from langgraph_suites import (  # noqa: F401 (fixtures)
-    EMBED, CHECKPOINT, fresh_memory, load, suite_front, suite_memory, suite_members, transport,
+    CHECKPOINT, fresh_memory, load, suite_front, suite_memory, suite_members, transport,
 )
 
 globals().update(suite_members(load(CHECKPOINT, "test_store")))
@@ -17,9 +17,6 @@ DESELECTED: dict[str, str] = {
     "test_validate_op_namespace_rejects_invalid_labels": "tests LangGraph's validate_op_namespace helper; no store",
     "test_validate_op_namespace_allows_empty_prefix_and_wildcards": "tests LangGraph's validate_op_namespace "
                                                                      "helper; no store",
-    "test_vector_store_initialization": "reads InMemoryStore's embedding-config object (index_config['embed'])",
 }
 #: tests of features InferScaleStore lacks: name -> the missing feature
-XFAIL: dict[str, str] = {
-    "test_embed_with_path": EMBED,
-}
+XFAIL: dict[str, str] = {}

@@ -2,14 +2,13 @@
 ``AsyncSqliteStore``) run on ``InferScaleStore`` (:mod:`langgraph_suites`)."""
 
 from langgraph_suites import (  # noqa: F401 (fixtures)
-    EMBED, SQLITE, fresh_memory, load, suite_front, suite_memory, suite_members, transport,
+    SQLITE, fresh_memory, load, suite_front, suite_memory, suite_members, transport,
 )
 
 globals().update(suite_members(load(SQLITE, "test_async_store")))
 
 #: tests of ``AsyncSqliteStore``'s own code, not of a store's behaviour: name -> reason
 DESELECTED: dict[str, str] = {
-    "test_vector_store_initialization": "reads AsyncSqliteStore's embedding-config object (index_config['embed'])",
     "test_no_running_loop": "expects AsyncSqliteStore's sync methods to refuse the event loop's thread "
                             "(InvalidStateError); InferScaleStore serves sync and async calls alike",
 }
@@ -17,6 +16,4 @@ DESELECTED: dict[str, str] = {
 DESELECTED_PARAMS = {"file": "the same test on a file-backed SQLite database: on InferScaleStore, the [memory] "
                              "run again"}
 #: tests of features InferScaleStore lacks: name -> the missing feature
-XFAIL: dict[str, str] = {
-    "test_embed_with_path": EMBED,
-}
+XFAIL: dict[str, str] = {}

@@ -1,0 +1,127 @@
+"""A store-level embedder for ``InferScaleStore``: LangGraph's ``IndexConfig``, as its stores have it.
+
+``InferScaleStore(memory, index={"dims": 1536, "embed": embeddings, "fields": ["text"]})``
+embeds what ``InMemoryStore``, ``SqliteStore`` and ``PostgresStore`` embed: each field path
+of a put (the put's ``index`` list, else ``fields``, else the whole value as JSON) gives one
+text per match (``"tags[*]"`` gives one per tag), each embedded with ``embed``; a search with a
+query scores an item by the best cosine between the query's vector and its own (max
+pooling), as those stores do. The vectors travel in the item's memory metadata
+(:data:`VECTORS`), so every client of the memory, in-process or over HTTP, ranks the same
+way. Without ``embed`` the store ranks with InferScale's own hybrid search (docs/adapters.md).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from langgraph.store.base import PutOp
+from langgraph.store.base.embed import ensure_embeddings, get_text_at_path, tokenize_path
+
+#: the metadata field that holds an item's vectors: ``{"dims": d, "f32": base64 of [m, d] float32}``
+VECTORS = "lg_vectors"
+#: the keys of LangGraph's ``IndexConfig``, and of ``SqliteIndexConfig`` (``text_fields`` is its
+#: name for ``fields``; ``distance_type``: only ``"cosine"`` here)
+INDEX_KEYS = ("dims", "embed", "fields", "text_fields", "distance_type")
+
+
+class StoreIndex:
+    """One store's ``IndexConfig``: which field paths are embedded, with what, how items rank.
+
+    Args:
+        config: ``{"dims": int, "embed": Embeddings | callable | "provider:model", "fields":
+            list[str] | None}`` (LangGraph's ``IndexConfig``; ``fields`` defaults to ``["$"]``,
+            the whole value as JSON); ``SqliteIndexConfig``'s ``text_fields`` (for ``fields``)
+            and ``distance_type`` (``"cosine"``) are taken too.
+
+    Raises:
+        TypeError / ValueError: ``config`` is not a dict, has a key other than those, or a
+            ``dims`` that is not a positive int, a ``fields`` that is not a list of non-empty
+            strings, a ``distance_type`` other than ``"cosine"``, or an ``embed`` LangGraph's
+            ``ensure_embeddings`` refuses.
+    """
+
+    def __init__(self, config: dict) -> None:
+        if not isinstance(config, dict):
+            raise TypeError(f"index must be LangGraph's IndexConfig dict (dims, embed, fields), got {config!r}")
+        unknown = sorted(set(config) - set(INDEX_KEYS))
+        if unknown:
+            raise ValueError(f"index has unknown keys {unknown}: an IndexConfig has {list(INDEX_KEYS)}")
+        dims = config.get("dims")
+        if not isinstance(dims, int) or isinstance(dims, bool) or dims <= 0:
+            raise ValueError(f"index['dims'] must be the embedder's vector size, a positive int, got {dims!r}")
+        distance = config.get("distance_type", "cosine")
+        if distance != "cosine":
+            raise ValueError(f"index['distance_type'] {distance!r} is not supported: InferScaleStore ranks by cosine "
+                             f"similarity; give 'cosine' or leave it out")
+        fields = config.get("fields") or config.get("text_fields") or ["$"]
+        if isinstance(fields, str):  # SqliteStore takes one path as a string
+            fields = [fields]
+        if not isinstance(fields, list) or not all(isinstance(f, str) and f for f in fields):
+            raise TypeError(f"index['fields'] must be a list of field paths such as ['text', 'tags[*]'], got {fields!r}")
+        if config.get("embed") is None:
+            raise ValueError("index['embed'] is required: an Embeddings object, a function of a list of texts, "
+                             "or a 'provider:model' string")
+        self.dims = dims
+        self.fields = list(fields)
+        self.embeddings = ensure_embeddings(config["embed"])
+
+    def texts(self, op: PutOp) -> list[str]:
+        """The texts a put embeds: one per match of each path (``op.index``, else :attr:`fields`);
+        none for a delete or a put with ``index=False``."""
+        if op.value is None or op.index is False:
+            return []
+        paths = op.index if op.index else self.fields
+        return [t for path in paths for t in get_text_at_path(op.value, path if path == "$" else tokenize_path(path))]
+
+    def vectors(self, puts: Sequence[PutOp]) -> list[dict | None]:
+        """Each put's vectors as metadata (:data:`VECTORS`'s value), ``None`` for a put with
+        nothing to embed; the texts of all the puts go to the embedder in one call.
+
+        Raises:
+            ValueError: the embedder gave a vector of another size than ``dims``, or another
+                number of vectors than texts.
+        """
+        texts = [self.texts(op) for op in puts]
+        flat = [t for ts in texts for t in ts]
+        got = self.embeddings.embed_documents(flat) if flat else []
+        vectors = self._matrix(got, len(flat), "the item texts")
+        out, start = [], 0
+        for ts in texts:
+            block = vectors[start:start + len(ts)]
+            start += len(ts)
+            out.append({"dims": self.dims, "f32": base64.b64encode(block.tobytes()).decode("ascii")} if ts else None)
+        return out
+
+    def rank(self, query: str, memories: list[dict]) -> tuple[list[dict], list[dict]]:
+        """The memories with vectors, best first, each with its ``score`` (the best cosine of
+        the query's vector with one of its own, max pooling; ties keep ``memories``' order),
+        and those without (never ranked: put with ``index=False``, or none of the paths had
+        text), in ``memories``' order."""
+        scored, scoreless = [], []
+        q = self._matrix([self.embeddings.embed_query(query)], 1, "the query")[0]
+        q = q / (np.linalg.norm(q) or 1.0)
+        for memory in memories:
+            stored = memory["metadata"].get(VECTORS)
+            if not stored:
+                scoreless.append(memory)
+                continue
+            block = np.frombuffer(base64.b64decode(stored["f32"]), dtype=np.float32).reshape(-1, stored["dims"])
+            if block.shape[1] != q.shape[0]:
+                raise ValueError(f"an item was embedded with {block.shape[1]} dims and the query with {q.shape[0]}: "
+                                 f"re-put the store's items after changing index['embed']")
+            norms = np.linalg.norm(block, axis=1)
+            cosines = block @ q / np.where(norms > 0, norms, 1.0)
+            scored.append({**memory, "score": float(cosines.max())})
+        scored.sort(key=lambda m: -m["score"])  # stable: ties keep the listing's order
+        return scored, scoreless
+
+    def _matrix(self, vectors: Any, count: int, what: str) -> np.ndarray:
+        matrix = np.asarray(vectors, dtype=np.float32).reshape(len(vectors), -1) if len(vectors) else \
+            np.zeros((0, self.dims), dtype=np.float32)
+        if matrix.shape != (count, self.dims):
+            raise ValueError(f"the embedder gave {matrix.shape[0]} vectors of {matrix.shape[1]} dims for {what}, "
+                             f"expected {count} of index['dims'] = {self.dims}")
+        return matrix
