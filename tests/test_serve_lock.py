@@ -30,3 +30,34 @@ def test_a_lock_file_from_before_names_a_server(tmp_path):
     with pytest.raises(serve_lock.DataDirServed, match=r"an inferscale serve \(pid 4242\)"):
         serve_lock.check_free(tmp_path)
     held.close()
+
+
+def test_a_memory_is_refused_a_data_dir_another_process_serves(tmp_path):
+    """Two writers of one Chroma folder corrupt each other (the server then answers 500s):
+    ``Memory()`` on a data dir an ``inferscale serve`` of another process holds is refused,
+    naming its pid, and creates nothing; the server's own process opens it, and so does
+    anyone once the server is gone."""
+    import subprocess
+    import sys
+
+    from inferscale import Memory
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from inferscale.store import serve_lock; f = serve_lock.hold(Path(sys.argv[1])); "
+                               "print('held', flush=True); time.sleep(600)", str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(StoreError, match=rf"an inferscale serve \(pid {holder.pid}\) is serving .*one writer: "
+                                             r"reach its memories over HTTP"):
+            Memory(data_dir=tmp_path, precompute_kv=False)
+        assert not (tmp_path / "chroma").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    own = serve_lock.hold(tmp_path / "mine")
+    with Memory(data_dir=tmp_path / "mine", precompute_kv=False) as memory:  # the server's own process
+        memory.add("Ana keeps bees.", user_id="ana", infer=False)
+    own.close()
+    with Memory(data_dir=tmp_path, precompute_kv=False) as memory:  # the server is gone
+        assert memory.count(user_id="ana") == 0

@@ -78,6 +78,23 @@ def open_client(path: Path, server: "ChromaServer | None"):
     return chromadb.PersistentClient(path=str(path), settings=Settings(anonymized_telemetry=False))
 
 
+def _check_not_served(data_dir: Path) -> None:
+    """Refuse to open an embedded store whose data dir an ``inferscale serve`` or ``inferscale
+    mcp`` of another process writes (:mod:`inferscale.store.serve_lock`): two writers of one
+    Chroma folder corrupt each other's view of it (the server then answers 500s).
+
+    Raises:
+        StoreError: naming the server's pid and the ways out.
+    """
+    from inferscale.store import serve_lock
+
+    try:
+        serve_lock.check_free(data_dir, own_ok=True)
+    except serve_lock.DataDirServed as exc:
+        raise StoreError(f"{exc}, and it is this data dir's one writer: reach its memories over HTTP "
+                         f"(docs/server.md), stop it, or give Memory another data_dir") from None
+
+
 def has_collection(client, name: str) -> bool:
     """Whether ``client`` holds a collection called ``name``."""
     try:
@@ -160,6 +177,7 @@ class FactStore:
         self._data_dir = Path(path).parent  # the data dir of <data_dir>/chroma
         self._open_lock = None
         if server is None and embedder is not None:  # a Memory's store: no re-embed may run under it
+            _check_not_served(self._data_dir)  # nor a server: one writer a data dir
             try:
                 self._open_lock = lock_open(path, exclusive=False)
             except PermissionError as exc:

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import IO
 
 LOCK_FILE = "serve.lock"
+#: the data dirs whose lock this process took (resolved) -> the open lock file: while it is
+#: open, this process's own stores may open the data dir (:func:`check_free`'s ``own_ok``)
+_held: dict[Path, IO] = {}
 
 
 class DataDirServed(RuntimeError):
@@ -55,13 +58,22 @@ def hold(data_dir: Path, command: str = "inferscale serve") -> IO:
     f.truncate(0)
     f.write(f"{os.getpid()} {command}")
     f.flush()
+    _held[data_dir.resolve()] = f
     return f
 
 
-def check_free(data_dir: Path) -> None:
-    """Raise :class:`DataDirServed` while another process holds the lock (nothing else changes)."""
+def check_free(data_dir: Path, *, own_ok: bool = False) -> None:
+    """Raise :class:`DataDirServed` while the lock is held (nothing else changes).
+
+    Args:
+        own_ok: let a lock this process holds (:func:`hold`, its file still open) through: a
+            server's own stores open its data dir.
+    """
     path = Path(data_dir) / LOCK_FILE
     if not path.is_file():
+        return
+    mine = _held.get(Path(data_dir).resolve())
+    if own_ok and mine is not None and not mine.closed:
         return
     with open(path, "a+") as f:
         _take(f, data_dir)
