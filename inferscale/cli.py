@@ -96,8 +96,9 @@ def demo(
                                    dtype=dtype, data_dir=data_dir, console=out)
     except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, StoreError, ValueError) as exc:
         _fail(str(exc))
-    out.print("Next, the benchmarks (README.md, section Benchmarks): `inferscale bench latency`, `bench throughput`, "
-              "`bench quality`, `bench footprint` and `bench memory-ops`; each writes JSON, Markdown and a PNG.")
+    out.print("Next, the benchmarks (README.md, section Benchmarks; `inferscale bench --help` lists them all): "
+              "`inferscale bench latency`, `bench throughput`, `bench quality`, `bench retrieval`, `bench serve`; "
+              "each writes JSON, Markdown and a PNG.")
     if record is not None:
         command = "inferscale " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         try:

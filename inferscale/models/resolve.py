@@ -182,12 +182,22 @@ def prepare_smollm2(target_root: Path | None = None) -> Path:
     return target
 
 
-def model_fingerprint(folder: Path) -> str:
-    """A short hash identifying a model folder's exact contents.
+#: bytes read from each end of a weight file for :func:`model_fingerprint`
+FINGERPRINT_EDGE_BYTES = 1 << 20
 
-    Hashes ``config.json``, the tokenizer files and each weight file's name, size and
-    modification time (hashing every weight byte would cost seconds per start for large
-    models). A changed model changes the fingerprint, so stored KV is never reused for it.
+
+def model_fingerprint(folder: Path) -> str:
+    """A short hash identifying a model folder's contents, the same wherever it is installed.
+
+    Hashes ``config.json``, the tokenizer files, and each weight file's name, size and its
+    first and last MiB (:data:`FINGERPRINT_EDGE_BYTES`: a safetensors file's header names
+    every tensor's dtype, shape and offset, and the end holds the last tensors' bytes, which
+    a fine-tune changes; hashing every byte would cost seconds a start for large models).
+    A changed model changes the fingerprint, so stored KV is never reused for it. Neither
+    the path nor the files' times count, so a reinstall, a new virtual environment or
+    another machine with the same weights keeps the stored KV (and the Redis tier shares it)
+    and reuses the cached ONNX export of the embedder (until 2026-12-06 the times counted:
+    each install exported the embedder again, 87 MB, and invalidated every fact's KV).
 
     Returns:
         16 hex characters.
@@ -198,6 +208,11 @@ def model_fingerprint(folder: Path) -> str:
             h.update(path.name.encode())
             h.update(path.read_bytes())
         elif path.suffix in {".safetensors", ".bin", ".pt"}:
-            st = path.resolve().stat()
-            h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+            size = path.resolve().stat().st_size
+            h.update(f"{path.name}:{size}".encode())
+            with open(path, "rb") as f:
+                h.update(f.read(FINGERPRINT_EDGE_BYTES))
+                if size > FINGERPRINT_EDGE_BYTES:
+                    f.seek(max(FINGERPRINT_EDGE_BYTES, size - FINGERPRINT_EDGE_BYTES))
+                    h.update(f.read())
     return h.hexdigest()[:16]
