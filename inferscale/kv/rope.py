@@ -28,11 +28,6 @@ class UnsupportedRopeError(ValueError):
     """The model's rotary embedding cannot be reproduced outside the model."""
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _find_rotary_class(config) -> type[nn.Module]:
     model_type = getattr(config, "model_type", None)
     if not model_type:
@@ -106,16 +101,21 @@ class RopeRotator:
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         x = keys.float()
         x_rot, x_pass = x[..., :rot], x[..., rot:]
-        if inverse:
-            y = (x_rot * cos - _rotate_half(x_rot) * sin) / (cos * cos + sin * sin)
-            return torch.cat((y, x_pass), dim=-1).to(keys.dtype)
-        # the serving path: x*cos + rotate_half(x)*sin written in place, with no
-        # rotate_half or concatenation temporaries (it runs on every injected token)
+        # x*cos + rotate_half(x)*sin written in place, with no rotate_half or concatenation
+        # temporaries (it runs on every injected token); the inverse is the rotation by minus
+        # the angle, (x*cos - rotate_half(x)*sin) / (cos^2 + sin^2) (the denominator is 1 but
+        # for scaled types such as YaRN, whose tables carry an attention factor), the division
+        # folded into the [T, rot] tables, so the same few ops: a captured miss is unrotated
+        # on the engine's worker, beside the requests
         half = rot // 2
+        sign = -1.0 if inverse else 1.0
+        if inverse:
+            norm = cos * cos + sin * sin
+            cos, sin = cos / norm, sin / norm
         out = torch.empty_like(x)
         torch.mul(x_rot, cos, out=out[..., :rot]) if x_pass.shape[-1] else torch.mul(x, cos, out=out)
-        out[..., :half].addcmul_(x_rot[..., half:], sin[..., :half], value=-1)
-        out[..., half:rot].addcmul_(x_rot[..., :half], sin[..., half:])
+        out[..., :half].addcmul_(x_rot[..., half:], sin[..., :half], value=-sign)
+        out[..., half:rot].addcmul_(x_rot[..., :half], sin[..., half:], value=sign)
         if x_pass.shape[-1]:
             out[..., rot:] = x_pass
         return out.to(keys.dtype)
