@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Sequence
 
 from inferscale.checks import MAX_CONTEXT_WINDOW, check_int, check_role
@@ -278,8 +279,15 @@ def _check_expiry(value: Any) -> None:
     """``metadata["expires_at"]`` is the memory's expiry: epoch seconds, or ``None`` (none).
 
     Raises:
-        ValueError: anything else (a date string, a bool).
+        ValueError: anything else (a date string, a bool, a number no float holds: ``10**400``,
+            NaN, infinity).
     """
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ValueError(f"metadata[{EXPIRES_AT!r}] is the memory's expiry in epoch seconds (a number such as "
-                         f"{4102444800}; search and chat skip the memory after it), got {value!r}")
+    if value is None:
+        return
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(float(value))
+    except OverflowError:  # an int beyond float's range: the index keeps expiries as floats
+        finite = False
+    if not finite:
+        raise ValueError(f"metadata[{EXPIRES_AT!r}] is the memory's expiry in epoch seconds (a finite number such "
+                         f"as {4102444800}; search and chat skip the memory after it), got {value!r:.60}")

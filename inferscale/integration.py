@@ -12,18 +12,22 @@ their meaning within 0.1.x (:data:`INTEGRATION_API` counts breaking changes).
   ``ValueError``, one line).
 - :func:`compile_filter`: Mem0-style metadata filters as a predicate over a memory's metadata.
 - :class:`Scope`: whose memories (``Scope.of`` validates the ids, as every entry point does).
+- :func:`check_metadata`, :func:`require_text`: what ``add`` refuses in a memory's metadata
+  and text, for an adapter to check a batch before it writes any of it.
 """
 
 from __future__ import annotations
 
+from inferscale.arguments import check_metadata
 from inferscale.checks import check_int
 from inferscale.generation.options import PlainErrors, ScopeFields, check_call_options
 from inferscale.sessions import ChatSessions, SessionMessage
 from inferscale.store.filters import compile_filter
 from inferscale.store.records import Scope
+from inferscale.types import require_text
 
 #: Incremented when a name here changes meaning; the adapters pin the 0.1 series.
 INTEGRATION_API = 1
 
 __all__ = ["INTEGRATION_API", "ChatSessions", "PlainErrors", "Scope", "ScopeFields", "SessionMessage",
-           "check_call_options", "check_int", "compile_filter"]
+           "check_call_options", "check_int", "check_metadata", "compile_filter", "require_text"]

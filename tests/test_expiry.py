@@ -79,3 +79,20 @@ def test_show_expired_finds_them_in_process_and_over_http(memory, loopback_front
         shown = httpx.post(url + "/search", json={**body, "show_expired": True}, headers=auth).json()["results"]
         assert [m["id"] for m in shown] == [gone]
         assert httpx.post(url + "/search", json={**body, "show_expired": 1}, headers=auth).status_code == 422
+
+
+def test_an_expiry_no_float_holds_is_refused_and_changes_nothing(tmp_path):
+    """``10**400`` is an int, but no float: the index keeps expiries as floats, so it would
+    break every search of the scope. It is refused on add and on a metadata update."""
+    from inferscale import Memory
+
+    with Memory(data_dir=tmp_path, dtype="float32", precompute_kv=False) as memory:
+        mid = memory.add("Ivy keeps a diary.", user_id="ivy", infer=False)["results"][0]["id"]
+        for bad in (10**400, -(10**400), float("nan"), float("inf")):
+            said = "a finite number" if isinstance(bad, int) else "NaN and Infinity have no JSON form"
+            with pytest.raises(ValueError, match=said):
+                memory.add("Ivy likes figs.", user_id="ivy", infer=False, metadata={"expires_at": bad})
+            with pytest.raises(ValueError, match=said):
+                memory.update_metadata(mid, {"expires_at": bad}, user_id="ivy")
+        assert [r["memory"] for r in memory.search("diary", user_id="ivy")["results"]] == ["Ivy keeps a diary."]
+        assert memory.count(user_id="ivy") == 1 and "expires_at" not in memory.get(mid, user_id="ivy")["metadata"]

@@ -61,3 +61,39 @@ def test_a_memory_is_refused_a_data_dir_another_process_serves(tmp_path):
     own.close()
     with Memory(data_dir=tmp_path, precompute_kv=False) as memory:  # the server is gone
         assert memory.count(user_id="ana") == 0
+
+
+def test_a_check_at_the_moment_a_server_starts_does_not_refuse_it(tmp_path):
+    """``check_free`` takes the lock for a moment: a server taking it then waits, not fails.
+    And a lock file holding bytes that are not UTF-8 still names its holder."""
+    import threading
+
+    stop = threading.Event()
+    checks = []
+
+    def check_in_a_loop():
+        while not stop.is_set():
+            try:
+                serve_lock.check_free(tmp_path)
+                checks.append(True)
+            except serve_lock.DataDirServed:
+                checks.append(False)
+
+    (tmp_path / serve_lock.LOCK_FILE).write_text("")
+    checker = threading.Thread(target=check_in_a_loop)
+    checker.start()
+    try:
+        for _ in range(200):
+            serve_lock.hold(tmp_path).close()  # each must get the lock
+    finally:
+        stop.set()
+        checker.join()
+    assert checks.count(True) > 0
+    held = serve_lock.hold(tmp_path)
+    held.seek(0)
+    held.truncate(0)
+    held.buffer.write(b"4242 \xff\xfe serve")
+    held.flush()
+    with pytest.raises(serve_lock.DataDirServed, match=r"\(pid 4242\)"):
+        serve_lock.check_free(tmp_path)
+    held.close()

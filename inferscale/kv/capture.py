@@ -31,6 +31,7 @@ fp8 cache with scales) gets no layout, and capture is off for it (one log line).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -276,10 +277,11 @@ class CacheLayout:
         return base + rest[self.k_index[offset]], base + rest[self.v_index[offset]]
 
 
+@functools.lru_cache(maxsize=8)  # one per cache shape: a model's layers share one or two
 def _block_offsets(shape: tuple[int, ...], block_dim: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """For a tensor of ``shape`` viewed as 1-D: the index of each element of block 0, in the
     block's own element order (the other dimensions, in order), and the distance between two
-    blocks (elements)."""
+    blocks (elements). Cached: every capture of the engine's life reads the same shapes."""
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]

@@ -464,13 +464,15 @@ class InferScaleConnector(KVConnectorBase_V1):
         for capture in meta.captures:
             positions = torch.cat([torch.arange(s.start, s.end) for s in capture.spans])
             index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # by cache shape: one per capture
+            pairs = []
             for _, layer in self._layers:
-                shape = tuple(layer.kv_cache.shape)
+                cache = layer.kv_cache
+                shape = tuple(cache.shape)
                 if shape not in index:
                     index[shape] = layout.gather_index(shape, capture.block_ids, positions)
-            caches = [layer.kv_cache for _, layer in self._layers]
-            keys = torch.stack([c.take(index[tuple(c.shape)][0]) for c in caches])  # [L, N, H, D], rotated
-            values = torch.stack([c.take(index[tuple(c.shape)][1]) for c in caches])
+                pairs.append((cache, index[shape]))
+            keys = torch.stack([cache.take(k) for cache, (k, _) in pairs])  # [L, N, H, D], rotated
+            values = torch.stack([cache.take(v) for cache, (_, v) in pairs])
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferscale-capture",
                                                   initializer=_yield_to_requests)

@@ -75,8 +75,7 @@ class _Partition:
         metadata's :data:`~inferscale.store.records.EXPIRES_AT` is a number ``<= at``.
         ``None`` when no row has an expiry (the common case costs nothing per search)."""
         if self.expiry is None:
-            ex = np.fromiter((v if isinstance(v, (int, float)) and not isinstance(v, bool) else np.inf
-                              for v in self.column(EXPIRES_AT)), dtype=np.float64, count=len(self.fields))
+            ex = np.fromiter((_expiry(v) for v in self.column(EXPIRES_AT)), dtype=np.float64, count=len(self.fields))
             self.expiry = ex if np.isfinite(ex).any() else False
         return None if self.expiry is False else self.expiry > at
 
@@ -458,3 +457,14 @@ class VectorIndex:
             return len(self._partition(scope).records)
         with self._lock:
             return sum(len(p.records) for p in self._parts.values())
+
+
+def _expiry(value) -> float:
+    """A row's expiry as a float (``inf``: none); a value no float holds (an int past its range,
+    stored before :func:`inferscale.arguments.check_metadata` refused it) counts as far future."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return np.inf
+    try:
+        return float(value)
+    except OverflowError:
+        return np.inf if value > 0 else -np.inf

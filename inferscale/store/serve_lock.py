@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 from typing import IO
 
@@ -29,13 +30,23 @@ class DataDirServed(RuntimeError):
         self.command = command
 
 
-def _take(f: IO, data_dir: Path) -> None:
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        pid, _, command = f.read().strip().partition(" ")
-        raise DataDirServed(data_dir, pid or "?", command or "inferscale serve") from None
+#: tries to take a busy lock before giving up, a pause apart (seconds): a :func:`check_free`
+#: holds it for a moment, which must not refuse a server starting then
+_TRIES, _PAUSE_S = 5, 0.02
+
+
+def _take(f: IO, data_dir: Path, tries: int = 1) -> None:
+    for attempt in range(tries):
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError:
+            if attempt + 1 < tries:
+                time.sleep(_PAUSE_S)
+    f.seek(0)
+    said = f.buffer.read().decode("utf-8", "replace").strip() if hasattr(f, "buffer") else f.read().strip()
+    pid, _, command = said.partition(" ")
+    raise DataDirServed(data_dir, pid or "?", command or "inferscale serve") from None
 
 
 def hold(data_dir: Path, command: str = "inferscale serve") -> IO:
@@ -51,7 +62,7 @@ def hold(data_dir: Path, command: str = "inferscale serve") -> IO:
     data_dir.mkdir(parents=True, exist_ok=True)
     f = open(data_dir / LOCK_FILE, "a+")
     try:
-        _take(f, data_dir)
+        _take(f, data_dir, _TRIES)
     except DataDirServed:
         f.close()
         raise

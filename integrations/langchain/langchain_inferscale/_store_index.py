@@ -13,12 +13,15 @@ way. Without ``embed`` the store ranks with InferScale's own hybrid search (docs
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from langgraph.store.base import PutOp
 from langgraph.store.base.embed import ensure_embeddings, get_text_at_path, tokenize_path
+
+logger = logging.getLogger(__name__)
 
 #: the metadata field that holds an item's vectors: ``{"dims": d, "f32": base64 of [m, d] float32}``
 VECTORS = "lg_vectors"
@@ -61,9 +64,13 @@ class StoreIndex:
             fields = [fields]
         if not isinstance(fields, list) or not all(isinstance(f, str) and f for f in fields):
             raise TypeError(f"index['fields'] must be a list of field paths such as ['text', 'tags[*]'], got {fields!r}")
-        if config.get("embed") is None:
+        embed = config.get("embed")
+        if embed is None:
             raise ValueError("index['embed'] is required: an Embeddings object, a function of a list of texts, "
                              "or a 'provider:model' string")
+        if not (isinstance(embed, str) or callable(embed) or hasattr(embed, "embed_documents")):
+            raise TypeError(f"index['embed'] must be an Embeddings object, a function of a list of texts, or a "
+                            f"'provider:model' string, got {type(embed).__name__} {embed!r:.40}")
         self.dims = dims
         self.fields = list(fields)
         self.embeddings = ensure_embeddings(config["embed"])
@@ -73,7 +80,7 @@ class StoreIndex:
         none for a delete or a put with ``index=False``."""
         if op.value is None or op.index is False:
             return []
-        paths = op.index if op.index else self.fields
+        paths = self.fields if op.index is None else op.index  # [] embeds nothing, as InMemoryStore
         return [t for path in paths for t in get_text_at_path(op.value, path if path == "$" else tokenize_path(path))]
 
     def vectors(self, puts: Sequence[PutOp]) -> list[dict | None]:
@@ -100,7 +107,7 @@ class StoreIndex:
         the query's vector with one of its own, max pooling; ties keep ``memories``' order),
         and those without (never ranked: put with ``index=False``, or none of the paths had
         text), in ``memories``' order."""
-        scored, scoreless = [], []
+        scored, scoreless, other = [], [], []
         q = self._matrix([self.embeddings.embed_query(query)], 1, "the query")[0]
         q = q / (np.linalg.norm(q) or 1.0)
         for memory in memories:
@@ -108,20 +115,42 @@ class StoreIndex:
             if not stored:
                 scoreless.append(memory)
                 continue
-            block = np.frombuffer(base64.b64decode(stored["f32"]), dtype=np.float32).reshape(-1, stored["dims"])
-            if block.shape[1] != q.shape[0]:
-                raise ValueError(f"an item was embedded with {block.shape[1]} dims and the query with {q.shape[0]}: "
-                                 f"re-put the store's items after changing index['embed']")
+            if stored.get("dims") != self.dims:  # put by a store with another embedder: not comparable
+                scoreless.append(memory)
+                other.append(memory)
+                continue
+            block = np.frombuffer(base64.b64decode(stored["f32"]), dtype=np.float32).reshape(-1, self.dims)
             norms = np.linalg.norm(block, axis=1)
             cosines = block @ q / np.where(norms > 0, norms, 1.0)
             scored.append({**memory, "score": float(cosines.max())})
         scored.sort(key=lambda m: -m["score"])  # stable: ties keep the listing's order
+        if other:
+            first = other[0]["metadata"].get("langgraph", {})
+            logger.warning("%d items under this search were embedded with %s dims, not index['dims'] = %d (e.g. "
+                           "%s/%s): they are listed unscored; put them again through this store to rank them",
+                           len(other), other[0]["metadata"][VECTORS].get("dims"), self.dims,
+                           "/".join(first.get("namespace", [])), first.get("key"))
         return scored, scoreless
 
     def _matrix(self, vectors: Any, count: int, what: str) -> np.ndarray:
-        matrix = np.asarray(vectors, dtype=np.float32).reshape(len(vectors), -1) if len(vectors) else \
-            np.zeros((0, self.dims), dtype=np.float32)
+        """``vectors`` as a ``[count, dims]`` float32 matrix of finite numbers.
+
+        Raises:
+            ValueError: anything else (not a list of equal-length number lists, another
+                count or size, NaN or infinity, a value float32 cannot hold).
+        """
+        expected = f"expected {count} lists of index['dims'] = {self.dims} numbers"
+        try:
+            with np.errstate(over="ignore"):
+                matrix = np.asarray(list(vectors), dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the embedder gave {type(vectors).__name__} {vectors!r:.60} for {what}: {expected} "
+                             f"({exc})") from None
+        if count == 0 and matrix.size == 0:
+            return np.zeros((0, self.dims), dtype=np.float32)
         if matrix.shape != (count, self.dims):
-            raise ValueError(f"the embedder gave {matrix.shape[0]} vectors of {matrix.shape[1]} dims for {what}, "
-                             f"expected {count} of index['dims'] = {self.dims}")
+            raise ValueError(f"the embedder gave vectors of shape {tuple(matrix.shape)} for {what}: {expected}")
+        if not np.isfinite(matrix).all():
+            raise ValueError(f"the embedder gave a vector with NaN or infinite values (or beyond float32's range) "
+                             f"for {what}: nothing was written; check the embedder")
         return matrix

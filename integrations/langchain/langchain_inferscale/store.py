@@ -64,7 +64,7 @@ from langgraph.store.base import validate_op_namespace
 from langgraph.store.base.embed import get_text_at_path, tokenize_path
 
 from inferscale import Memory, MemoryNotFoundError
-from inferscale.integration import Scope
+from inferscale.integration import Scope, check_metadata, require_text
 from langchain_inferscale._store_index import VECTORS, StoreIndex
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ _OPS = {"$eq": "eq", "$ne": "ne", "$gt": "gt", "$gte": "gte", "$lt": "lt", "$lte
 _ANY_QUERY = "item"  # a search needs a query; with filters only, every matching memory is returned
 #: the keys of LangGraph's ``TTLConfig``
 TTL_KEYS = ("default_ttl", "refresh_on_read", "sweep_interval_minutes")
+#: the longest TTL (minutes, about 1.9 million years): its expiry must stay a finite JSON number
+MAX_TTL_MINUTES = 1e12
 #: minutes between sweeps when neither ``start_ttl_sweeper`` nor ``ttl=`` says (SqliteStore's default)
 DEFAULT_SWEEP_MINUTES = 5.0
 
@@ -237,6 +239,9 @@ class InferScaleStore(BaseStore):
         texts = {address: self.text_of(op.value, op.index or fields) for address, op in puts.items()
                  if op.value is not None}
         vectors = dict(zip(puts, self.index.vectors(list(puts.values())))) if self.index is not None else {}
+        # every put's memory is built and checked before any is written: a batch is refused whole
+        prepared = {address: self._prepare(op, texts[address], vectors.get(address)) for address, op in puts.items()
+                    if op.value is not None}
         refreshed: dict[tuple, dict] = {}  # address -> the memory read, for the reads that refresh its expiry
         # one key's writes, from any thread of this process, run one at a time: each looks the
         # item up and writes it before the next looks (two puts of a key leave one item)
@@ -263,7 +268,7 @@ class InferScaleStore(BaseStore):
                 else:
                     results.append(None)
             for address, op in puts.items():
-                self._write(op, found.get(address), texts.get(address), vectors.get(address))
+                self._write(op, found.get(address), texts.get(address), prepared.get(address))
         self._refresh({a: m for a, m in refreshed.items() if a not in puts and "lg_ttl_minutes" in m["metadata"]})
         return results
 
@@ -280,8 +285,10 @@ class InferScaleStore(BaseStore):
                 raise TypeError(f"the value of {op.namespace}/{op.key} must be a dict, got {type(op.value).__name__}")
             if op.ttl is not None:
                 _minutes(f"the ttl of {op.namespace}/{op.key}", op.ttl)
-            if op.index is not False and op.index is not None and not isinstance(op.index, list):
-                raise TypeError(f"index must be False or a list of field paths, got {op.index!r}")
+            if op.index is not False and op.index is not None and (
+                    not isinstance(op.index, list) or not all(isinstance(p, str) and p for p in op.index)):
+                raise TypeError(f"index must be False or a list of field paths such as ['text', 'tags[*]'], got "
+                                f"{op.index!r}")
             self._check_scope(op.namespace)
         if isinstance(op, SearchOp):
             if op.limit < 0 or op.offset < 0 or op.offset + op.limit > MAX_RESULTS:
@@ -381,17 +388,33 @@ class InferScaleStore(BaseStore):
 
     # ------------------------------------------------------------------ writes
 
-    def _write(self, op: PutOp, stored: dict | None, text: str | None, vectors: dict | None = None) -> None:
+    def _prepare(self, op: PutOp, text: str, vectors: dict | None) -> dict:
+        """The metadata of a put's memory, its text and metadata checked as ``add`` checks them.
+
+        Raises:
+            TypeError / ValueError: what ``add`` would refuse (a text over ``max_fact_tokens``,
+                not valid Unicode; a value JSON cannot hold, NaN or infinite), naming the item.
+        """
+        what = f"the text of {'/'.join(op.namespace)}/{op.key}"
+        try:
+            metadata = _metadata(op.namespace, op.key, op.value, op.index is not False)
+            if vectors is not None:
+                metadata[VECTORS] = vectors
+            if op.ttl is not None:
+                metadata.update(lg_ttl_minutes=float(op.ttl), expires_at=now() + op.ttl * 60)
+            self.backend.check(text, what)
+            check_metadata(metadata)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{'/'.join(op.namespace)}/{op.key}: {exc} (nothing of this batch was written)") from None
+        return metadata
+
+    def _write(self, op: PutOp, stored: dict | None, text: str | None, metadata: dict | None) -> None:
         scope = self.scope_of(op.namespace)
         if op.value is None:
             if stored is not None:
                 self.backend.delete(stored["id"], scope)
             return
-        metadata = _metadata(op.namespace, op.key, op.value, op.index is not False)
-        if vectors is not None:
-            metadata[VECTORS] = vectors
-        if op.ttl is not None:
-            metadata.update(lg_ttl_minutes=float(op.ttl), expires_at=now() + op.ttl * 60)
+        assert metadata is not None
         if stored is not None and _expired(stored, now()):  # expired, not yet swept: a new item replaces it
             self.backend.delete(stored["id"], scope)
             stored = None
@@ -569,6 +592,10 @@ class _Local:
     def update_metadata(self, memory_id: str, fields: dict, scope: dict) -> None:
         self.memory.update_metadata(memory_id, fields, **scope)
 
+    def check(self, text: str, what: str) -> None:
+        """What ``add`` refuses in a text, its length in this memory's tokens included."""
+        self.memory.check_fact_length(text, what)
+
     def search(self, query: str, scope: dict, filters: dict | None, limit: int) -> list[dict]:
         return self.memory.search(query, limit=limit, filters=filters, **scope)["results"]
 
@@ -629,6 +656,11 @@ class _Http:
     def update_metadata(self, memory_id: str, fields: dict, scope: dict) -> None:
         """``PUT /memories/{id}`` without ``text``: a metadata-only update."""
         self._call("PUT", f"/memories/{memory_id}", params=scope, json={"metadata": fields})
+
+    def check(self, text: str, what: str) -> None:
+        """What ``add`` refuses in a text that can be told here (not valid Unicode, empty); the
+        server counts its tokens (a text over its ``max_fact_tokens`` fails at its own write)."""
+        require_text(text, what)
 
     def search(self, query: str, scope: dict, filters: dict | None, limit: int,
                show_expired: bool = False) -> list[dict]:
@@ -691,9 +723,9 @@ def _minutes(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of minutes, such as 30 or 0.5, got {type(value).__name__} "
                         f"{value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of minutes, got {value!r} (put ttl=None for an item "
-                         "that never expires)")
+    if not math.isfinite(value) or value <= 0 or value > MAX_TTL_MINUTES:
+        raise ValueError(f"{name} must be a positive number of minutes, at most {MAX_TTL_MINUTES:.0e}, got {value!r} "
+                         "(put ttl=None for an item that never expires)")
     return float(value)
 
 

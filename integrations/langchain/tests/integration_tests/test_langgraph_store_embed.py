@@ -116,7 +116,48 @@ def test_a_bad_config_or_embedder_is_refused_and_writes_nothing(make_store, memo
             make_store(index=config)
         assert words in str(caught.value), str(caught.value)
     store = make_store(index={"dims": 384, "embed": MemoryEmbeddings(memory, dims=100), "fields": ["body"]})
-    with pytest.raises(ValueError, match="vectors of 100 dims .* expected 1 of index\\['dims'\\] = 384"):
+    with pytest.raises(ValueError, match=r"shape \(1, 100\) for the item texts: expected 1 lists of index\['dims'\] = 384"):
         store.put(("users", "cid", "notes"), "a", {"body": "Cid plays chess."})
+    for embed, words in [(lambda texts: [[float("nan")] * 384 for _ in texts], "NaN or infinite"),
+                         (lambda texts: [[1e39] + [0.0] * 383 for _ in texts], "beyond float32's range"),
+                         (lambda texts: None, "expected 1 lists"),
+                         (lambda texts: [[0.1] * 384, [0.2] * 10], "expected 1 lists")]:
+        with pytest.raises(ValueError, match=words):
+            make_store(index={"dims": 384, "embed": embed}).put(("users", "cid", "notes"), "a", {"body": "Cid."})
+    with pytest.raises(TypeError, match="index\\['embed'\\] must be an Embeddings object"):
+        make_store(index={"dims": 384, "embed": 42})
+    with pytest.raises(TypeError, match="list of field paths"):
+        store.put(("users", "cid", "notes"), "a", {"body": "Cid plays chess."}, index=[1])
     assert memory.get_all(user_id="cid")["results"] == []
     assert store.search(("users", "cid")) == []
+
+
+def test_a_batch_with_one_bad_put_writes_none_of_it(make_store, memory):
+    """Each put's memory is built and checked before any is written: a value JSON cannot hold
+    (NaN), or (in-process) a text over ``max_fact_tokens``, refuses the batch whole."""
+    from langgraph.store.base import PutOp
+
+    store = make_store(index={"dims": 384, "embed": MemoryEmbeddings(memory), "fields": ["text"]})
+    store.put(("users", "dee", "notes"), "old", {"text": "Dee rows."})
+    bad = [{"text": "fine", "x": float("nan")}]
+    if store.backend.__class__.__name__ == "_Local":
+        bad.append({"text": "word " * 100_000})
+    for value in bad:
+        with pytest.raises(ValueError, match="users/dee/notes/zz: .*nothing of this batch was written"):
+            store.batch([PutOp(("users", "dee", "notes"), "old", {"text": "Dee rows daily."}),
+                         PutOp(("users", "dee", "notes"), "new", {"text": "Dee swims."}),
+                         PutOp(("users", "dee", "notes"), "zz", value)])
+        assert {i.key: i.value["text"] for i in store.search(("users", "dee"))} == {"old": "Dee rows."}
+
+
+def test_an_empty_index_list_and_another_embedders_items_are_listed_unscored(make_store, memory):
+    """``index=[]`` embeds nothing (``InMemoryStore``'s way); items another store embedded with
+    another size are listed after the ranked ones, unscored, instead of failing the search."""
+    small = make_store(index={"dims": 100, "embed": MemoryEmbeddings(memory, dims=100), "fields": ["text"]})
+    small.put(("users", "eve", "notes"), "small", {"text": "Eve grows tomatoes."})
+    store = make_store(index={"dims": 384, "embed": MemoryEmbeddings(memory), "fields": ["text"]})
+    store.put(("users", "eve", "notes"), "big", {"text": "Eve grows basil."})
+    store.put(("users", "eve", "notes"), "none", {"text": "Eve grows mint."}, index=[])
+    got = ranked(store.search(("users", "eve"), query="tomatoes"))
+    assert got[0][0] == "big" and got[0][1] is not None
+    assert sorted(got[1:]) == [("none", None), ("small", None)]
