@@ -44,7 +44,7 @@ def _take(f: IO, data_dir: Path, tries: int = 1) -> None:
             if attempt + 1 < tries:
                 time.sleep(_PAUSE_S)
     f.seek(0)
-    said = f.buffer.read().decode("utf-8", "replace").strip() if hasattr(f, "buffer") else f.read().strip()
+    said = f.buffer.read().decode("utf-8", "replace").strip()  # whatever bytes it holds
     pid, _, command = said.partition(" ")
     raise DataDirServed(data_dir, pid or "?", command or "inferscale serve") from None
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 from langgraph.store.base import PutOp
-from langgraph.store.base.embed import ensure_embeddings, get_text_at_path, tokenize_path
+from langgraph.store.base.embed import ensure_embeddings, get_text_at_path
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class StoreIndex:
         if op.value is None or op.index is False:
             return []
         paths = self.fields if op.index is None else op.index  # [] embeds nothing, as InMemoryStore
-        return [t for path in paths for t in get_text_at_path(op.value, path if path == "$" else tokenize_path(path))]
+        return [t for path in paths for t in get_text_at_path(op.value, path)]  # "$": the value as JSON
 
     def vectors(self, puts: Sequence[PutOp]) -> list[dict | None]:
         """Each put's vectors as metadata (:data:`VECTORS`'s value), ``None`` for a put with

@@ -61,7 +61,7 @@ from langgraph.store.base import (
     TTLConfig,
 )
 from langgraph.store.base import validate_op_namespace
-from langgraph.store.base.embed import get_text_at_path, tokenize_path
+from langgraph.store.base.embed import get_text_at_path
 
 from inferscale import Memory, MemoryNotFoundError
 from inferscale.integration import Scope, check_metadata, require_text
@@ -209,8 +209,7 @@ class InferScaleStore(BaseStore):
         """The memory text of a value: the strings at the ``index`` paths, joined by spaces,
         when given and present; else the first string of ``text_fields``; else compact JSON."""
         if index:
-            texts = [t for path in index for t in get_text_at_path(value, path if path == "$" else tokenize_path(path))
-                     if t.strip()]
+            texts = [t for path in index for t in get_text_at_path(value, path) if t.strip()]
             if texts:
                 return " ".join(texts)
         for name in self.text_fields:
