@@ -57,7 +57,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from inferscale.runtime.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.runtime.devices import best_device
 from inferscale.kv.capture import CAPTURE_FIELD, CacheLayout, CaptureRequest, CaptureSpan, LayoutError, plan_captures
-from inferscale.kv.entry import FactKV, to_storage
+from inferscale.kv.capture_writer import CaptureWriter, store_capture
 from inferscale.kv.injection import (
     PARAMS_KEY,
     InjectionPlan,
@@ -242,7 +242,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._layers: list[tuple[int, Any]] = []
         self._layout: CacheLayout | bool | None = None
         self._num_blocks = getattr(kv_cache_config, "num_blocks", 0)
-        self._writer: ThreadPoolExecutor | None = None
+        self._writer: ThreadPoolExecutor | None = None  # the hand-off thread
+        self._process: CaptureWriter | bool | None = None  # the writer process (False: none can start)
         self._gate = StepGate()  # the writer stores captures between the worker's steps
         self._stats_lock = threading.Lock()
 
@@ -473,12 +474,20 @@ class InferScaleConnector(KVConnectorBase_V1):
                 pairs.append((cache, index[shape]))
             keys = torch.stack([cache.take(k) for cache, (k, _) in pairs])  # [L, N, H, D], rotated
             values = torch.stack([cache.take(v) for cache, (_, v) in pairs])
-            if self._writer is None:
-                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferscale-capture",
-                                                  initializer=_yield_to_requests)
-            self._writer.submit(self._store_captures, capture, keys, values, positions)
+            self._hand_off().submit(self._store_captures, capture, keys, values, positions)
         with self._stats_lock:
             self._stats.data["capture_read_s"] += time.perf_counter() - t0
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The worker's caches exist: start the capture writer process now, off any request's path."""
+        self._hand_off().submit(self._writer_process)
+
+    def _hand_off(self) -> ThreadPoolExecutor:
+        """The thread that unrotates captures and hands them to the writer process (started on first use)."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferscale-capture",
+                                              initializer=_yield_to_requests)
+        return self._writer
 
     def _cache_layout(self) -> CacheLayout | None:
         """The paged cache's layout, learned once from the first layer's writer (``None``:
@@ -503,40 +512,56 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def _store_captures(self, capture: CaptureSpec, keys: torch.Tensor, values: torch.Tensor,
                         positions: torch.Tensor) -> None:
-        """The writer thread: keys back to pre-RoPE, the storage dtype, the pool (errors counted, never raised)."""
+        """The hand-off thread: keys back to pre-RoPE, then to the writer process between steps
+        (:mod:`inferscale.kv.capture_writer`; this thread stores them where no process starts)."""
         assert self._rotator is not None
-        stored = tokens = errors = 0
+        spans = [(span.key, span.token_ids) for span in capture.spans]
         try:
             self._gate.wait_quiet(MAX_CAPTURE_DEFER_S)
             keys = self._rotator.unrotate(keys, positions.to(keys.device))
-            if capture.disk_budget_bytes != self._pool.disk_budget_bytes:
-                self._pool.set_disk_budget(capture.disk_budget_bytes)
-            offset = 0
-            for span in capture.spans:
-                n = len(span.token_ids)
-                kv = FactKV(keys[:, offset:offset + n].contiguous(), values[:, offset:offset + n].contiguous(),
-                            span.token_ids)
-                offset += n
+            process = self._writer_process()
+            if process is not None:
                 try:
-                    self._gate.wait_quiet(MAX_CAPTURE_DEFER_S)  # between spans too: a step may have begun
-                    self._pool.put(span.key, to_storage(kv, capture.storage))
-                    stored, tokens = stored + 1, tokens + n
-                except Exception as exc:  # a full disk, an unwritable folder: the memory stays text
-                    errors += 1
-                    logger.warning("request %s: captured KV %s not stored: %s", capture.req_id, span.key, exc)
+                    process.send(capture.req_id, keys, values, spans, capture.storage, capture.disk_budget_bytes)
+                    return
+                except OSError as exc:  # the writer process died: this thread stores from now on
+                    logger.warning("the capture writer process stopped (%s); captures are stored in vLLM's process",
+                                   exc)
+                    self._process = False
+            outcome = store_capture(self._pool, capture.req_id, keys, values, spans, capture.storage,
+                                    capture.disk_budget_bytes)
         except Exception:  # never let a capture take the engine down
-            errors += len(capture.spans) - stored
             logger.exception("request %s: capturing KV failed", capture.req_id)
+            outcome = (0, 0, len(spans))
+        self._count_outcome(outcome)
+
+    def _writer_process(self) -> CaptureWriter | None:
+        """The writer process, started on first use (``None``: it could not start; said once)."""
+        if self._process is None:
+            try:
+                self._process = CaptureWriter(str(self._pool.root), self._pool.redis_url, self._count_outcome)
+            except OSError as exc:
+                logger.warning("the capture writer process cannot start (%s); captures are stored in vLLM's process",
+                               exc)
+                self._process = False
+        return self._process or None
+
+    def _count_outcome(self, outcome: tuple[int, int, int]) -> None:
+        stored, tokens, errors = outcome
         with self._stats_lock:
             self._stats.data["captures"] += stored
             self._stats.data["captured_tokens"] += tokens
             self._stats.data["capture_errors"] += errors
 
     def shutdown(self) -> None:
-        """Store the queued captures, then stop the writer thread."""
+        """Hand over the queued captures, stop the hand-off thread, then let the writer process
+        store what it was sent and exit."""
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
+        if self._process:
+            self._process.close()
+            self._process = None
 
 
 def _yield_to_requests() -> None:

@@ -417,11 +417,14 @@ class InferScaleStore(BaseStore):
         if stored is not None and _expired(stored, now()):  # expired, not yet swept: a new item replaces it
             self.backend.delete(stored["id"], scope)
             stored = None
+        if stored is None:
+            self._register(scope)
+        if "lg_ttl_minutes" in metadata:  # the expiry counts from the write, as SqliteStore's does, not from
+            metadata["expires_at"] = now() + metadata["lg_ttl_minutes"] * 60  # the batch's checks and lookups
         if stored is not None:
             self.backend.update(stored["id"], text, metadata, scope)
-            return
-        self._register(scope)
-        self.backend.add(text, scope, metadata)
+        else:
+            self.backend.add(text, scope, metadata)
 
     def _register(self, scope: dict) -> None:
         key = _scope_key(scope)
