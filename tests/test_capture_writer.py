@@ -1,6 +1,7 @@
 """The capture writer process (:mod:`inferscale.kv.capture_writer`): what the connector hands
-it is stored in the pool as the connector's own thread would store it, a bad span is
-counted and the rest kept, and it exits quietly when its input closes."""
+it is stored in the pool as the connector's own thread would store it, keys sent rotated
+come out pre-RoPE as the connector's own rotator unrotates them, a bad span is counted and
+the rest kept, and it exits quietly when its input closes."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import threading
 import pytest
 import torch
 
-from inferscale.kv.capture_writer import CaptureWriter, store_capture
+from inferscale.kv.capture_writer import CaptureWriter, portable_rope_config, store_capture
 from inferscale.kv.pool import KVPool, kv_key
+from inferscale.kv.rope import RopeRotator
 
 SHAPE = (3, 7, 2, 64)  # [layers, tokens, kv heads, head dim]
 
@@ -42,7 +44,7 @@ def test_the_writer_process_stores_each_span_as_the_thread_would(tmp_path, dtype
     keys, values = torch.randn(SHAPE).to(dtype), torch.randn(SHAPE).to(dtype)
     spans = [(key("fact-a"), (11, 12, 13)), (key("fact-b"), (21, 22, 23, 24))]
     outcomes = Outcomes()
-    writer = CaptureWriter(str(tmp_path / "process"), None, outcomes)
+    writer = CaptureWriter(str(tmp_path / "process"), None, None, outcomes)
     writer.send("req-1", keys, values, spans, storage, None)
     assert outcomes.wait(1) == [(2, 7, 0)]
     writer.close(timeout=60)
@@ -65,7 +67,7 @@ def test_the_writer_process_stores_each_span_as_the_thread_would(tmp_path, dtype
 def test_a_span_that_cannot_be_stored_is_counted_and_the_rest_kept(tmp_path):
     keys, values = torch.randn(SHAPE), torch.randn(SHAPE)
     outcomes = Outcomes()
-    writer = CaptureWriter(str(tmp_path), None, outcomes)
+    writer = CaptureWriter(str(tmp_path), None, None, outcomes)
     # the second span names more tokens than the KV has left: the pool refuses that span only
     writer.send("req-2", keys, values, [(key("fact-c"), (1, 2, 3)), (key("fact-d"), (4, 5, 6, 7, 8))], "auto", None)
     writer.send("req-3", keys, values, [(key("fact-e"), (1, 2)), (key("fact-f"), (3, 4, 5, 6, 7))], "int9", None)
@@ -78,7 +80,7 @@ def test_a_span_that_cannot_be_stored_is_counted_and_the_rest_kept(tmp_path):
 
 def test_closing_stores_what_was_sent_and_the_writer_exits_quietly(tmp_path, capfd):
     outcomes = Outcomes()
-    writer = CaptureWriter(str(tmp_path), None, outcomes)
+    writer = CaptureWriter(str(tmp_path), None, None, outcomes)
     sent = [key(f"fact-{i}") for i in range(5)]
     for i, k in enumerate(sent):
         writer.send(f"req-{i}", torch.randn(SHAPE), torch.randn(SHAPE), [(k, tuple(range(7)))], "auto", None)
@@ -91,7 +93,7 @@ def test_closing_stores_what_was_sent_and_the_writer_exits_quietly(tmp_path, cap
 
 
 def test_a_writer_that_died_is_an_os_error_to_the_sender(tmp_path):
-    writer = CaptureWriter(str(tmp_path), None, Outcomes())
+    writer = CaptureWriter(str(tmp_path), None, None, Outcomes())
     writer._proc.kill()
     writer._proc.wait()
     with pytest.raises(OSError):
@@ -99,3 +101,70 @@ def test_a_writer_that_died_is_an_os_error_to_the_sender(tmp_path):
             writer.send("req", torch.randn(SHAPE), torch.randn(SHAPE), [(key("fact-x"), tuple(range(7)))],
                         "auto", None)
     writer.close(timeout=10)
+
+
+def test_the_backlog_counts_captures_sent_and_not_yet_stored(tmp_path):
+    """What the connector reads to drop captures rather than pile them up while the writer
+    gets no CPU (here: stopped outright)."""
+    import os
+    import signal
+
+    outcomes = Outcomes()
+    writer = CaptureWriter(str(tmp_path), None, None, outcomes)
+    os.kill(writer._proc.pid, signal.SIGSTOP)
+    try:
+        for i in range(3):
+            writer.send(f"req-{i}", torch.randn(SHAPE), torch.randn(SHAPE), [(key(f"fact-{i}"), tuple(range(7)))],
+                        "auto", None)
+        assert writer.backlog == 3 and outcomes.got == []
+        assert len(list(writer._spool.iterdir())) == 3  # each capture's KV waits in the spool
+    finally:
+        os.kill(writer._proc.pid, signal.SIGCONT)
+    assert outcomes.wait(3) == [(1, 7, 0)] * 3
+    assert writer.backlog == 0 and list(writer._spool.iterdir()) == []  # read and removed
+    writer.close(timeout=60)
+    assert not writer._spool.exists()
+
+
+def test_keys_sent_rotated_are_stored_pre_rope_as_the_engines_rotator_unrotates_them(tmp_path):
+    """The writer rebuilds SmolLM2's rotary embedding from its config sent as JSON; the keys
+    it stores are exactly those the engine's own rotator gives back."""
+    from transformers import AutoConfig
+
+    from inferscale.models.resolve import resolve_llm
+
+    config = AutoConfig.from_pretrained(str(resolve_llm()))
+    rotator = RopeRotator(config)
+    rope = portable_rope_config(config, rotator)
+    assert rope is not None
+    layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    pre = torch.randn(layers, 9, heads, dim).to(torch.bfloat16)
+    positions = torch.arange(412, 421)
+    rotated = rotator.rotate(pre, positions).to(torch.bfloat16)  # as the paged cache holds them
+    outcomes = Outcomes()
+    writer = CaptureWriter(str(tmp_path), None, rope, outcomes)
+    values = torch.randn(layers, 9, heads, dim).to(torch.bfloat16)
+    writer.send("req", rotated, values, [(key("fact-r"), tuple(range(9)))], "auto", None, positions)
+    assert outcomes.wait(1) == [(1, 9, 0)]
+    writer.close(timeout=60)
+    stored = KVPool(tmp_path, "cpu", 0).get(key("fact-r"))
+    assert torch.equal(stored.keys, rotator.unrotate(rotated, positions))
+    assert torch.equal(stored.values, values)
+    torch.testing.assert_close(stored.keys.float(), pre.float(), atol=0.05, rtol=0.02)  # bf16's round trip
+
+
+def test_a_config_that_does_not_survive_json_keeps_the_inverse_rope_with_the_sender(tmp_path):
+    from transformers import AutoConfig
+
+    from inferscale.models.resolve import resolve_llm
+
+    config = AutoConfig.from_pretrained(str(resolve_llm()))
+    rotator = RopeRotator(config)
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": config.rope_parameters["rope_theta"] * 2}
+    # its JSON now gives other angles than the rotator's
+    assert portable_rope_config(config, rotator) is None
+    writer = CaptureWriter(str(tmp_path), None, None, Outcomes())
+    with pytest.raises(ValueError, match="pre-RoPE"):
+        writer.send("req", torch.randn(SHAPE), torch.randn(SHAPE), [(key("fact-s"), tuple(range(7)))], "auto",
+                    None, torch.arange(7))
+    writer.close(timeout=60)

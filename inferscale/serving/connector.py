@@ -30,9 +30,10 @@ Capture on a miss (:mod:`inferscale.kv.capture`): a request may also name the me
 it carries as text. The scheduler side tracks the request's blocks until those lines are
 computed and sends them to the worker, which, after that step's forward pass
 (``wait_for_save``), reads their K and V back out of the paged cache, hands them to one
-writer thread, and returns: the writer inverse-rotates the keys to pre-RoPE, converts to
-the storage dtype and stores them in the pool, so the next request injects them. Nothing
-a request waits for: a capture that fails is logged and counted, never raised.
+thread, and returns: between steps the thread inverse-rotates the keys to pre-RoPE and
+pipes them to the capture writer process (:mod:`inferscale.kv.capture_writer`), which
+converts to the storage dtype and stores them in the pool, so the next request injects
+them. Nothing a request waits for: a capture that fails is logged and counted, never raised.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from inferscale.runtime.sizes import DEFAULT_DEVICE_KV_BUDGET_BYTES
 from inferscale.runtime.devices import best_device
 from inferscale.kv.capture import CAPTURE_FIELD, CacheLayout, CaptureRequest, CaptureSpan, LayoutError, plan_captures
-from inferscale.kv.capture_writer import CaptureWriter, store_capture
+from inferscale.kv.capture_writer import CaptureWriter, portable_rope_config, store_capture
 from inferscale.kv.injection import (
     PARAMS_KEY,
     InjectionPlan,
@@ -85,6 +86,10 @@ logger = logging.getLogger(__name__)
 #: the longest a capture waits for a pause between the worker's steps before it is stored
 #: anyway (seconds): a busy engine still gets its captures, whose copies wait in memory meanwhile
 MAX_CAPTURE_DEFER_S = 1.0
+#: captures the writer process may have waiting before new ones are dropped (each holds its
+#: KV in the spool: 64 of SmolLM2's 100-token captures are about 150 MB; a memory dropped
+#: stays a miss, and a later request captures it)
+MAX_CAPTURE_BACKLOG = 64
 
 
 @dataclass
@@ -142,6 +147,7 @@ STAT_DOCS = {
     "captured_tokens": "tokens of those lines (worker)",
     "capture_read_s": "seconds reading captured KV out of the paged cache, on the request's step (worker)",
     "capture_errors": "captures that could not be stored (a full disk, an unreadable cache layout) (worker)",
+    "capture_dropped": "memory lines not captured because the writer process was too far behind (worker)",
     "capture_skipped": "memory lines named for capture whose tokens are not the prompt's there (scheduler)",
 }
 STAT_FIELDS = tuple(STAT_DOCS)
@@ -234,7 +240,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._tokens: dict[str, tuple[int, ...]] = {}
         self._stats = InjectionStats()
         # worker side
-        self._rotator = RopeRotator(vllm_config.model_config.hf_config) if role == KVConnectorRole.WORKER else None
+        self._hf_config = vllm_config.model_config.hf_config
+        self._rotator = RopeRotator(self._hf_config) if role == KVConnectorRole.WORKER else None
         self._failed_blocks: set[int] = set()
         # capture on a miss: scheduler-side state per request; worker-side layers, the
         # learned cache layout (None: not learned yet; False: this cache cannot be read)
@@ -512,17 +519,24 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def _store_captures(self, capture: CaptureSpec, keys: torch.Tensor, values: torch.Tensor,
                         positions: torch.Tensor) -> None:
-        """The hand-off thread: keys back to pre-RoPE, then to the writer process between steps
-        (:mod:`inferscale.kv.capture_writer`; this thread stores them where no process starts)."""
+        """The hand-off thread: between steps, to the writer process, which inverse-rotates the
+        keys and stores them (:mod:`inferscale.kv.capture_writer`; this thread unrotates them
+        where the model's config cannot travel, and stores them where no process starts)."""
         assert self._rotator is not None
         spans = [(span.key, span.token_ids) for span in capture.spans]
         try:
             self._gate.wait_quiet(MAX_CAPTURE_DEFER_S)
-            keys = self._rotator.unrotate(keys, positions.to(keys.device))
             process = self._writer_process()
+            if process is not None and process.backlog >= MAX_CAPTURE_BACKLOG:
+                # the engine has kept the CPUs busy for long: drop rather than pile copies up in memory
+                self._count_outcome((0, 0, 0), dropped=len(spans))
+                return
+            if process is None or not process.unrotates:  # its inverse RoPE, in this process after all
+                keys = self._rotator.unrotate(keys, positions.to(keys.device))
             if process is not None:
                 try:
-                    process.send(capture.req_id, keys, values, spans, capture.storage, capture.disk_budget_bytes)
+                    process.send(capture.req_id, keys, values, spans, capture.storage, capture.disk_budget_bytes,
+                                 positions if process.unrotates else None)
                     return
                 except OSError as exc:  # the writer process died: this thread stores from now on
                     logger.warning("the capture writer process stopped (%s); captures are stored in vLLM's process",
@@ -539,19 +553,22 @@ class InferScaleConnector(KVConnectorBase_V1):
         """The writer process, started on first use (``None``: it could not start; said once)."""
         if self._process is None:
             try:
-                self._process = CaptureWriter(str(self._pool.root), self._pool.redis_url, self._count_outcome)
+                assert self._rotator is not None
+                rope = portable_rope_config(self._hf_config, self._rotator)
+                self._process = CaptureWriter(str(self._pool.root), self._pool.redis_url, rope, self._count_outcome)
             except OSError as exc:
                 logger.warning("the capture writer process cannot start (%s); captures are stored in vLLM's process",
                                exc)
                 self._process = False
         return self._process or None
 
-    def _count_outcome(self, outcome: tuple[int, int, int]) -> None:
+    def _count_outcome(self, outcome: tuple[int, int, int], dropped: int = 0) -> None:
         stored, tokens, errors = outcome
         with self._stats_lock:
             self._stats.data["captures"] += stored
             self._stats.data["captured_tokens"] += tokens
             self._stats.data["capture_errors"] += errors
+            self._stats.data["capture_dropped"] += dropped
 
     def shutdown(self) -> None:
         """Hand over the queued captures, stop the hand-off thread, then let the writer process
@@ -565,10 +582,11 @@ class InferScaleConnector(KVConnectorBase_V1):
 
 
 def _yield_to_requests() -> None:
-    """The capture writer thread's setup, to keep storing KV out of the requests' way: its
-    torch work runs on one thread (a second OpenMP team beside the forward pass's makes both
-    wait at their barriers) and, on Linux, at the lowest CPU priority (nice 19, this thread
-    only). docs/decisions.md, "Capture off the request's path", says what it changed."""
+    """The capture hand-off thread's setup, to keep its unrotation out of the requests' way:
+    its torch work runs on one thread (a second OpenMP team beside the forward pass's makes
+    both wait at their barriers) and, on Linux, at the lowest CPU priority (nice 19, this
+    thread only, and the writer process it starts). docs/decisions.md, "Capture off the
+    request's path", says what it changed."""
     torch.set_num_threads(1)  # this thread's OpenMP setting: the forward pass's thread keeps its own
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

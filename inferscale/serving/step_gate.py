@@ -1,4 +1,4 @@
-"""When the engine's worker is between steps: the capture writer stores KV only then.
+"""When the engine's worker is between steps: the capture hand-off works only then.
 
 The worker runs one step (a forward pass) at a time; the KV connector sees each one begin
 (``start_load_kv``) and end (``wait_for_save``). Work done in the worker's process during a

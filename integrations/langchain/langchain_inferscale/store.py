@@ -41,7 +41,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -266,8 +266,13 @@ class InferScaleStore(BaseStore):
                     results.append(self._list_namespaces(op, everything, at))
                 else:
                     results.append(None)
-            for address, op in puts.items():
-                self._write(op, found.get(address), texts.get(address), prepared.get(address))
+            undo: list[Callable[[], None]] = []
+            try:
+                for address, op in puts.items():
+                    undo.append(self._write(op, found.get(address), texts.get(address), prepared.get(address)))
+            except BaseException:
+                self._undo(undo)
+                raise
         self._refresh({a: m for a, m in refreshed.items() if a not in puts and "lg_ttl_minutes" in m["metadata"]})
         return results
 
@@ -407,12 +412,16 @@ class InferScaleStore(BaseStore):
             raise type(exc)(f"{'/'.join(op.namespace)}/{op.key}: {exc} (nothing of this batch was written)") from None
         return metadata
 
-    def _write(self, op: PutOp, stored: dict | None, text: str | None, metadata: dict | None) -> None:
+    def _write(self, op: PutOp, stored: dict | None, text: str | None,
+               metadata: dict | None) -> Callable[[], None]:
+        """Write one put; returns what takes it back (the item as it was: a put that replaced an
+        expired item, unswept, takes back to no item)."""
         scope = self.scope_of(op.namespace)
         if op.value is None:
-            if stored is not None:
-                self.backend.delete(stored["id"], scope)
-            return
+            if stored is None:
+                return lambda: None
+            self.backend.delete(stored["id"], scope)
+            return lambda: self.backend.add(stored["memory"], scope, stored["metadata"])
         assert metadata is not None
         if stored is not None and _expired(stored, now()):  # expired, not yet swept: a new item replaces it
             self.backend.delete(stored["id"], scope)
@@ -423,8 +432,19 @@ class InferScaleStore(BaseStore):
             metadata["expires_at"] = now() + metadata["lg_ttl_minutes"] * 60  # the batch's checks and lookups
         if stored is not None:
             self.backend.update(stored["id"], text, metadata, scope)
-        else:
-            self.backend.add(text, scope, metadata)
+            return lambda: self.backend.update(stored["id"], stored["memory"], stored["metadata"], scope)
+        added = self.backend.add(text, scope, metadata)
+        return lambda: self.backend.delete(added["id"], scope)
+
+    def _undo(self, undo: list[Callable[[], None]]) -> None:
+        """Take back a batch's writes, newest first, after one failed (the server refused a text
+        only it can measure, or stopped answering): a batch is written whole or not at all. An
+        undo that fails too is logged; the batch's own error is the one raised."""
+        for take_back in reversed(undo):
+            try:
+                take_back()
+            except Exception as exc:  # noqa: BLE001 - the write's error matters more
+                logger.warning("taking back a write of a failed batch failed: %s", exc)
 
     def _register(self, scope: dict) -> None:
         key = _scope_key(scope)
@@ -661,7 +681,8 @@ class _Http:
 
     def check(self, text: str, what: str) -> None:
         """What ``add`` refuses in a text that can be told here (not valid Unicode, empty); the
-        server counts its tokens (a text over its ``max_fact_tokens`` fails at its own write)."""
+        server counts its tokens (a text over its ``max_fact_tokens`` fails at its own write,
+        and the batch takes back the writes before it)."""
         require_text(text, what)
 
     def search(self, query: str, scope: dict, filters: dict | None, limit: int,

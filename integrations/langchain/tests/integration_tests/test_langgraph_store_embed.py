@@ -134,20 +134,27 @@ def test_a_bad_config_or_embedder_is_refused_and_writes_nothing(make_store, memo
 
 def test_a_batch_with_one_bad_put_writes_none_of_it(make_store, memory):
     """Each put's memory is built and checked before any is written: a value JSON cannot hold
-    (NaN), or (in-process) a text over ``max_fact_tokens``, refuses the batch whole."""
+    (NaN), or (in-process) a text over ``max_fact_tokens``, refuses the batch whole. Over HTTP
+    only the server counts a text's tokens: its refusal comes at that put's own write, and the
+    batch takes back the writes before it (an update, an add, a delete)."""
     from langgraph.store.base import PutOp
 
     store = make_store(index={"dims": 384, "embed": MemoryEmbeddings(memory), "fields": ["text"]})
-    store.put(("users", "dee", "notes"), "old", {"text": "Dee rows."})
-    bad = [{"text": "fine", "x": float("nan")}]
-    if store.backend.__class__.__name__ == "_Local":
-        bad.append({"text": "word " * 100_000})
-    for value in bad:
-        with pytest.raises(ValueError, match="users/dee/notes/zz: .*nothing of this batch was written"):
-            store.batch([PutOp(("users", "dee", "notes"), "old", {"text": "Dee rows daily."}),
-                         PutOp(("users", "dee", "notes"), "new", {"text": "Dee swims."}),
-                         PutOp(("users", "dee", "notes"), "zz", value)])
-        assert {i.key: i.value["text"] for i in store.search(("users", "dee"))} == {"old": "Dee rows."}
+    ns = ("users", "dee", "notes")
+    store.put(ns, "old", {"text": "Dee rows."})
+    store.put(ns, "gone", {"text": "Dee owns a kayak."}, ttl=None)
+    before = {i.key: (i.value, i.created_at) for i in store.search(("users", "dee"))}
+    local = store.backend.__class__.__name__ == "_Local"
+    for value, match in (({"text": "fine", "x": float("nan")}, "users/dee/notes/zz: .*nothing of this batch was written"),
+                         ({"text": "word " * 3000}, "max_fact_tokens.*nothing of this batch" if local else "max_fact_tokens")):
+        with pytest.raises(ValueError, match=match):
+            store.batch([PutOp(ns, "old", {"text": "Dee rows daily."}), PutOp(ns, "new", {"text": "Dee swims."}),
+                         PutOp(ns, "gone", None), PutOp(ns, "zz", value)])
+        after = {i.key: i.value for i in store.search(("users", "dee"))}
+        assert after == {k: v for k, (v, _) in before.items()}
+    assert store.get(ns, "old").created_at == before["old"][1]  # updated back, not made anew
+    hits = store.search(("users", "dee"), query="kayak")
+    assert hits[0].key == "gone" and hits[0].score is not None  # the deleted item is back, still ranked
 
 
 def test_an_empty_index_list_and_another_embedders_items_are_listed_unscored(make_store, memory):
