@@ -6,6 +6,7 @@ the rest kept, and it exits quietly when its input closes."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +91,43 @@ def test_closing_stores_what_was_sent_and_the_writer_exits_quietly(tmp_path, cap
     assert all(pool.contains(k) for k in sent)
     assert outcomes.got == [(1, 7, 0)] * 5
     assert capfd.readouterr().err == ""
+
+
+def test_a_parent_that_dies_leaves_no_writer_and_no_spool(tmp_path):
+    """vLLM may kill its worker without a shutdown: the writer sees its input end, stores what
+    it was sent, removes the spool and exits."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import torch, sys\n"
+            "from inferscale.kv.capture_writer import CaptureWriter\n"
+            "from inferscale.kv.pool import kv_key\n"
+            "w = CaptureWriter(sys.argv[1], None, None, lambda o: None)\n"
+            "k = kv_key('fact-z', fmt=2, fp='test', dtype='bfloat16', variant='captured', span='fact-z')\n"
+            "w.send('req', torch.randn(3, 7, 2, 64), torch.randn(3, 7, 2, 64), [(k, tuple(range(7)))], 'auto', None)\n"
+            "print(w._proc.pid, w._spool, flush=True)\n"
+            "import os; os._exit(0)\n")  # no close(): as a killed worker
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pid, spool = done.stdout.split()
+    deadline = time.monotonic() + 60
+    while _alive(int(pid)) or Path(spool).exists():
+        assert time.monotonic() < deadline, "the writer outlived its parent, or left its spool"
+        time.sleep(0.1)
+    assert KVPool(tmp_path, "cpu", 0).contains(key("fact-z"))
+    assert done.stderr == ""
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (its parent gone, not reaped yet) is not running
+        return f.read().split(") ")[-1][0] != "Z"
 
 
 def test_a_writer_that_died_is_an_os_error_to_the_sender(tmp_path):

@@ -14,7 +14,7 @@ inferscale.kv.capture_writer``, with :mod:`subprocess`: vLLM's engine core may b
 daemonic ``multiprocessing`` child, which may not have children of its own) at the lowest
 CPU priority on one thread, and hands it each capture through a pipe:
 
-- parent to writer, once: a JSON line ``{"kv_dir": ..., "redis_url": ..., "rope": ...}``
+- parent to writer, once: a JSON line ``{"kv_dir": ..., "redis_url": ..., "rope": ..., "spool": ...}``
   (``rope``: the model's transformers config as JSON, for :class:`~inferscale.kv.rope.RopeRotator`;
   ``null`` when it does not survive the trip, :func:`portable_rope_config`, and the parent
   sends pre-RoPE keys); then per capture a JSON line ``{"req_id", "file", "dtype", "shape":
@@ -28,7 +28,7 @@ CPU priority on one thread, and hands it each capture through a pipe:
 - writer to parent, per capture: a JSON line ``[stored, tokens, errors]``.
 
 The writer exits when its input closes (the engine stopped, or was killed), after storing
-what it was sent. Its log lines go to the engine's stderr. :func:`store_capture` is the one
+what it was sent, and removes the spool folder. Its log lines go to the engine's stderr. :func:`store_capture` is the one
 way a capture is stored: the writer process calls it, and so does the connector's thread
 where no writer process can start.
 """
@@ -130,7 +130,7 @@ class CaptureWriter:
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin: IO[bytes] = self._proc.stdin
         self.unrotates = rope is not None
-        self._send_line({"kv_dir": str(kv_dir), "redis_url": redis_url, "rope": rope})
+        self._send_line({"kv_dir": str(kv_dir), "redis_url": redis_url, "rope": rope, "spool": str(self._spool)})
         self._reader = threading.Thread(target=self._read, args=(self._proc.stdout,), daemon=True,
                                         name="inferscale-capture-results")
         self._reader.start()
@@ -212,6 +212,14 @@ def serve(inp: IO[bytes], out: IO[str]) -> None:
     config = json.loads(inp.readline() or b"{}")
     pool = KVPool(config["kv_dir"], "cpu", 0, 0, None, config.get("redis_url"))  # no memory tier: files, Redis
     rotator = _rotator(config["rope"]) if config.get("rope") else None
+    try:
+        _store_each(inp, out, pool, rotator)
+    finally:  # the parent is gone or done: its spool goes too, whatever stopped it
+        if config.get("spool"):
+            shutil.rmtree(config["spool"], ignore_errors=True)
+
+
+def _store_each(inp: IO[bytes], out: IO[str] | None, pool: KVPool, rotator: RopeRotator | None) -> None:
     for line in inp:
         head = json.loads(line)
         path = Path(head["file"])
@@ -232,8 +240,12 @@ def serve(inp: IO[bytes], out: IO[str]) -> None:
                 keys = rotator.unrotate(keys, torch.tensor(head["positions"], dtype=torch.long))
             outcome = store_capture(pool, str(head["req_id"]), keys, both[1], spans, head["storage"],
                                     head["disk_budget_bytes"])
-        out.write(json.dumps(outcome) + "\n")
-        out.flush()
+        if out is not None:
+            try:
+                out.write(json.dumps(outcome) + "\n")
+                out.flush()
+            except OSError:  # the parent is gone (killed): store what it sent, unanswered
+                out = None
 
 
 def _rotator(rope_json: str) -> RopeRotator:
@@ -275,6 +287,10 @@ def main() -> None:
     os.dup2(2, 1)
     logging.basicConfig(level=logging.WARNING, format="inferscale capture writer: %(levelname)s %(message)s")
     serve(sys.stdin.buffer, answers)
+    try:
+        answers.close()
+    except OSError:  # the parent is gone: nothing to flush to
+        pass
 
 
 if __name__ == "__main__":
