@@ -99,6 +99,30 @@ def wait_stored(mem: Memory, keys: list[str], seconds: float = 60) -> None:
         time.sleep(0.1)
 
 
+def capture_writers() -> list[int]:
+    """Pids of the capture writer processes (``python -m inferscale.kv.capture_writer``)
+    descended from this test process (beside vLLM's worker)."""
+    import os
+    from pathlib import Path
+
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or b"inferscale.kv.capture_writer" not in (entry / "cmdline").read_bytes():
+                continue
+            pid = int(entry.name)
+            while pid > 1 and pid != os.getpid():
+                pid = parent(pid)
+        except OSError:  # gone meanwhile
+            continue
+        if pid == os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
 def add_unencoded(mem: Memory, user: str, facts=FACTS) -> list:
     """Add ``facts`` with the background encoder paused: every one is a miss."""
     mem.components.kv.background.pause()
@@ -122,6 +146,7 @@ def test_a_miss_is_captured_and_the_next_request_injects_it_with_the_same_logpro
     texts = [by_id[i] for i in first.text_memory_ids]  # prompt order
     keys = memory.components.kv.captured_keys(texts)
     wait_stored(memory, keys)
+    assert capture_writers(), "captures are stored by a writer process beside vLLM's worker, not in it"
 
     # the captured KV is what a full prefill of the same prompt computes for those tokens
     inj = memory.inject(QUESTION, user_id="cap-a", k=4)

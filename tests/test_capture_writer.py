@@ -48,6 +48,8 @@ def test_the_writer_process_stores_each_span_as_the_thread_would(tmp_path, dtype
     writer = CaptureWriter(str(tmp_path / "process"), None, None, outcomes)
     writer.send("req-1", keys, values, spans, storage, None)
     assert outcomes.wait(1) == [(2, 7, 0)]
+    with open(f"/proc/{writer._proc.pid}/stat") as f:  # set up, it keeps out of the requests' way
+        assert int(f.read().rsplit(")", 1)[1].split()[16]) == 19
     writer.close(timeout=60)
     assert not writer.alive()
     # the same capture stored by this process's own code path

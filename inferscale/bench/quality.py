@@ -48,6 +48,8 @@ from inferscale.memory import Memory
 from inferscale.store.records import Scope
 
 NAME = "quality"
+#: the longest the capture traffic waits for its captures to be stored (seconds)
+CAPTURE_LAND_S = 120.0
 MODES = ("text", "inject-w0", "inject-w5", "inject-w20", "inject-w50", "captured")
 #: the context window the ``captured`` mode's memory asks for: one no mode here encodes (and
 #: the run checks that none of its memories came as encoded KV), so only captured KV is found
@@ -290,9 +292,12 @@ def _capture_traffic(captured: Memory, log: ResultLog, conv, picked: list, k: in
     others = [q for q in conv.qa if id(q) not in chosen]
     if n is not None and n < len(others):
         others = [others[i * len(others) // n] for i in range(n)]
+    start = time.monotonic()
     for qa in tqdm(others, desc=f"capture traffic {conv.sample_id}", unit="question"):
         captured.generate(qa.question, user_id=user, k=k, mode="inject", max_tokens=1, temperature=0)
-    time.sleep(1.0)  # the connector's writer stores the last captures just after their prefill
+    # the capture writer stores them at the lowest CPU priority: wait until they land (a
+    # capture whose tokens the prompt did not hold never does, hence the bound)
+    captured.components.kv.wait_for_captures(captured.components.kv.asked_captures(since=start), CAPTURE_LAND_S)
     memories, count = held()
     if logged is None:
         log.add(key, {"sample": conv.sample_id, "traffic_questions": len(others), "memories": memories,

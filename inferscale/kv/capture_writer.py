@@ -212,6 +212,10 @@ def serve(inp: IO[bytes], out: IO[str]) -> None:
     config = json.loads(inp.readline() or b"{}")
     pool = KVPool(config["kv_dir"], "cpu", 0, 0, None, config.get("redis_url"))  # no memory tier: files, Redis
     rotator = _rotator(config["rope"]) if config.get("rope") else None
+    try:  # set up at the parent's priority (an engine serving at once would starve the imports); now out of the way
+        os.nice(19)
+    except (AttributeError, OSError):
+        pass
     try:
         _store_each(inp, out, pool, rotator)
     finally:  # the parent is gone or done: its spool goes too, whatever stopped it
@@ -274,14 +278,10 @@ def portable_rope_config(config: Any, rotator: RopeRotator) -> str | None:
 
 
 def main() -> None:
-    """Entry point of ``python -m inferscale.kv.capture_writer``: one thread, nice 19,
-    Ctrl-C left to the parent (which closes the pipe), answers on the original stdout and
+    """Entry point of ``python -m inferscale.kv.capture_writer``: one thread, nice 19 once set
+    up, Ctrl-C left to the parent (which closes the pipe), answers on the original stdout and
     everything else printed to stderr."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        os.nice(19)
-    except (AttributeError, OSError):
-        pass
     torch.set_num_threads(1)
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)

@@ -287,6 +287,23 @@ class KVManager:
             while len(self._capture_asked) > _KEY_CACHE_SIZE:
                 self._capture_asked.popitem(last=False)
 
+    def asked_captures(self, since: float = 0.0) -> list[str]:
+        """Keys of the captured KV requests asked the connector for at or after ``since``
+        (``time.monotonic()`` seconds; the last 200,000 asks), oldest first."""
+        with self._keys_lock:
+            return [k for k, t in self._capture_asked.items() if t >= since]
+
+    def wait_for_captures(self, keys: Sequence[str], timeout_s: float) -> bool:
+        """Wait until the pool holds every one of ``keys`` (captured KV asked for: the writer
+        beside vLLM's worker stores it when the CPUs are free) or ``timeout_s`` seconds pass;
+        returns whether all landed."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.pool.present(keys)) < len(set(keys)):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
     def _captured_now(self, keys: Sequence[str]) -> set[str]:
         """The ``keys`` the pool holds, after waiting up to :data:`CAPTURE_WAIT_S` (at least half a
         second) for those a request asked the connector to capture (it stores them from a thread of

@@ -486,8 +486,10 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._stats.data["capture_read_s"] += time.perf_counter() - t0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """The worker's caches exist: start the capture writer process now, off any request's path."""
-        self._hand_off().submit(self._writer_process)
+        """The worker's caches exist: start the capture writer process now, off any request's
+        path, from this thread (the hand-off thread's nice 19 would pass to the process, whose
+        imports then starve behind an engine that serves at once; it lowers itself once set up)."""
+        self._writer_process()
 
     def _hand_off(self) -> ThreadPoolExecutor:
         """The thread that unrotates captures and hands them to the writer process (started on first use)."""
