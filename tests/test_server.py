@@ -221,6 +221,15 @@ def test_memories_a_chat_serves_as_text_are_captured_in_vllms_process(server):
     first = report(chat(server, "Who is my colleague number 3?", user="colleagues", memory={"k": 10}))
     as_text = {i for i, s in first["kv_sources"].items() if s.startswith("text")}
     assert as_text, first["kv_sources"]  # the encoder cannot have stored ten memories' KV already
+    # the capture writer beside vLLM's worker stores them at the lowest CPU priority: once the
+    # engine is idle, each memory served as text has its KV (the page at /ui shows the same)
+    deadline = time.monotonic() + 120
+    while True:
+        listed = server.http("GET", "/ui/api/memories", params={"user_id": "colleagues"}).json()["results"]
+        if all(m["kv"] for m in listed if m["id"] in as_text):
+            break
+        assert time.monotonic() < deadline, "the memories served as text never got their KV"
+        time.sleep(0.2)
     second = report(chat(server, "Who is my colleague number 3?", user="colleagues", memory={"k": 10}))
     assert not [s for s in second["kv_sources"].values() if s.startswith("text")], second["kv_sources"]
     assert {second["kv_sources"][i] for i in as_text} <= {"device (captured)", "disk (captured)", "device", "disk"}
