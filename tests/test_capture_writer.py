@@ -5,6 +5,7 @@ the rest kept, and it exits quietly when its input closes."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -208,3 +209,22 @@ def test_a_config_that_does_not_survive_json_keeps_the_inverse_rope_with_the_sen
         writer.send("req", torch.randn(SHAPE), torch.randn(SHAPE), [(key("fact-s"), tuple(range(7)))], "auto",
                     None, torch.arange(7))
     writer.close(timeout=60)
+
+
+def test_a_new_writer_removes_the_spools_of_dead_processes(tmp_path):
+    """vLLM kills its worker and the writer with SIGKILL at shutdown: their spool folders are
+    removed by the next writer; a live process's and other folders stay."""
+    import subprocess
+    import sys
+
+    from inferscale.kv.capture_writer import SPOOL_PREFIX, remove_dead_spools
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f"{SPOOL_PREFIX}{dead.stdout.strip()}-abc123"
+    live = tmp_path / f"{SPOOL_PREFIX}{os.getpid()}-def456"
+    other = tmp_path / "inferscale-capturex"
+    for folder in (gone, live, other):
+        folder.mkdir()
+    (gone / "1.kv").write_bytes(b"left")
+    assert remove_dead_spools(tmp_path) == 1
+    assert not gone.exists() and live.exists() and other.exists()

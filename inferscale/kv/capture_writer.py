@@ -61,6 +61,32 @@ PIPE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 #: ``(stored, tokens, errors)`` of one capture
 Outcome = tuple[int, int, int]
 
+#: a spool folder's name: this prefix, the pid of the process that made it, ``-``, a random part
+SPOOL_PREFIX = "inferscale-capture-"
+
+
+def remove_dead_spools(where: Path) -> int:
+    """Remove the spool folders in ``where`` whose maker's process is gone (vLLM kills its
+    worker and the writer at shutdown with ``SIGKILL``, which leaves them); returns how many."""
+    removed = 0
+    for path in where.glob(f"{SPOOL_PREFIX}*-*"):
+        pid = path.name[len(SPOOL_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to clean
+        return True
+    return True
+
 
 def store_capture(pool: KVPool, req_id: str, keys: torch.Tensor, values: torch.Tensor,
                   spans: Sequence[tuple[str, tuple[int, ...]]], storage: str,
@@ -120,7 +146,9 @@ class CaptureWriter:
                  on_outcome: Callable[[Outcome], None]) -> None:
         self._on_outcome = on_outcome
         shm = Path("/dev/shm")
-        self._spool = Path(tempfile.mkdtemp(prefix="inferscale-capture-", dir=shm if shm.is_dir() else None))
+        where = shm if shm.is_dir() else Path(tempfile.gettempdir())
+        remove_dead_spools(where)
+        self._spool = Path(tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=where))
         self._count = 0
         self._outstanding = 0  # captures sent and not answered yet
         self._lock = threading.Lock()
