@@ -11,8 +11,8 @@ of it (docs/decisions.md, "Capture: the writer in a process of its own").
 
 So the connector starts this module as a process of its own (``python -m
 inferscale.kv.capture_writer``, with :mod:`subprocess`: vLLM's engine core may be a
-daemonic ``multiprocessing`` child, which may not have children of its own) at the lowest
-CPU priority on one thread, and hands it each capture through a pipe:
+daemonic ``multiprocessing`` child, which may not have children of its own), on one thread
+and, once set up, at the lowest CPU priority (nice 19), and hands it each capture through a pipe:
 
 - parent to writer, once: a JSON line ``{"kv_dir": ..., "redis_url": ..., "rope": ..., "spool": ...}``
   (``rope``: the model's transformers config as JSON, for :class:`~inferscale.kv.rope.RopeRotator`;
@@ -28,8 +28,9 @@ CPU priority on one thread, and hands it each capture through a pipe:
 - writer to parent, per capture: a JSON line ``[stored, tokens, errors]``.
 
 The writer exits when its input closes (the engine stopped, or was killed), after storing
-what it was sent, and removes the spool folder. Its log lines go to the engine's stderr. :func:`store_capture` is the one
-way a capture is stored: the writer process calls it, and so does the connector's thread
+what it was sent, and removes the spool folder (one that vLLM's ``SIGKILL`` left is removed
+by the next writer: :func:`remove_dead_spools`). Its log lines go to the engine's stderr.
+:func:`store_capture` is the one way a capture is stored: the writer process calls it, and so does the connector's thread
 where no writer process can start.
 """
 
