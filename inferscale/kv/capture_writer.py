@@ -50,6 +50,7 @@ from typing import IO, Any, Callable, Sequence
 
 import torch
 
+from inferscale.kv.disk import _alive  # the pin files' liveness check: same machine, same rule
 from inferscale.kv.entry import FactKV, to_storage
 from inferscale.kv.pool import KVPool
 from inferscale.kv.rope import RopeRotator
@@ -77,16 +78,6 @@ def remove_dead_spools(where: Path) -> int:
         shutil.rmtree(path, ignore_errors=True)
         removed += 1
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive, and not ours to clean
-        return True
-    return True
 
 
 def store_capture(pool: KVPool, req_id: str, keys: torch.Tensor, values: torch.Tensor,

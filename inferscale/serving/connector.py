@@ -30,10 +30,9 @@ Capture on a miss (:mod:`inferscale.kv.capture`): a request may also name the me
 it carries as text. The scheduler side tracks the request's blocks until those lines are
 computed and sends them to the worker, which, after that step's forward pass
 (``wait_for_save``), reads their K and V back out of the paged cache, hands them to one
-thread, and returns: between steps the thread inverse-rotates the keys to pre-RoPE and
-pipes them to the capture writer process (:mod:`inferscale.kv.capture_writer`), which
-converts to the storage dtype and stores them in the pool, so the next request injects
-them. Nothing a request waits for: a capture that fails is logged and counted, never raised.
+thread, and returns: between steps the thread hands them to the capture writer process
+(:mod:`inferscale.kv.capture_writer`), which inverse-rotates the keys to pre-RoPE, converts
+to the storage dtype and stores them in the pool, so the next request injects them. Nothing a request waits for: a capture that fails is logged and counted, never raised.
 """
 
 from __future__ import annotations
@@ -251,7 +250,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._num_blocks = getattr(kv_cache_config, "num_blocks", 0)
         self._writer: ThreadPoolExecutor | None = None  # the hand-off thread
         self._process: CaptureWriter | bool | None = None  # the writer process (False: none can start)
-        self._gate = StepGate()  # the writer stores captures between the worker's steps
+        self._gate = StepGate()  # captures are handed over between the worker's steps
         self._stats_lock = threading.Lock()
 
     # ---------------- scheduler side ----------------
@@ -492,7 +491,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._writer_process()
 
     def _hand_off(self) -> ThreadPoolExecutor:
-        """The thread that unrotates captures and hands them to the writer process (started on first use)."""
+        """The thread that hands captures to the writer process between steps (started on first use)."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferscale-capture",
                                               initializer=_yield_to_requests)
@@ -584,11 +583,11 @@ class InferScaleConnector(KVConnectorBase_V1):
 
 
 def _yield_to_requests() -> None:
-    """The capture hand-off thread's setup, to keep its unrotation out of the requests' way:
-    its torch work runs on one thread (a second OpenMP team beside the forward pass's makes
-    both wait at their barriers) and, on Linux, at the lowest CPU priority (nice 19, this
-    thread only, and the writer process it starts). docs/decisions.md, "Capture off the
-    request's path", says what it changed."""
+    """The capture hand-off thread's setup, to keep its work (the hand-over; the keys' inverse
+    RoPE only where no writer process unrotates them) out of the requests' way: its torch work
+    runs on one thread (a second OpenMP team beside the forward pass's makes both wait at
+    their barriers) and, on Linux, at the lowest CPU priority (nice 19, this thread only).
+    docs/decisions.md, "Capture off the request's path", says what it changed."""
     torch.set_num_threads(1)  # this thread's OpenMP setting: the forward pass's thread keeps its own
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
