@@ -356,6 +356,20 @@ def test_retrieval_bench_compares_dense_and_hybrid_on_held_out_conversations(tmp
     neighbours = result["tuning"]["neighbors_recall_at_10"]
     assert result["tuning"]["neighbors_used"] in neighbours and len(neighbours) == 12
     assert set(result["latency_ms"]) == {"one conversation", "500 facts"}
+    # the index alone, unfiltered and filtered on the big scope's metadata; the query's embedding apart
+    assert set(result["index_latency_ms"]) == {"500 facts", "500 facts, filter topic == t3 (10%)"}
+    assert result["embed_query_ms"] > 0 and all(row["hybrid"] > 0 for row in result["index_latency_ms"].values())
+    # the ceiling bounds every ranking's recall; each interval holds its mean; the paired
+    # difference of hybrid and dense is the difference of their means
+    iv = result["intervals_1_4"]
+    assert iv["questions"] == held["questions_1_4"] and iv["ceiling_ci"][0] <= iv["ceiling"] <= iv["ceiling_ci"][1]
+    assert iv["hybrid"]["recall_at_10"] == pytest.approx(held["recall_hybrid_1_4"]["10"])
+    for mode in ("dense", "hybrid-fact", "hybrid-source", "hybrid-turns", "hybrid"):
+        row = iv[mode]
+        assert held[f"recall_{mode}_1_4"]["100"] <= iv["ceiling"] and row["ci"][0] <= row["recall_at_10"] <= row["ci"][1]
+    assert iv["dense"]["hybrid_minus"] == pytest.approx(iv["hybrid"]["recall_at_10"] - iv["dense"]["recall_at_10"])
+    page = (out / "retrieval.md").read_text()
+    assert "Ceiling" in page and "0.632" in page and "The index's search alone" in page
     assert not (out / "retrieval-store").exists()  # its own store is deleted
 
 
