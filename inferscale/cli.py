@@ -12,7 +12,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from inferscale.config import AUTO_DTYPE_RULE
+from inferscale.config import AUTO_DTYPE_RULE, DEFAULT_EMBEDDER
 
 app = typer.Typer(add_completion=False, help="InferScale: LLM memory served as precomputed KV in vLLM.")
 models_app = typer.Typer(help="Default model preparation.")
@@ -707,13 +707,21 @@ def bench_retrieval(
     big: int = typer.Option(20_000, min=0, help="Facts in the large scope timed for latency (0: skip)."),
     latency_queries: int = typer.Option(50, min=1, help="LoCoMo questions timed per mode."),
     repeats: int = typer.Option(3, min=1, help="Timed passes over those questions."),
+    embedder: str = typer.Option(DEFAULT_EMBEDDER, help="The embedder measured: a sentence-transformers folder, a hub "
+                                 "id, or pypi:<package>."),
 ) -> None:
     """Evidence recall@k and hit@k on LoCoMo, dense vs hybrid search, plus search latency at one
     conversation and at 20,000 facts."""
     from inferscale.bench.retrieval import run
+    from inferscale.models.resolve import ModelNotFoundError, resolve_embedder
 
     data, _ = _bench_paths(data, None)
-    _run_bench("retrieval", out, lambda: run(data, out, big=big, latency_queries=latency_queries, repeats=repeats))
+    try:
+        resolve_embedder(embedder)
+    except ModelNotFoundError as exc:
+        _fail(str(exc))
+    _run_bench("retrieval", out, lambda: run(data, out, big=big, latency_queries=latency_queries, repeats=repeats,
+                                             embedder=embedder))
 
 
 if __name__ == "__main__":

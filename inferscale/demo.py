@@ -17,7 +17,7 @@ from inferscale.memory import Memory
 
 def summary_table(rows: list[dict], k: int) -> Table:
     """The demo's summary: median TTFT per mode, ratio, mean token F1."""
-    table = Table(title=f"Summary over {len(rows)} questions (k={k})")
+    table = Table(title=f"Summary over {len(rows)} question{'' if len(rows) == 1 else 's'} (k={k})")
     for col in ("mode", "median TTFT (ms)", "mean TTFT (ms)", "prefilled tokens (mean)", "token F1 (mean)"):
         table.add_column(col)
     for mode in ("inject", "text"):

@@ -121,6 +121,30 @@ def test_a_parameter_given_twice_is_400_and_reads_writes_nothing(front):
     assert front.http("GET", f"/memories/{carol}?user_id=carol").json()["memory"] == "Carol likes green tea."
 
 
+def test_a_json_key_given_twice_is_400_and_writes_nothing(front):
+    """As for query parameters: which of two values would count is a parser's guess (Python's
+    json keeps the last, a gateway may check the first), so a repeated key is refused."""
+    before = front.http("GET", "/memories?user_id=bob").json()["results"]
+    raw = b'{"messages": "Bob hates tea.", "user_id": "alice", "user_id": "bob", "infer": false}'
+    refused(front.http("POST", "/memories", content=raw, headers={"content-type": "application/json"}),
+            400, "'user_id' twice")
+    nested = b'{"messages": [{"role": "user", "content": "hi"}], "model": "smol", "memory": {"k": -1, "k": 3}}'
+    refused(front.http("POST", "/v1/chat/completions", content=nested, headers={"content-type": "application/json"}),
+            400, "'k' twice")
+    assert front.http("GET", "/memories?user_id=bob").json()["results"] == before
+    # the same key in two objects of a list is no repeat
+    listed = b'{"messages": [{"role": "user", "content": "Bob owns a kayak."}, {"role": "user", "content": "x"}],' \
+             b' "user_id": "dave", "infer": false}'
+    assert front.http("POST", "/memories", content=listed, headers={"content-type": "application/json"}).status_code == 200
+
+
+def test_two_authorization_headers_are_400_even_with_the_right_key_last(front):
+    r = httpx.get(front.url + "/memories?user_id=bob", timeout=60,
+                  headers=[("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")])
+    refused(r, 400, "more than one Authorization header")
+    assert front.http("GET", "/memories?user_id=bob").status_code == 200
+
+
 def test_every_route_refuses_a_parameter_it_does_not_read_before_its_body(front):
     """Every route of the OpenAPI schema, with its path parameters filled and no body: a
     400 naming ``bogus`` (before a 404 for the id or a 422 for the missing body)."""

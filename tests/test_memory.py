@@ -149,16 +149,21 @@ RESTART = textwrap.dedent(
 )
 
 
-def test_restart_rebuilds_index_from_chroma_and_reuses_kv(memory, serving_dir, sample):
-    """A new process over the same data dir: same search results without re-embedding, answers without re-encoding."""
+def test_restart_rebuilds_index_from_chroma_and_reuses_kv(memory, serving_dir, sample, tmp_path):
+    """A new process over the same data dir: same search results without re-embedding, answers
+    without re-encoding. The new process opens a copy of the data dir, as a restart would find
+    it: while this process has the store open, another may not (tests/test_open_lock.py)."""
+    import shutil
+
     question = sample.qa[2].question
     hits = [[h["id"], h["score"]] for h in memory.search(question, user_id=USER, limit=10)["results"]]
     answer = memory.generate(question, user_id=USER, k=10, max_tokens=24).text
     # nothing queued in the shared data dir (other tests' writes), or the new process would encode it
     assert memory.wait_for_kv(timeout=600), memory.components.kv.background.last_error
+    restarted = shutil.copytree(serving_dir, tmp_path / "restarted")
     env = dict(os.environ)
     proc = subprocess.run(
-        [sys.executable, "-c", RESTART, question, USER, str(serving_dir)],
+        [sys.executable, "-c", RESTART, question, USER, str(restarted)],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,6 +6,8 @@ another name, the same weights, as no second model installs offline."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from typer.testing import CliRunner
 
@@ -112,7 +114,7 @@ def test_an_open_store_is_not_re_embedded_under_its_writer(tmp_path, other):
     with Memory(data_dir=tmp_path, **SETTINGS) as m:
         _fill(m)
         refused = CliRunner().invoke(app, ["reembed", "--embedder", other, "--data-dir", str(tmp_path)])
-        assert refused.exit_code == 2 and "is open in another process" in refused.output
+        assert refused.exit_code == 2 and f"is open in pid {os.getpid()} (" in refused.output, refused.output
         m.add("I moved to Porto.", user_id="ana", infer=False)  # still writable: nothing was marked
     assert CliRunner().invoke(app, ["reembed", "--embedder", other, "--data-dir", str(tmp_path)]).exit_code == 0
     with Memory(data_dir=tmp_path, embedder=other, **SETTINGS) as m:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from inferscale.config import DEFAULT_EMBEDDER
 from inferscale.datasets.locomo import LocomoSample, load_locomo, store_conversation
 from inferscale.store.keyword import (NEIGHBOR_SHARE, NEIGHBOR_TURNS, RRF_C, KeywordIndex, fuse, fused_scores,
                                       top_rows, turn_neighbor_bonus)
@@ -182,7 +183,7 @@ def _big_scope(memory, samples: list[LocomoSample], user: str, size: int) -> Non
 
 
 def run(data: Path, out_dir: Path, *, big: int = 20_000, latency_queries: int = 50, repeats: int = 3,
-        store: Path | None = None) -> dict:
+        store: Path | None = None, embedder: str = DEFAULT_EMBEDDER) -> dict:
     """Run the benchmark (see the module docstring); returns what ``retrieval.json`` holds.
 
     Args:
@@ -191,13 +192,14 @@ def run(data: Path, out_dir: Path, *, big: int = 20_000, latency_queries: int = 
         latency_queries: LoCoMo questions timed per mode; repeats: timed passes over them.
         store: the benchmark's memory store (default: ``out_dir/retrieval-store``, deleted
             at the end).
+        embedder: the embedder measured (:class:`inferscale.Config`'s ``embedder``).
     """
     from inferscale import Memory
 
     samples = load_locomo(data)
     own_store = store is None
     store = store or out_dir / "retrieval-store"
-    memory = Memory(data_dir=store, dtype="float32", precompute_kv=False)
+    memory = Memory(data_dir=store, dtype="float32", precompute_kv=False, embedder=embedder)
     try:
         convs = [_conversation(memory, s, f"retrieval-{s.sample_id}") for s in tqdm(samples, desc="conversations")]
         queries = [qa.question for qa in samples[0].qa[:latency_queries]]
@@ -218,7 +220,7 @@ def run(data: Path, out_dir: Path, *, big: int = 20_000, latency_queries: int = 
             shutil.rmtree(store, ignore_errors=True)
     from inferscale.bench.common import machine
 
-    result = {**_summarize(convs, latency), "machine": machine(), "embed_query_ms": embed_ms,
+    result = {**_summarize(convs, latency), "machine": machine(), "embedder": embedder, "embed_query_ms": embed_ms,
               "index_latency_ms": index_latency}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "retrieval.json").write_text(json.dumps(result, indent=2))
@@ -297,7 +299,8 @@ def _markdown(r: dict) -> str:
              "memories naming it).", "",
              f"LoCoMo, every question with evidence; held out: {', '.join(h['conversations'])} "
              f"({h['questions']} questions, {h.get('questions_1_4', '?')} of categories 1-4). Reproduce: "
-             f"`inferscale bench retrieval`."
+             f"`inferscale bench retrieval`"
+             + (f" (embedder `{r['embedder']}`)." if r.get("embedder") else ".")
              + (f" Machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, commit {r['machine']['commit']}."
                 if r.get("machine") else ""), "",
              "## Held-out evidence recall@k and hit@k", "",

@@ -192,6 +192,8 @@ class RequestGate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:  # which one counts is a proxy's guess
+            return await _answer(send, 400, "the request has more than one Authorization header: send one")
         if self.api_key and scope["path"] not in self.open_paths and not self._authorized(headers):
             return await _answer(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or "
                                             "Mem0's 'Authorization: Token <key>')", "authentication_error")
@@ -216,6 +218,10 @@ class RequestGate:
                 return await _answer(send, 413, f"the request body is over {self.limits.max_body_bytes} bytes, "
                                                 "the most accepted (max_body_bytes)")
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        repeated = repeated_json_key(body["body"]) if b"json" in headers.get(b"content-type", b"json").lower() else None
+        if repeated is not None:
+            return await _answer(send, 400, f"the request body names {repeated!r:.80} twice in one JSON object: "
+                                            "send each key once (which one would count is a parser's guess)")
         if self.api_key is None or b"authorization" in headers and self._authorized(headers):
             scope[AUTHORIZED] = True
         await self.app(scope, _replay([body], receive), send)
@@ -223,6 +229,34 @@ class RequestGate:
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
         return scheme.lower() in (b"bearer", b"token") and hmac.compare_digest(given, self.api_key.encode())
+
+
+class _Repeated(Exception):
+    pass
+
+
+def _refuse_repeats(pairs: list[tuple[str, Any]]) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _Repeated(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def repeated_json_key(raw: bytes) -> str | None:
+    """A key that some object of the JSON document ``raw`` holds twice (RFC 8259 section 4: names
+    "SHOULD be unique", and parsers differ on which value counts: Python's and most keep the
+    last, a gateway may check the first), or ``None``; a body that is not JSON is the app's to refuse."""
+    if not raw.lstrip()[:1] in (b"{", b"["):
+        return None
+    try:
+        json.loads(raw, object_pairs_hook=_refuse_repeats)
+    except _Repeated as exc:
+        return str(exc.args[0])
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError): the route says so
+        return None
+    return None
 
 
 async def _answer(send, status: int, message: str, kind: str = "invalid_request_error") -> None:

@@ -2,7 +2,8 @@
 (``server/main.py`` in mem0ai/mem0): ``POST /memories``, ``GET /memories``,
 ``GET /memories/{id}``, ``POST /search``, ``PUT /memories/{id}``,
 ``GET /memories/{id}/history``, ``DELETE /memories/{id}``, ``DELETE /memories``,
-``POST /reset``.
+``POST /reset``; and ``POST /memories/check``, InferScale's own: the texts an add would
+refuse, and why, with nothing written.
 
 Differences, each because InferScale's memories are scoped: the routes of one memory
 take the scope as query parameters (``?user_id=alice``) and a memory of another scope is
@@ -72,6 +73,13 @@ class SearchRequest(ScopeFields):
         return super().scope()
 
 
+class TextsCheck(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    texts: list[str] = Field(max_length=10_000, description="texts to check as POST /memories with infer=false "
+                             "checks each message (not empty, valid Unicode, within max_fact_tokens); nothing is written")
+
+
 class MemoryUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -101,6 +109,20 @@ def router() -> APIRouter:
         messages = body.messages if isinstance(body.messages, str) else [m.model_dump() for m in body.messages]
         return memory.add(messages, metadata=body.metadata, infer=body.infer, dedupe=body.dedupe,
                           **body.scope())
+
+    @r.post("/memories/check", summary="Check texts as an add would, writing nothing")
+    def check(body: TextsCheck, memory: MemoryDep) -> dict:
+        """``{"results": [{"ok", "error"}]}``, one per text in order: a client that writes several
+        memories (a LangGraph store's batch) checks them all before it writes any, since only
+        the server counts tokens in its model's tokenizer."""
+        results = []
+        for i, text in enumerate(body.texts):
+            try:
+                memory.check_fact_length(text, f"text {i}")
+                results.append({"ok": True, "error": None})
+            except (TypeError, ValueError) as exc:
+                results.append({"ok": False, "error": str(exc)})
+        return {"results": results}
 
     @r.get("/memories", summary="Get all memories of a scope")
     def get_all(memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,

@@ -9,7 +9,7 @@ turn ids, JSON) and the user's metadata (JSON).
 
 from __future__ import annotations
 
-import fcntl
+import logging
 import shlex
 import threading
 from dataclasses import dataclass
@@ -19,7 +19,10 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from inferscale.checks import first_line
+from inferscale.store import open_lock
 from inferscale.store.records import SCHEMA_VERSION, FactRecord, Scope, StoreError
+
+log = logging.getLogger(__name__)
 
 _COLLECTION = "inferscale_memories"
 #: Ids per Chroma read. Chroma's SQLite binds one variable per id and refuses more than
@@ -32,24 +35,6 @@ EMBEDDER_KEY = "inferscale_embedder"
 REEMBEDDING_KEY = "inferscale_reembedding"
 #: The collection a re-embed writes into (``<collection><suffix>``) before it takes the name.
 REEMBED_SUFFIX = "-reembed"
-#: In an embedded store's folder: every open store holds it shared, a re-embed exclusively.
-OPEN_LOCK = "inferscale-open.lock"
-
-
-def lock_open(path: Path, exclusive: bool):
-    """Take the embedded store's open lock (``flock``, released with the returned file or the
-    process): shared by every store open on ``path``, exclusive for a re-embed. ``None``
-    when another process holds it the other way."""
-    path.mkdir(parents=True, exist_ok=True)
-    f = open(path / OPEN_LOCK, "a+")
-    try:
-        fcntl.flock(f, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return None
-    return f
-
-
 def reembed_command(embedder: str, data_dir: Path, server: "ChromaServer | None" = None) -> str:
     """The ``inferscale reembed`` command line for a store, quoted for a shell."""
     where = f"--chroma-url {shlex.quote(server.url)}" if server is not None else f"--data-dir {shlex.quote(str(data_dir))}"
@@ -176,15 +161,9 @@ class FactStore:
         self.name = server.collection if server is not None else _COLLECTION
         self._data_dir = Path(path).parent  # the data dir of <data_dir>/chroma
         self._open_lock = None
-        if server is None and embedder is not None:  # a Memory's store: no re-embed may run under it
-            _check_not_served(self._data_dir)  # nor a server: one writer a data dir
-            try:
-                self._open_lock = lock_open(path, exclusive=False)
-            except PermissionError as exc:
-                raise StoreError(f"cannot write the memory store at {path}: {exc}. Choose a writable data_dir.") from exc
-            if self._open_lock is None:
-                raise StoreError(f"the memories at {where} are being re-embedded (`inferscale reembed`): wait for it "
-                                 "to end, then open the store with the new embedder")
+        if server is None and embedder is not None:  # a Memory's store: one process at a time, no re-embed under it
+            _check_not_served(self._data_dir)  # a server there is named as such
+            self._open_lock = open_lock.hold(path)
         try:
             self._open(path, server, embedder, where)
         except BaseException:
@@ -192,9 +171,20 @@ class FactStore:
             raise
 
     def close(self) -> None:
-        """Let a re-embed run (the embedded store's open lock); the store itself needs no closing."""
+        """Close the Chroma client, then end this store's hold of the embedded store's open lock
+        (:mod:`inferscale.store.open_lock`): with the process's last store closed, another
+        process or a re-embed may open it. Chroma keeps one system a folder for the whole
+        process until its last client closes; left running, it would serve a later store of
+        this process its stale view of a folder another process wrote meanwhile ("Error
+        finding id")."""
+        client, self._client = getattr(self, "_client", None), None
+        if client is not None and self._server is None:
+            try:
+                client.close()
+            except Exception as exc:  # noqa: BLE001 - closing must not fail a Memory's close
+                log.warning("closing the embedded Chroma client failed: %s", exc)
         if self._open_lock is not None:
-            self._open_lock.close()
+            open_lock.release(self._open_lock)
             self._open_lock = None
 
     def _open(self, path: Path, server: ChromaServer | None, embedder: str | None, where: str) -> None:

@@ -30,8 +30,9 @@ from tqdm import tqdm
 
 from inferscale.checks import first_line
 from inferscale.store.chroma import (_COLLECTION, EMBEDDER_KEY, REEMBED_SUFFIX, REEMBEDDING_KEY, FactStore,
-                                     open_client, has_collection, lock_open, reembed_command)
+                                     open_client, has_collection, reembed_command)
 from inferscale.store.embedded import check_not_served, read_manifest, write_manifest
+from inferscale.store.open_lock import holder, lock_open
 from inferscale.store.records import SCHEMA_VERSION, StoreError
 
 #: Marks the new collection complete (every memory embedded and counted).
@@ -44,7 +45,7 @@ def reembed(data_dir: Path, server, embedder: str, embed: Callable[[list[str]], 
     ``embedder``.
 
     The embedded store is locked against every open :class:`~inferscale.memory.Memory` (they
-    hold its open lock shared: :func:`~inferscale.store.chroma.lock_open`) and against another
+    hold its open lock: :mod:`inferscale.store.open_lock`) and against another
     re-embed. A Chroma server's collection cannot be locked from here: stop every deployment
     that writes it first, as for ``copy-to-chroma``.
 
@@ -70,9 +71,9 @@ def reembed(data_dir: Path, server, embedder: str, embed: Callable[[list[str]], 
     read_manifest(data_dir)  # a damaged manifest is named before anything changes
     lock = None
     if server is None:
-        lock = lock_open(path, exclusive=True)
+        lock = lock_open(path, "inferscale reembed")
         if lock is None:
-            raise StoreError(f"the store at {where} is open in another process (a Memory, inferscale serve or "
+            raise StoreError(f"the store at {where} is open in {holder(path)} (a Memory, inferscale serve or "
                              "inferscale mcp) or being re-embedded: close it, then re-embed")
     try:
         return _reembed(data_dir, server, path, where, embedder, embed, batch, progress)

@@ -241,6 +241,7 @@ class InferScaleStore(BaseStore):
         # every put's memory is built and checked before any is written: a batch is refused whole
         prepared = {address: self._prepare(op, texts[address], vectors.get(address)) for address, op in puts.items()
                     if op.value is not None}
+        self.backend.check_all({"/".join(ns) + f"/{key}": texts[(ns, key)] for ns, key in prepared})
         refreshed: dict[tuple, dict] = {}  # address -> the memory read, for the reads that refresh its expiry
         # one key's writes, from any thread of this process, run one at a time: each looks the
         # item up and writes it before the next looks (two puts of a key leave one item)
@@ -287,6 +288,12 @@ class InferScaleStore(BaseStore):
         if isinstance(op, PutOp):
             if op.value is not None and not isinstance(op.value, dict):
                 raise TypeError(f"the value of {op.namespace}/{op.key} must be a dict, got {type(op.value).__name__}")
+            if op.value is not None:
+                try:
+                    json.dumps(op.value)
+                except (TypeError, ValueError) as exc:  # bytes, a set, an object; a value that holds itself
+                    raise TypeError(f"the value of {op.namespace}/{op.key} cannot be stored as JSON ({exc}): use "
+                                    "strings, numbers, booleans, None, lists and dicts") from None
             if op.ttl is not None:
                 _minutes(f"the ttl of {op.namespace}/{op.key}", op.ttl)
             if op.index is not False and op.index is not None and (
@@ -294,6 +301,14 @@ class InferScaleStore(BaseStore):
                 raise TypeError(f"index must be False or a list of field paths such as ['text', 'tags[*]'], got "
                                 f"{op.index!r}")
             self._check_scope(op.namespace)
+        if isinstance(op, (SearchOp, ListNamespacesOp)):
+            for name in ("limit", "offset"):
+                value = getattr(op, name)
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}")
+        if isinstance(op, ListNamespacesOp) and op.max_depth is not None and (
+                isinstance(op.max_depth, bool) or not isinstance(op.max_depth, int) or op.max_depth < 0):
+            raise ValueError(f"max_depth must be a whole number >= 0 or None, got {op.max_depth!r:.40}")
         if isinstance(op, SearchOp):
             if op.limit < 0 or op.offset < 0 or op.offset + op.limit > MAX_RESULTS:
                 raise ValueError(f"search limit and offset must be >= 0 with offset + limit <= {MAX_RESULTS}, got "
@@ -618,6 +633,9 @@ class _Local:
         """What ``add`` refuses in a text, its length in this memory's tokens included."""
         self.memory.check_fact_length(text, what)
 
+    def check_all(self, texts: dict[str, str]) -> None:
+        """Nothing more: :meth:`check` has checked each text whole."""
+
     def search(self, query: str, scope: dict, filters: dict | None, limit: int) -> list[dict]:
         return self.memory.search(query, limit=limit, filters=filters, **scope)["results"]
 
@@ -681,9 +699,26 @@ class _Http:
 
     def check(self, text: str, what: str) -> None:
         """What ``add`` refuses in a text that can be told here (not valid Unicode, empty); the
-        server counts its tokens (a text over its ``max_fact_tokens`` fails at its own write,
-        and the batch takes back the writes before it)."""
+        server counts its tokens (:meth:`check_all`)."""
         require_text(text, what)
+
+    def check_all(self, texts: dict[str, str]) -> None:
+        """Ask the server (``POST /memories/check``) whether it would take each of a batch's
+        texts (item address -> text), before the batch writes any: only the server counts
+        tokens in its model's tokenizer.
+
+        Raises:
+            ValueError: the first text it refuses, naming the item.
+        """
+        if not texts:
+            return
+        items = list(texts.items())
+        answers = [a for start in range(0, len(items), 500)  # a body of at most 500 texts
+                   for a in self._call("POST", "/memories/check",
+                                       json={"texts": [text for _, text in items[start:start + 500]]})["results"]]
+        for (address, _), answer in zip(items, answers):
+            if not answer["ok"]:
+                raise ValueError(f"{address}: {answer['error']} (nothing of this batch was written)")
 
     def search(self, query: str, scope: dict, filters: dict | None, limit: int,
                show_expired: bool = False) -> list[dict]:
@@ -745,7 +780,9 @@ def _minutes(name: str, value: Any) -> float:
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of minutes, such as 30 or 0.5, got {type(value).__name__} "
-                        f"{value!r}")
+                        f"{value!r:.40}")
+    if isinstance(value, int) and abs(value) > MAX_TTL_MINUTES:  # past float's range, too
+        value = math.inf if value > 0 else -math.inf
     if not math.isfinite(value) or value <= 0 or value > MAX_TTL_MINUTES:
         raise ValueError(f"{name} must be a positive number of minutes, at most {MAX_TTL_MINUTES:.0e}, got {value!r} "
                          "(put ttl=None for an item that never expires)")

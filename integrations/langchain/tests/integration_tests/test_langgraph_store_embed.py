@@ -134,9 +134,10 @@ def test_a_bad_config_or_embedder_is_refused_and_writes_nothing(make_store, memo
 
 def test_a_batch_with_one_bad_put_writes_none_of_it(make_store, memory):
     """Each put's memory is built and checked before any is written: a value JSON cannot hold
-    (NaN), or (in-process) a text over ``max_fact_tokens``, refuses the batch whole. Over HTTP
-    only the server counts a text's tokens: its refusal comes at that put's own write, and the
-    batch takes back the writes before it (an update, an add, a delete)."""
+    (NaN), or a text over ``max_fact_tokens``, refuses the batch whole. Over HTTP only the
+    server counts a text's tokens, so the store asks it (``POST /memories/check``) before the
+    batch writes: the items keep their ids and ``created_at`` (an undo would re-add a deleted
+    one anew), and a new scope is not registered."""
     from langgraph.store.base import PutOp
 
     store = make_store(index={"dims": 384, "embed": MemoryEmbeddings(memory), "fields": ["text"]})
@@ -144,14 +145,17 @@ def test_a_batch_with_one_bad_put_writes_none_of_it(make_store, memory):
     store.put(ns, "old", {"text": "Dee rows."})
     store.put(ns, "gone", {"text": "Dee owns a kayak."}, ttl=None)
     before = {i.key: (i.value, i.created_at) for i in store.search(("users", "dee"))}
-    local = store.backend.__class__.__name__ == "_Local"
+    namespaces = store.list_namespaces()
     for value, match in (({"text": "fine", "x": float("nan")}, "users/dee/notes/zz: .*nothing of this batch was written"),
-                         ({"text": "word " * 3000}, "max_fact_tokens.*nothing of this batch" if local else "max_fact_tokens")):
+                         ({"text": "word " * 3000}, "users/dee/notes/zz: .*max_fact_tokens.*nothing of this batch"),
+                         ({"text": "word " * 30000}, "users/dee/notes/zz: .*characters.*nothing of this batch")):
         with pytest.raises(ValueError, match=match):
             store.batch([PutOp(ns, "old", {"text": "Dee rows daily."}), PutOp(ns, "new", {"text": "Dee swims."}),
-                         PutOp(ns, "gone", None), PutOp(ns, "zz", value)])
-        after = {i.key: i.value for i in store.search(("users", "dee"))}
-        assert after == {k: v for k, (v, _) in before.items()}
+                         PutOp(ns, "gone", None), PutOp(("users", "fay"), "f", {"text": "Fay sails."}),
+                         PutOp(ns, "zz", value)])
+        after = {i.key: (i.value, i.created_at) for i in store.search(("users", "dee"))}
+        assert after == before
+        assert store.list_namespaces() == namespaces  # no scope of the batch's registered
     assert store.get(ns, "old").created_at == before["old"][1]  # updated back, not made anew
     hits = store.search(("users", "dee"), query="kayak")
     assert hits[0].key == "gone" and hits[0].score is not None  # the deleted item is back, still ranked
@@ -168,3 +172,29 @@ def test_an_empty_index_list_and_another_embedders_items_are_listed_unscored(mak
     got = ranked(store.search(("users", "eve"), query="tomatoes"))
     assert got[0][0] == "big" and got[0][1] is not None
     assert sorted(got[1:]) == [("none", None), ("small", None)]
+
+
+def test_bad_limits_depths_ttls_and_values_are_refused_by_name_before_anything_runs(make_store):
+    """Found by a hostile pass: these reached Python's own errors (a comparison of str and int,
+    a slice of a float, float()'s overflow) or were taken (``limit=True`` as 1, a negative
+    ``max_depth``)."""
+    from langgraph.store.base import PutOp
+
+    store = make_store()
+    ns = ("users", "gil", "notes")
+    for call, error, words in [
+        (lambda: store.search(("users",), limit="3"), TypeError, "limit must be an integer, got str"),
+        (lambda: store.search(("users",), limit=None), TypeError, "limit must be an integer, got NoneType"),
+        (lambda: store.search(("users",), limit=True), TypeError, "limit must be an integer, got bool"),
+        (lambda: store.search(("users",), limit=5, offset=2.5), TypeError, "offset must be an integer, got float 2.5"),
+        (lambda: store.list_namespaces(limit=2.5), TypeError, "limit must be an integer, got float"),
+        (lambda: store.list_namespaces(max_depth=-1), ValueError, "max_depth must be a whole number >= 0"),
+        (lambda: store.batch([PutOp(ns, "t", {"text": "x"}, ttl=10 ** 400)]), ValueError,
+         "ttl of ('users', 'gil', 'notes')/t must be a positive number of minutes"),
+        (lambda: store.put(ns, "b", {"text": "x", "v": b"raw"}), TypeError,
+         "the value of ('users', 'gil', 'notes')/b cannot be stored as JSON"),
+    ]:
+        with pytest.raises(error) as caught:
+            call()
+        assert words in str(caught.value), str(caught.value)
+    assert store.search(("users", "gil")) == []
