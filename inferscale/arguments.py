@@ -231,8 +231,12 @@ def check_metadata_patch(metadata: Any) -> dict:
     :func:`check_metadata`, with at least one field (``None`` values: fields to remove).
 
     Raises:
-        TypeError / ValueError: as :func:`check_metadata`; ``ValueError`` when it names no field.
+        TypeError / ValueError: as :func:`check_metadata`; ``TypeError`` for ``None`` (a patch is
+            a dict); ``ValueError`` when it names no field.
     """
+    if metadata is None:
+        raise TypeError("metadata must be a dict of the fields to set (or to remove, as None), e.g. {'topic': "
+                        "'food'}, got None")
     fields = check_metadata(metadata)
     if metadata is None or not fields:
         raise ValueError("metadata must name at least one field to set (or to remove, as None), e.g. "

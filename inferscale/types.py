@@ -198,7 +198,8 @@ def require_text(text: Any, what: str = "text") -> str:
 
     Raises:
         TypeError: not a string.
-        ValueError: empty or whitespace only, or not valid Unicode (lone surrogates).
+        ValueError: empty, whitespace or invisible characters only (``"\\u200b"``), a NUL
+            character, or not valid Unicode (lone surrogates).
     """
     if not isinstance(text, str):
         raise TypeError(f"{what} must be a string, got {type(text).__name__}")
@@ -208,4 +209,8 @@ def require_text(text: Any, what: str = "text") -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(f"{what} is not valid Unicode ({exc.reason} at {exc.start}): fix its encoding") from exc
+    if not any(ch.isprintable() and not ch.isspace() for ch in text):  # zero-width characters alone are empty too
+        raise ValueError(f"{what} is empty: give a non-empty string")
+    if "\x00" in text:  # PostgreSQL's text refuses it; SQLite and Chroma would keep it where PostgreSQL cannot
+        raise ValueError(f"{what} holds a NUL character (\\x00) at {text.index(chr(0))}: remove it")
     return text

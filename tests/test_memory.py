@@ -191,6 +191,15 @@ def test_bad_input_is_rejected_and_changes_nothing(memory):
         memory.add_facts([FactInput("x", source_turn_ids=("D99:1",))], user_id="hiker")
     with pytest.raises(ValueError, match="mode"):
         memory.generate("hi", user_id="hiker", mode="telepathy")
+    # found by a hostile pass (stop 51): stored before, and PostgreSQL's text cannot hold a NUL
+    with pytest.raises(ValueError, match=r"NUL character \(\\x00\) at 2"):
+        memory.add("ab\x00cd", user_id="hiker")
+    with pytest.raises(ValueError, match="empty"):
+        memory.add("\u200b\u200b\ufeff", user_id="hiker")  # invisible characters alone
+    with pytest.raises(TypeError, match="metadata must be a dict"):
+        memory.update_metadata(before[0]["id"], None, user_id="hiker")
+    with pytest.raises(ValueError, match="takes a JSON value, got a set"):
+        memory.search("peanuts", user_id="hiker", filters={"src": {"eq": {"chat", "web"}}})
     assert memory.get_all(user_id="hiker")["results"] == before
     assert memory.components.turns.count('["hiker", null, null]') == turns_before
 

@@ -81,7 +81,7 @@ def test_async_memory_takes_it(memory):
 
 @pytest.mark.parametrize("metadata, error, words", [
     ({}, ValueError, "at least one field"),
-    (None, ValueError, "at least one field"),
+    (None, TypeError, "metadata must be a dict"),
     (["k", "v"], TypeError, "must be a dict"),
     ({1: "v"}, TypeError, "keys must be strings"),
     ({"n": float("nan")}, ValueError, "NaN"),

@@ -165,8 +165,11 @@ def split_messages(messages: list[dict]) -> tuple[str | None, list[dict], str]:
     instructions = "\n\n".join(t for t in (message_text(m.get("content")).strip() for m in messages[:n]) if t)
     query = next((message_text(m.get("content")) for m in reversed(messages) if m["role"] == "user"), "")
     if not query.strip():
-        raise ChatRequestError("memory needs a question: the request has no user message with text (send "
-                               "\"memory\": {\"mode\": \"none\"} to chat without memory)")
+        unknown = sorted({str(m["role"]) for m in messages} - {"system", "developer", "user", "assistant", "tool"})
+        raise ChatRequestError("memory needs a question: the request has no user message with text"
+                               + (f" (roles {unknown} are none of system, developer, user, assistant, tool)"
+                                  if unknown else "")
+                               + " (send \"memory\": {\"mode\": \"none\"} to chat without memory)")
     return instructions or None, messages[n:], query
 
 

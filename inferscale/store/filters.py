@@ -263,6 +263,9 @@ def _conditions(key: str, cond: dict) -> list[Filter]:
         name = names[op]
         if name in ("in", "nin") and not isinstance(arg, (list, tuple, set, frozenset)):
             raise ValueError(f"filter operator {op!r} on {key!r} takes a list, got {arg!r}")
+        if name in ("eq", "ne") and isinstance(arg, (set, frozenset)):  # no stored value (JSON) is a set
+            raise ValueError(f"filter operator {op!r} on {key!r} takes a JSON value, got a set {arg!r:.60}: use "
+                             "'in' for membership")
         if name in ("contains", "icontains") and not isinstance(arg, str):
             raise ValueError(f"filter operator {op!r} on {key!r} takes a string, got {arg!r}")
         if name in _ORDERING and (isinstance(arg, bool) or not isinstance(arg, (int, float, str))):
