@@ -138,6 +138,12 @@ def test_a_json_key_given_twice_is_400_and_writes_nothing(front):
     assert front.http("POST", "/memories", content=listed, headers={"content-type": "application/json"}).status_code == 200
 
 
+def test_a_method_a_route_does_not_take_is_405_naming_those_it_does(front):
+    r = front.http("PATCH", "/memories?user_id=bob", json={})
+    message = refused(r, 405, "PATCH is not a method of /memories: it takes")
+    assert set(r.headers["allow"].split(", ")) >= {"GET", "POST", "DELETE"} and "GET" in message
+
+
 def test_two_authorization_headers_are_400_even_with_the_right_key_last(front):
     r = httpx.get(front.url + "/memories?user_id=bob", timeout=60,
                   headers=[("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")])

@@ -197,7 +197,7 @@ def test_bad_input_is_rejected_and_changes_nothing(memory):
     with pytest.raises(ValueError, match="empty"):
         memory.add("\u200b\u200b\ufeff", user_id="hiker")  # invisible characters alone
     with pytest.raises(TypeError, match="metadata must be a dict"):
-        memory.update_metadata(before[0]["id"], None, user_id="hiker")
+        memory.update_metadata(memory.get_all(user_id=USER, limit=1)["results"][0]["id"], None, user_id=USER)
     with pytest.raises(ValueError, match="takes a JSON value, got a set"):
         memory.search("peanuts", user_id="hiker", filters={"src": {"eq": {"chat", "web"}}})
     assert memory.get_all(user_id="hiker")["results"] == before

@@ -43,6 +43,21 @@ def outage(exc: BaseException) -> JSONResponse | None:
 _VLLM_ROUTES = ("/v1/chat/", "/v1/completions")
 
 
+def _allowed_methods(request: Request) -> str:
+    """The methods of every route of the app whose path matches the request's, ``", "``-joined
+    (``""`` when one takes the request's method too: the 405 was not the router's)."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match = route.matches(request.scope)[0]
+        if match == Match.FULL:
+            return ""
+        if match == Match.PARTIAL:
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every known exception in the error shape above."""
 
@@ -56,8 +71,16 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
-        return error(exc.status_code, message, "not_found_error" if exc.status_code == 404 else
-                     "invalid_request_error")
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405 and "Allow" in headers:  # the router's: Allow names every method of the
+            allow = _allowed_methods(request)  # path (RFC 9110, 15.5.6); Starlette's, those of its first route
+            if allow:
+                headers["Allow"] = allow
+                message = f"{request.method} is not a method of {request.url.path}: it takes {allow}"
+        response = error(exc.status_code, message, "not_found_error" if exc.status_code == 404 else
+                         "invalid_request_error")
+        response.headers.update(headers)
+        return response
 
     @app.exception_handler(MemoryNotFoundError)
     @app.exception_handler(UnknownScopeError)
