@@ -117,52 +117,46 @@ def _conversation(memory, sample: LocomoSample, user: str) -> dict:
     return out
 
 
-def _timed(memory, user: str, queries: list[str], repeats: int) -> dict[str, float]:
-    """Median search time (ms) per mode over ``repeats`` passes of ``queries`` (one warm-up
-    pass); the modes alternate query by query, so both see the same machine state."""
-    searched = ("dense", "hybrid")  # Memory.search's modes
-    times: dict[str, list[float]] = {m: [] for m in searched}
+def _medians(calls: dict, queries: list[str], repeats: int) -> dict[str, float]:
+    """Median time (ms) of each of ``calls`` (name -> ``f(i, query)``) over ``repeats`` passes of
+    ``queries`` (one warm-up pass); the calls alternate query by query, so all see the same
+    machine state."""
+    names = list(calls)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(repeats + 1):
         for i, q in enumerate(queries):
-            for mode in (searched if (i + rep) % 2 == 0 else searched[::-1]):
+            for name in (names if (i + rep) % 2 == 0 else names[::-1]):
                 t = time.perf_counter()
-                memory.search(q, user_id=user, limit=10, mode=mode)
+                calls[name](i, q)
                 if rep:
-                    times[mode].append(time.perf_counter() - t)
-    return {m: statistics.median(v) * 1000 for m, v in times.items()}
+                    times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) * 1000 for name, v in times.items()}
+
+
+def _timed(memory, user: str, queries: list[str], repeats: int) -> dict[str, float]:
+    """Median search time (ms) per mode of :meth:`inferscale.Memory.search` (query embedding included)."""
+    return _medians({mode: lambda i, q, mode=mode: memory.search(q, user_id=user, limit=10, mode=mode)
+                     for mode in ("dense", "hybrid")}, queries, repeats)
 
 
 def _timed_index(memory, user: str, queries: list[str], repeats: int, filters: dict | None = None) -> dict[str, float]:
     """Median time (ms) of the index's top-10 search alone, the queries embedded beforehand
-    (what search costs beyond its one query embedding), per mode, alternating as :func:`_timed`;
-    ``filters`` as :meth:`inferscale.Memory.search` takes them."""
+    (what search costs beyond its one query embedding), per mode; ``filters`` as
+    :meth:`inferscale.Memory.search` takes them."""
     from inferscale.store.filters import compile_filter
     from inferscale.store.records import Scope
 
     key, index = Scope(user).key, memory.components.facts.index
     where = None if filters is None else compile_filter(filters)
     vectors = memory.embed(queries)
-    times: dict[str, list[float]] = {"dense": [], "hybrid": []}
-    for rep in range(repeats + 1):
-        for i, q in enumerate(queries):
-            for mode in (("dense", "hybrid") if (i + rep) % 2 == 0 else ("hybrid", "dense")):
-                t = time.perf_counter()
-                index.search(key, vectors[i], 10, where=where, keyword_query=q if mode == "hybrid" else None)
-                if rep:
-                    times[mode].append(time.perf_counter() - t)
-    return {m: statistics.median(v) * 1000 for m, v in times.items()}
+    return _medians({"dense": lambda i, q: index.search(key, vectors[i], 10, where=where),
+                     "hybrid": lambda i, q: index.search(key, vectors[i], 10, where=where, keyword_query=q)},
+                    queries, repeats)
 
 
 def _timed_embedding(memory, queries: list[str], repeats: int) -> float:
     """Median time (ms) to embed one query."""
-    times = []
-    for rep in range(repeats + 1):
-        for q in queries:
-            t = time.perf_counter()
-            memory.embed([q])
-            if rep:
-                times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+    return _medians({"embed": lambda i, q: memory.embed([q])}, queries, repeats)["embed"]
 
 
 def _big_scope(memory, samples: list[LocomoSample], user: str, size: int) -> None:
