@@ -249,7 +249,8 @@ class Answering:
         return Injection(prompt_token_ids=req.prompt_token_ids, plan=req.plan,
                          memories=[r.to_item(s) for r, s in req.hits], memory_tokens=req.memory_tokens,
                          retrieval_s=req.retrieval_s, kv_memory_ids=list(req.kv_memory_ids),
-                         text_memory_ids=list(req.text_memory_ids), kv_sources=dict(req.kv_sources))
+                         text_memory_ids=list(req.text_memory_ids), kv_sources=dict(req.kv_sources),
+                         scope_key=req.scope_key)
 
     def inject(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                run_id: str | None = None, k: int | None = None, context_window: int | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferscale.kv.injection import InjectionPlan
+from inferscale.kv.injection import InjectionPlan, cache_salt
 
 
 class UnknownScopeError(KeyError):
@@ -83,6 +83,7 @@ class Injection:
         text_memory_ids: memories placed as prompt text (in inject mode: not encoded yet).
         kv_sources: in inject mode, per memory id, where its KV came from or why it came as
             text (:data:`inferscale.generation.request.KV_SOURCES`).
+        scope_key: the scope whose memory the prompt carries (its prefix-cache salt's).
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -93,6 +94,7 @@ class Injection:
     kv_memory_ids: list[str] = field(default_factory=list)
     text_memory_ids: list[str] = field(default_factory=list)
     kv_sources: dict[str, str] = field(default_factory=dict)
+    scope_key: str = ""
 
     @property
     def kv_transfer_params(self) -> dict | None:
@@ -101,16 +103,15 @@ class Injection:
         return None if self.plan is None else self.plan.to_params()
 
     @property
-    def cache_salt(self) -> str | None:
-        """Pass in the prompt dict so the prefix cache keeps injected KV apart."""
-        return None if self.plan is None else self.plan.cache_salt()
+    def cache_salt(self) -> str:
+        """Pass in the prompt dict (or the OpenAI server's ``cache_salt`` field), in either mode:
+        the prefix cache keeps this scope's blocks, and injected KV, apart
+        (:func:`inferscale.kv.injection.cache_salt`)."""
+        return cache_salt(self.scope_key, self.plan)
 
     def vllm_prompt(self) -> dict:
         """The prompt dict for ``LLM.generate`` / ``AsyncLLM.generate``."""
-        prompt: dict = {"prompt_token_ids": list(self.prompt_token_ids)}
-        if self.plan is not None:
-            prompt["cache_salt"] = self.plan.cache_salt()
-        return prompt
+        return {"prompt_token_ids": list(self.prompt_token_ids), "cache_salt": self.cache_salt}
 
 
 @dataclass(frozen=True)

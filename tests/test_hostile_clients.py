@@ -288,3 +288,101 @@ def test_no_pid_or_path_reaches_a_client_without_the_key(front):
     assert front.http("GET", "/health").headers["x-inferscale-worker"] == str(front.proc.pid)
     # and the server kept serving through all of the above
     assert front.http("GET", "/memories?user_id=alice").status_code == 200
+
+
+# ------------------------------------------------------------------ issue 52: one reading, no ambiguity
+
+def test_a_body_sent_as_another_type_than_json_is_415_and_reads_nothing(front):
+    """curl's default ``--data`` type is form data: the chat route read it as JSON anyway and
+    kept the last of two ``user`` fields (bob's memories for a gateway that checked alice)."""
+    raw = b'{"user": "alice", "user": "bob", "model": "smol", "messages": [{"role": "user", "content": "tea?"}]}'
+    for kind in ("application/x-www-form-urlencoded", "text/plain", "multipart/form-data; boundary=x"):
+        for path in ("/v1/chat/completions", "/v1/completions", "/memories", "/search", "/mcp"):
+            refused(front.http("POST", path, content=raw, headers={"content-type": kind}), 415,
+                    "application/json", kind.split(";")[0])
+    before = front.http("GET", "/memories?user_id=bob").json()["results"]
+    form = b'{"messages": "Bob hates tea.", "user_id": "bob", "infer": false}'
+    refused(front.http("POST", "/memories", content=form, headers={"content-type": "application/x-www-form-urlencoded"}),
+            415)
+    assert front.http("GET", "/memories?user_id=bob").json()["results"] == before
+
+
+def test_a_body_without_a_content_type_is_read_as_strict_json(front):
+    raw = b'{"user": "alice", "user": "bob", "model": "smol", "messages": [{"role": "user", "content": "tea?"}]}'
+    r = httpx.post(front.url + "/v1/chat/completions", content=raw, headers=AUTH, timeout=60)
+    assert "content-type" not in r.request.headers
+    refused(r, 400, "'user' twice")
+    refused(front.http("POST", "/v1/chat/completions", content=b'{"user": "alice", "n": NaN}',
+                       headers={"content-type": "application/json; charset=utf-8"}), 400, "NaN")
+
+
+def test_repeated_scope_headers_are_400(front):
+    body = {"model": "smol", "messages": [{"role": "user", "content": "tea?"}], "user": "alice"}
+    for name in ("X-InferScale-Agent-Id", "X-InferScale-Run-Id"):
+        r = httpx.post(front.url + "/v1/chat/completions", json=body, timeout=60,
+                       headers=[*AUTH.items(), (name, "planner"), (name.lower(), "other")])
+        refused(r, 400, f"more than one {name} header")
+    r = httpx.post(front.url + "/memories", timeout=60, content=b'{"messages": "x", "user_id": "bob"}',
+                   headers=[*AUTH.items(), ("Content-Type", "application/json"), ("Content-Type", "text/plain")])
+    refused(r, 400, "more than one Content-Type header")
+
+
+def test_a_get_on_mcp_is_405_at_once_not_an_endless_stream(front):
+    t0 = time.monotonic()
+    r = front.http("GET", "/mcp", headers={"Accept": "text/event-stream"}, timeout=10)
+    message = refused(r, 405, "POST")
+    assert r.headers["allow"] == "POST" and time.monotonic() - t0 < 5, (r.headers, message)
+    refused(front.http("DELETE", "/mcp", timeout=10), 405, "POST")
+
+
+def test_trailing_slash_redirects_are_relative_whatever_host_and_proto(front):
+    evil = {"Host": "evil.example", "X-Forwarded-Proto": "https", "X-Forwarded-Host": "evil.example"}
+    for path in ("/memories/?user_id=alice", "/search/", "/mcp/", "/health/"):
+        r = front.http("GET" if path != "/search/" else "POST", path, headers=evil, json={} if path == "/search/" else None)
+        assert r.status_code in (307, 308), (path, r.status_code, r.text)
+        location = r.headers["location"]
+        assert location.startswith("/") and "evil" not in location and "//" not in location, (path, location)
+    assert front.http("GET", "/memories/?user_id=alice", headers=evil).headers["location"] == "/memories?user_id=alice"
+
+
+def mcp_call(front, tool: str, arguments: dict) -> dict:
+    """One JSON-RPC ``tools/call`` on the front's stateless ``/mcp`` (its JSON answer)."""
+    r = front.http("POST", "/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                         "params": {"name": tool, "arguments": arguments}},
+                   headers={"Accept": "application/json, text/event-stream",
+                            "MCP-Protocol-Version": "2025-06-18"})
+    assert r.status_code == 200, r.text
+    return r.json()["result"]
+
+
+def test_mcp_arguments_of_the_wrong_type_or_unknown_are_refused_and_write_nothing(front):
+    before = front.http("GET", "/memories?user_id=erin").json()["results"]
+    for arguments, word in (({"text": "Erin likes tea.", "user_id": "erin", "infer": "yes"}, "infer"),
+                            ({"text": "Erin likes tea.", "user_id": "erin", "infer": 1}, "infer"),
+                            ({"text": "Erin likes tea.", "user_id": "erin", "colour": "red"}, "colour"),
+                            ({"text": "Erin likes tea.", "user_id": 7}, "user_id")):
+        result = mcp_call(front, "add", arguments)
+        assert result["isError"] and word in result["content"][0]["text"], (arguments, result)
+    for limit in ("5", True, 5.0):
+        result = mcp_call(front, "search", {"query": "tea", "user_id": "alice", "limit": limit})
+        assert result["isError"] and "limit" in result["content"][0]["text"], (limit, result)
+    assert front.http("GET", "/memories?user_id=erin").json()["results"] == before == []
+    ok = mcp_call(front, "search", {"query": "tea", "user_id": "alice", "limit": 5})
+    assert not ok.get("isError") and ok["structuredContent"]["results"], ok
+
+
+def test_confusable_scope_ids_are_refused_naming_what_to_send(front):
+    cyrillic_a = "\u0430lice"  # Cyrillic a, then Latin
+    refused(front.http("POST", "/memories", json={"messages": "Mallory likes tea.", "user_id": cyrillic_a}), 400,
+            "CYRILLIC", "LATIN", "U+0430")
+    decomposed = "jose\u0301"  # e + combining acute: NFD
+    refused(front.http("POST", "/memories", json={"messages": "Jose likes tea.", "user_id": decomposed}), 400,
+            "NFKC", "'jos\u00e9'")
+    refused(front.http("GET", f"/memories?user_id={cyrillic_a}"), 400, "CYRILLIC")
+    body = {"model": "smol", "messages": [{"role": "user", "content": "tea?"}], "user": cyrillic_a}
+    refused(front.http("POST", "/v1/chat/completions", json=body), 400, "CYRILLIC")
+    for user in (cyrillic_a, decomposed):
+        assert not [s for s in front.http("GET", "/ui/api/scopes").json()["scopes"] if s.get("user_id") == user]
+    # one script, or the mixes Japanese writes with, are ids like any other
+    for user in ("\u0430\u043b\u0438\u0441\u0430", "jos\u00e9", "\u5c71\u7530\u305f\u308d\u3046Taro"):
+        assert front.http("POST", "/memories", json={"messages": "Likes tea.", "user_id": user}).status_code == 200

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -109,6 +110,11 @@ async def check_memory_tools(client: Client) -> None:
     await refused(client, "answer", {"question": "What do I eat?", "user_id": "carol"}, "no memories", "add")
     await refused(client, "answer", {"question": "What do I eat?", "user_id": "alice", "k": 500}, "k", "200")
     await refused(client, "answer", {"question": " ", "user_id": "alice"}, "question is empty")
+    # strict, as the REST routes: no coercion, no unknown argument (issue 52)
+    await refused(client, "add", {"text": "I like tea.", "user_id": "alice", "infer": "yes"}, "infer")
+    await refused(client, "add", {"text": "I like tea.", "user_id": "alice", "colour": "red"}, "colour")
+    await refused(client, "search", {"query": "tea", "user_id": "alice", "limit": "5"}, "limit")
+    await refused(client, "search", {"query": "tea", "user_id": "alice", "limit": True}, "limit")
     assert [r["id"] for r in (await ok(client, "get_all", {"user_id": "alice"}))["results"]] == [home["id"]]
 
 
@@ -119,6 +125,32 @@ async def test_stdio_server_keeps_users_apart_and_reports_bad_arguments_as_tool_
     async with Client(stdio_server(tmp_path / "data", log), read_timeout_seconds=300) as client:
         await check_memory_tools(client)
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def test_stdio_answers_a_line_that_is_not_json_or_a_batch_with_a_json_rpc_error(tmp_path):
+    """JSON-RPC 2.0 section 5: a parse error (-32700) or an invalid request (-32600), id null;
+    the SDK alone answered nothing and logged nothing. The server keeps serving."""
+    env = {**os.environ, "INFERSCALE_DTYPE": "float32", "INFERSCALE_PRECOMPUTE_KV": "false"}
+    proc = subprocess.Popen([str(INFERSCALE), "mcp", "--data-dir", str(tmp_path / "data")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        def ask(line: bytes) -> dict:
+            proc.stdin.write(line + b"\n")
+            proc.stdin.flush()
+            return json.loads(proc.stdout.readline())
+
+        parse = ask(b"this is not json")
+        assert parse["id"] is None and parse["error"]["code"] == -32700, parse
+        batch = ask(b'[{"jsonrpc": "2.0", "id": 1, "method": "ping"}]')
+        assert batch["id"] is None and batch["error"]["code"] == -32600 and "batch" in batch["error"]["message"], batch
+        init = ask(json.dumps({"jsonrpc": "2.0", "id": 2, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}).encode())
+        assert init["id"] == 2 and init["result"]["serverInfo"]["name"] == "inferscale", init
+    finally:
+        proc.stdin.close()
+        assert proc.wait(60) == 0
+    err = proc.stderr.read().decode()
+    assert "not JSON" in err and "batches" in err and "Traceback" not in err, err
 
 
 async def test_stdio_answer_injects_the_users_memories_as_kv(tmp_path):

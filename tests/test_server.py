@@ -185,6 +185,36 @@ def test_text_request_after_injection_gets_its_own_kv(server):
     assert top(after) == top(cold)
 
 
+def test_no_scope_is_served_another_scopes_cached_blocks_as_text_kv_or_without_memory(server):
+    """Issue 52: with the memory as text (not encoded yet, or mode text), every scope's requests
+    carried the same cache salt, so ``cached_tokens`` confirmed a guess of another scope's
+    memory a block at a time. Now each scope has its own salt, in every mode; a scope's own
+    repeat still hits the prefix cache."""
+    secret = ("My locker code is 4417, my bank PIN is 9921, my passport number is X5508812, my locker is in "
+              "hall B near the north stairs, and my spare key hides under the blue flower pot by the back door.")
+    for user in ("salt-a", "salt-b"):
+        r = server.http("POST", "/memories", json={"messages": secret, "user_id": user, "infer": False})
+        assert r.status_code == 200, r.text
+    question = "What is my locker code? Answer with the digits only, please, and nothing else."
+
+    def cached(user: str, mode: str) -> int:
+        # without memory, the secret is in the user's own message (their conversation is theirs too)
+        content = question if mode == "text" else f"{secret} {secret} {question}"
+        r = server.client().chat.completions.create(
+            model=server.client().models.list().data[0].id, messages=[{"role": "user", "content": content}],
+            user=user, max_tokens=1, temperature=0, extra_body={"memory": {"mode": mode}})
+        assert r.usage.prompt_tokens > 128, r.usage  # a whole block at least
+        assert mode == "none" or report(r)["memories"], report(r)
+        return r.usage.prompt_tokens_details.cached_tokens or 0
+
+    for mode in ("text", "none"):
+        first = cached("salt-a", mode)
+        again = cached("salt-a", mode)
+        other = cached("salt-b", mode)
+        assert again >= 128, (mode, first, again)  # a block (128 tokens on CPU) of salt-a's own prompt
+        assert other == 0, (mode, again, other)  # salt-b shares no block with salt-a, whatever their tokens
+
+
 def test_eight_users_at_once_each_get_their_own_memories(server):
     users = {f"user{i}": f"My locker number is {1000 + 37 * i}." for i in range(8)}
     owned = {}

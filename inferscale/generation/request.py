@@ -17,7 +17,7 @@ from inferscale.checks import check_bool
 from inferscale.facts.writes import FactService
 from inferscale.kv.disk import DiskFullError
 from inferscale.kv.capture import CaptureRequest
-from inferscale.kv.injection import InjectionPlan
+from inferscale.kv.injection import InjectionPlan, cache_salt
 from inferscale.kv.manager import KVManager
 from inferscale.generation.options import GenerationOptions
 from inferscale.generation.prompt import PREAMBLE_OWNER, PromptBuilder, Segment
@@ -69,6 +69,7 @@ class PreparedRequest:
             or a forced tool call's), ``None`` for free text.
         kv_sources: in inject mode, per fact id, where its KV was when the request was
             planned (:data:`KV_SOURCES`).
+        scope_key: the scope whose memory the prompt carries (its prefix-cache salt's).
     """
 
     prompt_token_ids: tuple[int, ...]
@@ -81,14 +82,16 @@ class PreparedRequest:
     text_memory_ids: tuple[str, ...] = ()
     json_schema: dict | None = None
     kv_sources: dict[str, str] = field(default_factory=dict)
+    scope_key: str = ""
 
     @property
     def kv_transfer_params(self) -> dict | None:
         return None if self.plan is None else self.plan.to_params()
 
     @property
-    def cache_salt(self) -> str | None:
-        return None if self.plan is None else self.plan.cache_salt()
+    def cache_salt(self) -> str:
+        """The scope's prefix-cache salt (:func:`inferscale.kv.injection.cache_salt`), in either mode."""
+        return cache_salt(self.scope_key, self.plan)
 
 
 def check_history(history: Sequence[dict] | None, what: str = "history") -> tuple[dict, ...]:
@@ -230,7 +233,7 @@ class RequestBuilder:
         plan = sel.plan(layout.segments) if options.mode == "inject" else None
         memory_tokens = plan.memory_end if plan is not None else layout.memory_end
         return PreparedRequest(layout.token_ids, plan, sel.hits, sel.retrieval_s, memory_tokens, options,
-                               sel.kv_ids, sel.text_ids, json_schema, sel.kv_sources)
+                               sel.kv_ids, sel.text_ids, json_schema, sel.kv_sources, scope.key)
 
     def prepare_memory_block(self, scope: Scope, query: str, options: GenerationOptions, *,
                              instructions: str | None = None) -> "MemoryBlock":
@@ -258,7 +261,7 @@ class RequestBuilder:
         plan = sel.plan(segments) if options.mode == "inject" else None
         memory_tokens = plan.memory_end if plan is not None else segments[-1].end
         return MemoryBlock(system, plan, sel.hits, sel.retrieval_s, memory_tokens, sel.kv_ids, sel.text_ids,
-                           sel.kv_sources)
+                           sel.kv_sources, scope.key)
 
     def _select(self, scope: Scope, query: str, options: GenerationOptions, allow_unknown_scope: bool,
                 max_block_tokens: int | None = None) -> "_Selection":
@@ -422,7 +425,7 @@ class MemoryBlock:
         hits: the retrieved facts and their scores, best first.
         retrieval_s: query embedding plus search (seconds).
         memory_tokens: tokens the plan covers (inject mode), or of preamble and fact lines (text).
-        kv_memory_ids / text_memory_ids / kv_sources: as in :class:`PreparedRequest`.
+        kv_memory_ids / text_memory_ids / kv_sources / scope_key: as in :class:`PreparedRequest`.
     """
 
     system_text: str
@@ -433,6 +436,12 @@ class MemoryBlock:
     kv_memory_ids: tuple[str, ...] = ()
     text_memory_ids: tuple[str, ...] = ()
     kv_sources: dict[str, str] = field(default_factory=dict)
+    scope_key: str = ""
+
+    @property
+    def cache_salt(self) -> str:
+        """The scope's prefix-cache salt (:func:`inferscale.kv.injection.cache_salt`), in either mode."""
+        return cache_salt(self.scope_key, self.plan)
 
 
 @dataclass(frozen=True)

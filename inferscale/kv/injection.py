@@ -29,6 +29,7 @@ An injection, for one request whose first ``start`` prompt tokens are already co
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -102,9 +103,10 @@ class InjectionPlan:
     def keys(self) -> tuple[str, ...]:
         return tuple(s.key for s in self.segments)
 
-    def cache_salt(self) -> str:
-        """Prefix-cache salt: requests share cached blocks only when they inject exactly the same KV."""
-        return hashlib.sha256("|".join(self.keys).encode()).hexdigest()[:32]
+    def cache_salt(self, scope_key: str = "") -> str:
+        """Prefix-cache salt (:func:`cache_salt`): requests share cached blocks only when they
+        carry the same scope's memory and inject exactly the same KV."""
+        return cache_salt(scope_key, self)
 
     def to_params(self) -> dict:
         """The request's ``kv_transfer_params`` (JSON-serialisable)."""
@@ -132,6 +134,29 @@ class InjectionPlan:
         except Exception as exc:  # anything malformed must be rejected, never crash the engine
             raise ValueError(f"malformed kv_transfer_params[{PARAMS_KEY!r}]: {exc}") from exc
 
+
+
+def cache_salt(scope_key: str, plan: "InjectionPlan | None") -> str:
+    """vLLM's prefix-cache salt (``cache_salt``, mixed into the hash of a prompt's first block and
+    so of every block after it) for a request that carries ``scope_key``'s memory, as KV or as text.
+
+    Requests share cached blocks only when they name the same scope and inject exactly the same
+    KV: another scope's request never gets one of this scope's blocks, whatever their tokens
+    (``usage.prompt_tokens_details.cached_tokens`` would tell a caller that another scope's
+    memory equals a guess), and a text request of a scope never reuses blocks its injected
+    requests filled. The shared preamble is salted with the scope too: it holds nothing of
+    any scope, but a block's hash chains its predecessors', so a salt cannot skip it.
+
+    Args:
+        scope_key: the scope's key (:attr:`inferscale.store.records.Scope.key`; ``""`` for a
+            request that names none).
+        plan: the request's injection plan, ``None`` for a text request.
+
+    Returns:
+        32 hex characters (128 bits of SHA-256).
+    """
+    parts = [scope_key, *(plan.keys if plan is not None else ())]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 def _count(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:

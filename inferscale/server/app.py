@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import os
 from typing import Callable
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
@@ -52,6 +53,17 @@ from inferscale.server.upstream import Replicas
 
 #: routes answered without an API key (liveness probes carry no data)
 _OPEN_PATHS = frozenset({"/health", "/ready"})  # a load balancer's probe sends no key
+
+
+def relative_location(location: str) -> str:
+    """``location`` as a path on this server: scheme and host dropped (Starlette builds the
+    redirect to a path's ``/`` from the request's ``Host`` and ``X-Forwarded-Proto``, which the
+    client chooses: ``Location: https://evil.example/memories``). RFC 9110 section 10.2.2
+    allows a relative reference."""
+    parts = urlsplit(location)
+    if not (parts.scheme or parts.netloc):
+        return location
+    return (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
 
 def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None,
@@ -107,6 +119,8 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
         response = await call_next(request)
         if request.scope.get(AUTHORIZED):
             response.headers["x-inferscale-worker"] = worker
+        if "location" in response.headers:  # Starlette's slash redirects are built from the client's Host
+            response.headers["location"] = relative_location(response.headers["location"])
         return response
 
     # added last, so it runs outermost: the key and the announced size before any body byte is read

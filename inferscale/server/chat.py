@@ -239,7 +239,7 @@ def forward_body(body: dict, block: MemoryBlock | None, rest: list[dict] | None,
         out["max_tokens"] = default_max_tokens
     if block is not None:
         out["messages"] = [{"role": "system", "content": block.system_text}, *(rest or [])]
+        out["cache_salt"] = block.cache_salt  # the scope's, as KV or as text: no other scope shares its blocks
         if block.plan is not None:
             out["kv_transfer_params"] = block.plan.to_params()
-            out["cache_salt"] = block.plan.cache_salt()
     return out

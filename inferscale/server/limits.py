@@ -15,7 +15,10 @@ Two layers, each the first to see its part of a request:
   the body is read whole (the app parses it after) and cut with 413 past
   ``max_body_bytes`` (a chunked body announces no length) or 408 when it has not all
   arrived ``body_timeout_s`` after the head (a total deadline, so a byte every few
-  seconds does not hold a connection). Early answers carry ``Connection: close``.
+  seconds does not hold a connection); then the body is read once, as JSON, whatever its
+  ``Content-Type`` (:mod:`inferscale.server.bodies`: 415 for another type, 400 for a key given
+  twice) and its value handed on. A header that names the key, the body's type or the scope
+  (:data:`SINGLE_HEADERS`) given twice is a 400. Early answers carry ``Connection: close``.
 
 :class:`FrontLimits` holds the four settings (``inferscale serve --max-body-bytes`` ...,
 or ``INFERSCALE_MAX_BODY_BYTES`` ...; docs/server.md, "Limits"); every worker process
@@ -33,8 +36,13 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from inferscale.server.bodies import PARSED_BODY, read_body
+
 #: the ASGI scope key :class:`RequestGate` sets on a request that carried the key (or needs none)
 AUTHORIZED = "inferscale.authorized"
+#: headers a request may carry once: the key, the body's type and the scope (which one would count is a guess)
+SINGLE_HEADERS = {b"authorization": "Authorization", b"content-type": "Content-Type",
+                  b"x-inferscale-agent-id": "X-InferScale-Agent-Id", b"x-inferscale-run-id": "X-InferScale-Run-Id"}
 #: the head's end: the blank line after the last header (RFC 9112, section 2.1)
 _HEAD_END = b"\r\n\r\n"
 
@@ -192,8 +200,9 @@ class RequestGate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:  # which one counts is a proxy's guess
-            return await _answer(send, 400, "the request has more than one Authorization header: send one")
+        repeated = _repeated_header(scope["headers"])
+        if repeated is not None:  # which one counts is a proxy's guess
+            return await _answer(send, 400, f"the request has more than one {repeated} header: send one")
         if self.api_key and scope["path"] not in self.open_paths and not self._authorized(headers):
             return await _answer(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or "
                                             "Mem0's 'Authorization: Token <key>')", "authentication_error")
@@ -218,10 +227,11 @@ class RequestGate:
                 return await _answer(send, 413, f"the request body is over {self.limits.max_body_bytes} bytes, "
                                                 "the most accepted (max_body_bytes)")
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        repeated = repeated_json_key(body["body"]) if b"json" in headers.get(b"content-type", b"json").lower() else None
-        if repeated is not None:
-            return await _answer(send, 400, f"the request body names {repeated!r:.80} twice in one JSON object: "
-                                            "send each key once (which one would count is a parser's guess)")
+        verdict = read_body(body["body"], headers.get(b"content-type"))
+        if verdict.status:
+            return await _answer(send, verdict.status, verdict.message)
+        if verdict.parsed:
+            scope[PARSED_BODY] = verdict.value
         if self.api_key is None or b"authorization" in headers and self._authorized(headers):
             scope[AUTHORIZED] = True
         await self.app(scope, _replay([body], receive), send)
@@ -229,34 +239,6 @@ class RequestGate:
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
         return scheme.lower() in (b"bearer", b"token") and hmac.compare_digest(given, self.api_key.encode())
-
-
-class _Repeated(Exception):
-    pass
-
-
-def _refuse_repeats(pairs: list[tuple[str, Any]]) -> dict:
-    seen = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise _Repeated(key)
-        seen.add(key)
-    return dict(pairs)
-
-
-def repeated_json_key(raw: bytes) -> str | None:
-    """A key that some object of the JSON document ``raw`` holds twice (RFC 8259 section 4: names
-    "SHOULD be unique", and parsers differ on which value counts: Python's and most keep the
-    last, a gateway may check the first), or ``None``; a body that is not JSON is the app's to refuse."""
-    if not raw.lstrip()[:1] in (b"{", b"["):
-        return None
-    try:
-        json.loads(raw, object_pairs_hook=_refuse_repeats)
-    except _Repeated as exc:
-        return str(exc.args[0])
-    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError): the route says so
-        return None
-    return None
 
 
 async def _answer(send, status: int, message: str, kind: str = "invalid_request_error") -> None:
@@ -269,6 +251,18 @@ async def _answer(send, status: int, message: str, kind: str = "invalid_request_
     await send({"type": "http.response.start", "status": status,
                 "headers": headers + [(b"connection", b"close")] if status == 408 else headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def _repeated_header(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The first of :data:`SINGLE_HEADERS` that ``headers`` carry more than once (by name, in any
+    case: ASGI servers give names in lower case), as :data:`SINGLE_HEADERS` spells it, or ``None``."""
+    seen: set[bytes] = set()
+    for name, _ in headers:
+        if name in SINGLE_HEADERS:
+            if name in seen:
+                return SINGLE_HEADERS[name]
+            seen.add(name)
+    return None
 
 
 def _replay(messages: list, receive):

@@ -21,8 +21,9 @@ from starlette.background import BackgroundTask
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from inferscale.kv.injection import injected_tokens
+from inferscale.kv.injection import cache_salt, injected_tokens
 from inferscale.memory import Memory
+from inferscale.server.bodies import PARSED_BODY, NotJsonConstantError, RepeatedKeyError, strict_json
 from inferscale.server.chat import (
     ChatPlan,
     ChatRequestError,
@@ -72,7 +73,7 @@ def router() -> APIRouter:
         report = None
         if options.mode == "none":
             plan = ChatPlan(forward_body(body, None, None, default_max_tokens), None, "none")
-            key = _route_key(body, request.headers)
+            key = _route_key(plan.body, request.headers)
         else:
             scope = request_scope(body, request.headers)
             key = scope.key
@@ -95,11 +96,17 @@ def router() -> APIRouter:
 def _route_key(body: dict, headers: Any) -> str:
     """The replica routing key of a request without memory: its scope's key when it names
     one (so a user's requests share a replica whatever their mode), else a fresh random key
-    (requests of nobody in particular spread over the replicas)."""
+    (requests of nobody in particular spread over the replicas).
+
+    A request that names a scope also gets the scope's prefix-cache salt in ``body``
+    (:func:`inferscale.kv.injection.cache_salt`): its prompt is that user's, and another
+    scope's request must not learn it from ``cached_tokens``."""
     try:
-        return request_scope(body, headers).key
+        scope = request_scope(body, headers)
     except ChatRequestError:
         return os.urandom(8).hex()
+    body["cache_salt"] = cache_salt(scope.key, None)
+    return scope.key
 
 
 def _memory_options(value: Any) -> MemoryOptions:
@@ -118,18 +125,23 @@ def _memory_block(memory: Memory, scope, query: str, options: MemoryOptions, ins
                                text_tail=options.text_tail, memory_order=options.memory_order)
 
 
-def _no_constant(name: str):
-    raise ChatRequestError(f"the request body holds {name}, which is not JSON: send a number or null")
-
-
 async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ChatRequestError(f"the request body is not valid JSON ({exc})") from None
-    except RecursionError:
-        raise ChatRequestError("the request body is nested too deeply to read: flatten it") from None
+    """The body as the gate read it (:mod:`inferscale.server.bodies`: one strict reading); an app
+    served without the gate (tests of the routes alone) reads it with the same reader."""
+    if PARSED_BODY in request.scope:
+        body = request.scope[PARSED_BODY]
+    else:
+        try:
+            body = strict_json(await request.body())
+        except RepeatedKeyError as exc:
+            raise ChatRequestError(f"the request body names {exc.key!r:.80} twice in one JSON object: send each "
+                                   "key once") from None
+        except NotJsonConstantError as exc:
+            raise ChatRequestError(f"the request body holds {exc}, which is not JSON: send a number or null") from None
+        except ValueError as exc:
+            raise ChatRequestError(f"the request body is not valid JSON ({exc})") from None
+        except RecursionError:
+            raise ChatRequestError("the request body is nested too deeply to read: flatten it") from None
     if not isinstance(body, dict):
         raise ChatRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     if not isinstance(body.get("stream", False), bool):

@@ -10,6 +10,8 @@ import copy
 import json
 from dataclasses import dataclass, field
 
+from inferscale.store.scope_ids import check_scope_id
+
 #: The layout of stored records; a store written by a newer version is refused.
 SCHEMA_VERSION = 1
 
@@ -41,8 +43,9 @@ class Scope:
 
         Raises:
             TypeError: a field is not a string.
-            ValueError: no field is given, or one is empty, not printable text, or longer than
-                :data:`MAX_SCOPE_ID_CHARS`.
+            ValueError: no field is given, or one is empty, not printable text, longer than
+                :data:`MAX_SCOPE_ID_CHARS`, not in NFKC form or of mixed scripts
+                (:func:`~inferscale.store.scope_ids.check_scope_id`).
         """
         for name, value in (("user_id", user_id), ("agent_id", agent_id), ("run_id", run_id)):
             if value is not None and not isinstance(value, str):
@@ -56,6 +59,8 @@ class Scope:
                 raise ValueError(f"{name} is {len(value):,} characters ({value[:40]!r}...); an id is at most "
                                  f"{MAX_SCOPE_ID_CHARS} characters: use a stable short id, such as a hash of "
                                  "a long one")
+            if value is not None:
+                check_scope_id(name, value)
         if not (user_id or agent_id or run_id):
             raise ValueError("one of user_id, agent_id or run_id is required, e.g. memory.add(..., user_id='alice')")
         return cls(user_id, agent_id, run_id)

@@ -40,10 +40,16 @@ async function api(method, path, body) {
   return data;
 }
 
-// each id quoted as JSON writes it: "alice, agent_id=x" and " alice" stay told apart from other scopes
+// each id quoted as JSON writes it: "alice, agent_id=x" and " alice" stay told apart from other scopes;
+// an id that is not plain ASCII also shows its code points, so a Cyrillic "аре" is told from a Latin "ape"
 function scopeLabel(s) {
   return ["user_id", "agent_id", "run_id"].filter((k) => s[k] !== undefined)
-    .map((k) => `${k}=${JSON.stringify(s[k])}`).join(", ");
+    .map((k) => `${k}=${JSON.stringify(s[k])}${codePoints(s[k])}`).join(", ");
+}
+
+function codePoints(id) {
+  if (!/[^\x00-\x7f]/.test(id)) return "";
+  return ` (${Array.from(id, (c) => "U+" + c.codePointAt(0).toString(16).toUpperCase().padStart(4, "0")).join(" ")})`;
 }
 
 function scopeQuery(s) {
