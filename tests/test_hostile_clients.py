@@ -40,7 +40,8 @@ class Front:
         self.port = int(url.rsplit(":", 1)[1])
 
     def http(self, method: str, path: str, **kw) -> httpx.Response:
-        return httpx.request(method, self.url + path, headers={**AUTH, **kw.pop("headers", {})}, timeout=60, **kw)
+        kw.setdefault("timeout", 60)
+        return httpx.request(method, self.url + path, headers={**AUTH, **kw.pop("headers", {})}, **kw)
 
     def rss(self) -> int:
         return psutil.Process(self.proc.pid).memory_info().rss
