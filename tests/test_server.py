@@ -199,7 +199,8 @@ def test_no_scope_is_served_another_scopes_cached_blocks_as_text_kv_or_without_m
 
     def cached(user: str, mode: str) -> int:
         # without memory, the secret is in the user's own message (their conversation is theirs too)
-        content = question if mode == "text" else f"{secret} {secret} {question}"
+        # (the question is long enough that the prompt's first whole block holds the memory lines)
+        content = f"{question} {question}" if mode == "text" else f"{secret} {secret} {question}"
         r = server.client().chat.completions.create(
             model=server.client().models.list().data[0].id, messages=[{"role": "user", "content": content}],
             user=user, max_tokens=1, temperature=0, extra_body={"memory": {"mode": mode}})
