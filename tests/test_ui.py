@@ -242,3 +242,17 @@ def test_the_pool_shows_bytes_against_budgets_and_a_plot(page):
     assert "disk" in tiers and "no limit" in tiers  # the disk tier has no budget here
     assert "Memories served as KV" in page.inner_text("#pool-served")
     shot(page, "pool")
+
+
+def test_a_scope_id_that_is_not_ascii_shows_its_code_points(served, page):
+    """Issue 52: ids of one script may still look like ids of another (Cyrillic 'аре', Latin
+    'ape'); the page tells them apart by their code points (mixed-script ids are refused)."""
+    for user in ("\u0430\u0440\u0435", "ape"):
+        r = served.http("POST", "/memories", json={"messages": "Likes bananas.", "user_id": user})
+        assert r.status_code == 200, r.text
+    connect(page)
+    page.wait_for_selector("#scopes button:has-text('U+0430')")
+    labels = page.locator("#scopes button").all_inner_texts()
+    cyrillic = [t for t in labels if "U+0430 U+0440 U+0435" in t]
+    latin = [t for t in labels if t.startswith('user_id="ape"')]
+    assert len(cyrillic) == 1 and len(latin) == 1 and "U+" not in latin[0], labels
