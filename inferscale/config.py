@@ -159,6 +159,15 @@ class MemoryConfig(BaseSettings):
             query is its question's first ``max_query_chars`` characters.
         precompute_kv: encode a fact's KV when it is added (default); when False, KV is
             encoded the first time the fact is injected (faster writes, slower first read).
+        kv_encoder: who computes a memory's KV (Context-Window Encoding, first encodes and
+            re-encodes). ``"engine"``: the engine that serves the model, as a prefill-only
+            request below every request in vLLM's priority scheduling, whose connector captures
+            the memory line's KV (:mod:`inferscale.kv.engine_encoder`): no second copy of the
+            model in this process. ``"transformers"``: a copy of the model loaded in this
+            process with transformers. ``"auto"`` (default): ``"engine"`` where the memory
+            talks to vLLM's server (``inferscale serve``'s fronts, ``Memory(engine=...)``),
+            ``"transformers"`` for an embedded memory, whose engine starts on its first
+            ``generate`` (docs/decisions.md, "The engine computes the KV").
         encode_when_idle: the background encoder (first encodes and re-encodes of evicted
             KV) starts a batch only when no request of this process is in flight, so it
             never competes with one for the cores or the GPU (default ``True``; a batch
@@ -247,6 +256,7 @@ class MemoryConfig(BaseSettings):
     max_fact_tokens: int = Field(default=512, ge=8)
     max_query_chars: int = Field(default=16_384, ge=64)
     precompute_kv: bool = True
+    kv_encoder: Literal["auto", "engine", "transformers"] = "auto"
     encode_when_idle: bool = True
     capture_kv: bool = True
     kv_admission_window_s: float = Field(default=86_400.0, ge=0, allow_inf_nan=False)

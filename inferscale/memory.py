@@ -95,6 +95,8 @@ class Memory(Answering, Inspection, Reopenable):
             self._engine, self._owns_engine = engine, engine is None
             self._engine_lock = threading.Lock()
             self._closed = False
+            if self.config.kv_encoder == "engine" or self.config.kv_encoder == "auto" and engine is not None:
+                c.kv.use_engine(lambda: self.engine)  # every KV from the serving engine: no model here
             close_at_exit(self, first=True)  # a script that never calls close() still exits cleanly
             # a memory collected without close() lets go of the folder's pool too (a notebook
             # re-running `m = Memory(..., other budgets)`); at exit, close_at_exit does it

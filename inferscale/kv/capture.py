@@ -17,7 +17,9 @@ Each span is ``[owner, start position, num tokens, digest of the memory line's t
 A span is kept only when the prompt's own tokens there have that digest (a chat template
 that rendered the memory otherwise keeps nothing), under :func:`captured_key` of the
 owner, the ``parts`` and the digest; the front finds it by computing the same key from the
-memory's text.
+memory's text. A span may name its pool key as a fifth element instead: an encode
+(:mod:`inferscale.kv.engine_encoder`) is a prefill-only request whose one span is the fact's
+line after its Context-Window Encoding context, kept under the fact's encoded key.
 
 Reading vLLM's paged cache back: its layout is the attention backend's own (on the CPU a
 block is ``[num_kv_heads, 2 * block_size, head_size]``, keys transposed in fp32 and tiled
@@ -39,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from inferscale.kv.pool import kv_key
+from inferscale.kv.pool import kv_key, validate_key
 
 #: ``kv_transfer_params["inferscale"]`` field holding a :class:`CaptureRequest`.
 CAPTURE_FIELD = "capture"
@@ -76,13 +78,14 @@ class CaptureRequest:
         disk_budget_bytes: the front's disk budget for the pool's folder (``None``: none),
             which the connector's writes keep to as the front's own writes do.
         spans: ``(owner, start, num_tokens, token digest)`` of each memory line served as
-            text (positions in tokens).
+            text (positions in tokens), or ``(owner, start, num_tokens, token digest, key)``
+            to keep it under ``key`` (an encode) rather than :func:`captured_key`.
     """
 
     parts: dict[str, Any]
     storage: str
     disk_budget_bytes: int | None
-    spans: tuple[tuple[str, int, int, str], ...]
+    spans: tuple[tuple, ...]
 
     def to_params(self) -> dict:
         return {"parts": dict(self.parts), "storage": self.storage, "disk_budget_bytes": self.disk_budget_bytes,
@@ -113,12 +116,17 @@ class CaptureRequest:
             raise ValueError(f"capture disk_budget_bytes must be a positive integer or null, got {budget!r}")
         spans = []
         for span in entry.get("spans") or ():
-            if not (isinstance(span, (list, tuple)) and len(span) == 4 and isinstance(span[0], str)
+            if not (isinstance(span, (list, tuple)) and len(span) in (4, 5) and isinstance(span[0], str)
                     and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in span[1:3])
                     and span[2] > 0 and isinstance(span[3], str)):
-                raise ValueError(f"capture span {span!r} is not [owner, start, num_tokens, token digest]")
+                raise ValueError(f"capture span {span!r} is not [owner, start, num_tokens, token digest(, key)]")
             kv_key(span[0])  # a well-formed owner id
-            spans.append((span[0], span[1], span[2], span[3]))
+            if len(span) == 5:
+                if not (isinstance(span[4], str) and validate_key(span[4]).split("/", 1)[0] == span[0]):
+                    raise ValueError(f"capture span {span!r}: its key must be a pool key of its owner {span[0]!r}")
+                spans.append((span[0], span[1], span[2], span[3], span[4]))
+            else:
+                spans.append((span[0], span[1], span[2], span[3]))
         return cls(dict(parts), storage, budget, tuple(spans))
 
 
@@ -147,12 +155,12 @@ def plan_captures(request: CaptureRequest, prompt: Sequence[int]) -> tuple[list[
         The spans to capture, and how many were left out (past the prompt, or other tokens there).
     """
     out, skipped = [], 0
-    for owner, start, n, digest in request.spans:
+    for owner, start, n, digest, *key in request.spans:
         ids = tuple(int(t) for t in prompt[start:start + n])
         if len(ids) != n or token_digest(ids) != digest:
             skipped += 1
             continue
-        out.append(CaptureSpan(captured_key(owner, request.parts, digest), start, ids))
+        out.append(CaptureSpan(key[0] if key else captured_key(owner, request.parts, digest), start, ids))
     return out, skipped
 
 

@@ -18,12 +18,13 @@ import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from inferscale.kv.background import BackgroundEncoder
 from inferscale.kv.admission import SecondUseAdmission
 from inferscale.kv.capture import CaptureRequest, captured_key, token_digest
 from inferscale.kv.encoder import EncodeItem, KVEncoder
+from inferscale.kv.engine_encoder import EngineEncoder, EngineSpan
 from inferscale.kv.jobs import KVJob, KVJobQueue
 from inferscale.kv.pool import KVPool, kv_key, to_storage
 from inferscale.kv.quant import STORAGE_DTYPES
@@ -37,6 +38,8 @@ from inferscale.store.turns import TurnLog
 #: Part of every KV key: entries of an older format (format 1 stored no token ids) are
 #: never found, so they are encoded again rather than served unverified.
 KV_FORMAT = 2
+#: ``kv_encoder``'s values: who computes a fact's KV (:class:`KVManager`)
+KV_ENCODERS = ("engine", "transformers")
 
 #: Fact KV keys kept by :meth:`KVManager.fact_keys` (~200 bytes each: ~40 MB when full).
 _KEY_CACHE_SIZE = 200_000
@@ -62,12 +65,14 @@ class FactSpan:
         other_keys: the keys of the same KV in the other storage dtypes: once ``key`` is
             stored, they are dropped from this machine's tiers (a storage switch replaces
             files, it does not add to them).
+        scope_key: the scope whose turns the context holds (``""`` for the preamble).
     """
 
     key: str
     item: EncodeItem
     model_key: str | None = None
     other_keys: tuple[str, ...] = ()
+    scope_key: str = ""
 
 
 class KVManager:
@@ -90,6 +95,10 @@ class KVManager:
             (:mod:`inferscale.kv.quant`); fact KV only, the preamble stays in the model's dtype.
         encode_when_idle: the background encoder waits, before each batch, until no request
             of this process is in flight (``encode_when_idle``; :class:`BackgroundEncoder`).
+        encoder: ``kv_encoder``: ``"engine"`` (the serving engine computes every KV, a
+            prefill-only request at low priority, :mod:`inferscale.kv.engine_encoder`; the
+            engine comes from :meth:`use_engine`) or ``"transformers"`` (a copy of the model
+            in this process, :class:`~inferscale.kv.encoder.KVEncoder`).
         capture: capture on a miss (``capture_kv``): requests ask the connector to keep the
             KV of memories they serve as text (:meth:`capture_request`), lookups fall back to
             captured KV (:meth:`captured_keys`), and a job whose memory was captured
@@ -100,7 +109,7 @@ class KVManager:
             0 keeps every miss.
 
     Raises:
-        ValueError: an unknown ``storage``, a negative admission window.
+        ValueError: an unknown ``storage`` or ``encoder``, a negative admission window.
     """
 
     def __init__(
@@ -120,9 +129,15 @@ class KVManager:
         encode_when_idle: bool = True,
         capture: bool = True,
         admission_window_s: float = 86_400.0,
+        encoder: str = "transformers",
     ) -> None:
         if storage not in STORAGE_DTYPES:
             raise ValueError(f"kv_storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {storage!r}")
+        if encoder not in KV_ENCODERS:
+            raise ValueError(f"kv_encoder must be one of {', '.join(KV_ENCODERS)}, got {encoder!r}")
+        self.encoder_kind = encoder
+        self._engine: Callable[[], Any] | None = None
+        self._engine_encoder: EngineEncoder | None = None
         self.storage = storage
         self.capture = capture
         #: which misses are kept as KV (captured or encoded): all, or those used twice within a window
@@ -161,9 +176,40 @@ class KVManager:
         self.background = BackgroundEncoder(jobs, self.run_jobs, requests_in_flight=lambda: pool.requests_in_flight,
                                             yield_to_requests=encode_when_idle) if jobs is not None else None
 
+    def use_engine(self, engine: Callable[[], Any]) -> None:
+        """Encode on the serving engine from now on (``kv_encoder="engine"``): ``engine()``
+        returns it (:class:`inferscale.serving.engine.Engine`, or vLLM's server over HTTP).
+        The background encoder then no longer waits for this process's requests to end:
+        vLLM's priority scheduling puts the encodes below them."""
+        self._engine = engine
+        self.encoder_kind = "engine"
+        if self.background is not None:
+            self.background.yield_to_requests = False
+
+    @property
+    def engine_encoder(self) -> EngineEncoder | None:
+        """The encoder on the serving engine (``kv_encoder="engine"``), ``None`` otherwise.
+
+        Raises:
+            RuntimeError: ``kv_encoder="engine"`` and no engine was given (:meth:`use_engine`).
+        """
+        if self.encoder_kind != "engine":
+            return None
+        if self._engine_encoder is None:
+            if self._engine is None:
+                raise RuntimeError("kv_encoder='engine' needs the serving engine: KVManager.use_engine(...) first")
+            self._engine_encoder = EngineEncoder(self._engine, self.pool, self.capture_parts())
+        return self._engine_encoder
+
+    @property
+    def encoder_loaded(self) -> bool:
+        """Whether this process loaded the LLM's weights to encode KV (the transformers encoder)."""
+        return self._encoder is not None
+
     @property
     def encoder(self) -> KVEncoder:
-        """The transformers model that encodes KV (loaded on first use)."""
+        """The transformers model that encodes KV (loaded on first use): the encoder where
+        ``kv_encoder="transformers"``, and the tests' reference either way."""
         if self._encoder is None:
             with quiet_progress_bars(self.verbose):
                 self._encoder = KVEncoder(self.model_path, self.dtype, batch_tokens=self.batch_tokens)
@@ -244,7 +290,7 @@ class KVManager:
             others = tuple(k for s, k in keys.items() if s != self.storage) + (
                 captured_key(fact.id, self.capture_parts(), token_digest(span)),)
             spans.append(FactSpan(keys[self.storage], EncodeItem(tuple(context), span),
-                                  None if self.storage == "auto" else keys["auto"], others))
+                                  None if self.storage == "auto" else keys["auto"], others, scope_key))
         with self._keys_lock:
             for fact, s in zip(facts, spans):
                 self._keys[(scope_key, version, fact.id, fact.hash, fact.source_turn_ids, w)] = s.key
@@ -346,6 +392,13 @@ class KVManager:
             self.pool.check_writable()  # a full KV disk: no encode of KV that could not be stored
             quantized = self.quantize_stored(list(missing.values()))
             todo = [s for s in missing.values() if s.key not in quantized]
+            engine = self.engine_encoder if todo else None
+            if engine is not None:  # the serving engine computes it and its connector stores it
+                engine.encode([EngineSpan(s.key, s.item.context_ids, s.item.span_ids,
+                                          "auto" if s.model_key is None else self.storage, s.scope_key) for s in todo])
+                for span in todo:
+                    self.drop_other_variants(span)
+                return len(missing)
             for span, kv in zip(todo, self.encoder.encode([s.item for s in todo])) if todo else ():
                 self.pool.put(span.key, kv if span.model_key is None else to_storage(kv, self.storage))
                 self.drop_other_variants(span)

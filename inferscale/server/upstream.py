@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import httpx
+
+logger = logging.getLogger(__name__)
 
 #: Seconds to wait for vLLM: connecting, and between two bytes of a response (a long
 #: prefill under load can take a while before the first byte).
@@ -259,6 +262,7 @@ class HttpEngine:
         self.model = served_model_name
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         self._next = 0
+        self._priority = True  # until a server refuses a priority (not started with priority scheduling)
         self._client = httpx.Client(headers=auth_headers(api_key),
                                     timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
 
@@ -268,8 +272,16 @@ class HttpEngine:
         self.urls, self.model = list(urls), served_model_name
 
     def generate(self, prompt_token_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
+                 kv_transfer_params: dict | None = None, cache_salt: str | None = None, priority: int = 0,
                  **_: object) -> Completion:
         """Complete a token-id prompt (on the replicas in turn, skipping one that does not answer).
+
+        Args:
+            kv_transfer_params: for the connector (a KV encode's capture, :mod:`inferscale.kv.engine_encoder`).
+            cache_salt: the prefix-cache salt (the scope's).
+            priority: vLLM's priority (lower first). A server started without
+                ``--scheduling-policy priority`` refuses any but 0: the request is sent
+                again without it, and later ones go without it (logged once).
 
         Raises:
             RuntimeError: vLLM answered with an error (its message included).
@@ -277,12 +289,24 @@ class HttpEngine:
         """
         body = {"model": self.model, "prompt": list(prompt_token_ids), "max_tokens": max_tokens,
                 "temperature": temperature}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        if cache_salt:
+            body["cache_salt"] = cache_salt
+        if priority and self._priority:
+            body["priority"] = priority
         start, self._next = self._next, (self._next + 1) % len(self.urls)
         error: httpx.HTTPError | None = None
         for i in range(len(self.urls)):
             url = self.urls[(start + i) % len(self.urls)].rstrip("/")
             try:
                 r = self._client.post(f"{url}/v1/completions", json=body)
+                if r.status_code == 400 and "priority" in body and "riority scheduling" in r.text:
+                    logger.warning("vLLM at %s has no priority scheduling: KV encodes compete with requests; start "
+                                   "it with --scheduling-policy priority (docs/server.md)", url)
+                    self._priority = False
+                    del body["priority"]
+                    r = self._client.post(f"{url}/v1/completions", json=body)
             except REPLICA_DOWN_ERRORS as exc:
                 error = exc
                 continue

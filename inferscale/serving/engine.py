@@ -209,7 +209,8 @@ class Engine:
 
     async def _run(self, prompt_token_ids: Sequence[int], emit: Callable[[EngineChunk], None], *,
                    kv_transfer_params: dict | None, cache_salt: str | None, max_tokens: int, temperature: float,
-                   stop: Sequence[str] | None, logprobs: int | None, json_schema: dict | None) -> EngineOutput:
+                   stop: Sequence[str] | None, logprobs: int | None, json_schema: dict | None,
+                   priority: int = 0) -> EngineOutput:
         """The one request loop, on the engine's event loop: ``emit`` each chunk, return the output."""
         from vllm import SamplingParams
 
@@ -222,7 +223,7 @@ class Engine:
         t0 = time.perf_counter()
         ttft = None
         final = None
-        async for out in self.llm.generate(prompt, params, f"inferscale-{next(_ids)}"):
+        async for out in self.llm.generate(prompt, params, f"inferscale-{next(_ids)}", priority=priority):
             if ttft is None and out.outputs and out.outputs[0].token_ids:
                 ttft = time.perf_counter() - t0
             if out.finished:
@@ -255,7 +256,7 @@ class Engine:
     def stream(self, prompt_token_ids: Sequence[int], *, kv_transfer_params: dict | None = None,
                cache_salt: str | None = None, max_tokens: int = 64, temperature: float = 0.0,
                stop: Sequence[str] | None = None, logprobs: int | None = None,
-               json_schema: dict | None = None) -> Iterator[EngineChunk]:
+               json_schema: dict | None = None, priority: int = 0) -> Iterator[EngineChunk]:
         """Run one request, yielding its text after each engine step that produced tokens.
 
         Args:
@@ -268,6 +269,8 @@ class Engine:
             logprobs: return the top-N logprobs of the first generated position.
             json_schema: decode only JSON valid for this JSON Schema (vLLM's structured
                 outputs, no free whitespace), ``None`` for free text.
+            priority: vLLM's priority scheduling (lower is served first; requests 0, KV
+                encodes :data:`inferscale.kv.engine_encoder.ENCODE_PRIORITY`).
 
         Yields:
             :class:`EngineChunk` s; the last one carries the :class:`EngineOutput`.
@@ -276,8 +279,8 @@ class Engine:
         chunks: queue.Queue = queue.Queue()
         future = asyncio.run_coroutine_threadsafe(self._run(
             prompt_token_ids, chunks.put, kv_transfer_params=kv_transfer_params, cache_salt=cache_salt,
-            max_tokens=max_tokens, temperature=temperature, stop=stop, logprobs=logprobs, json_schema=json_schema),
-            self._loop)
+            max_tokens=max_tokens, temperature=temperature, stop=stop, logprobs=logprobs, json_schema=json_schema,
+            priority=priority), self._loop)
         future.add_done_callback(lambda _f: chunks.put(_DONE))
         try:
             while (chunk := chunks.get()) is not _DONE:
@@ -324,7 +327,7 @@ def _ignore(_chunk: EngineChunk) -> None:
 
 
 _OPTIONS = {"kv_transfer_params": None, "cache_salt": None, "max_tokens": 64, "temperature": 0.0, "stop": None,
-            "logprobs": None, "json_schema": None}
+            "logprobs": None, "json_schema": None, "priority": 0}
 
 
 def _defaults(options: dict) -> dict:

@@ -124,7 +124,8 @@ def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: 
         redis_url: the KV pool's shared Redis tier (``None``: none).
 
     Returns:
-        Keyword arguments for ``AsyncEngineArgs``: prefix caching on, eager mode (no
+        Keyword arguments for ``AsyncEngineArgs``: prefix caching on, priority scheduling (KV
+        encodes run below requests), eager mode (no
         compilation: 12-16 s start-up instead of 20-45 s here, ../shared/notes/vllm-cpu.md), seed 0,
         xgrammar structured outputs (as the OpenAI server is started).
     """
@@ -134,6 +135,7 @@ def engine_kwargs(model_path: Path, *, dtype: str, kv_dir: Path, max_model_len: 
     return dict(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_cache_memory_bytes, kv_transfer_config=transfer,
                 enable_prefix_caching=True, enforce_eager=True, seed=0, max_num_seqs=max_num_seqs,
+                scheduling_policy="priority",
                 structured_outputs_config=StructuredOutputsConfig(**STRUCTURED_OUTPUTS), use_tqdm_on_load=verbose)
 
 
@@ -162,6 +164,8 @@ def openai_server_command(python: str, model_path: Path, *, served_model_name: s
            "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_memory_bytes),
            "--kv-transfer-config", json.dumps(kv_transfer_config(kv_dir, device_budget_bytes)),
            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager", "--seed", "0", "--max-num-seqs", str(max_num_seqs),
+           # KV encodes go in below every request (priority 1 against 0): vLLM orders and preempts them
+           "--scheduling-policy", "priority",
            # structured outputs (json_schema, forced tool calls) without free whitespace between JSON
            # tokens: small models otherwise loop on newlines until max_tokens (seen with SmolLM2)
            "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS)]
