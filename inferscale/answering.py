@@ -153,6 +153,8 @@ class Answering:
         ``redis_misses``, ``redis_writes``, ``redis_errors`` and ``redis_up`` (1 or 0); and
         the background encoder's ``encode_seconds`` (spent encoding) and
         ``encoder_yielded_seconds`` (spent waiting for requests in flight to end), floats;
+        ``engine_encodes`` (memories' KV the serving engine encoded, ``kv_encoder="engine"``) and
+        ``encoder_model_loaded`` (1 when this process loaded the LLM to encode KV, else 0);
         capture on a miss (``capture_kv``): ``served_captured`` (memories planned with KV a
         request captured, also in their tier's ``served_*``) and ``encodes_skipped_captured``
         (background encodes not run because a request had captured the memory's KV);
@@ -168,6 +170,8 @@ class Answering:
         stats["encode_seconds"] = background.encode_s - kv.capture_wait_s if background is not None else 0.0
         stats["encoder_yielded_seconds"] = background.yielded_s if background is not None else 0.0
         stats["encodes_skipped_captured"] = kv.jobs_captured
+        stats["engine_encodes"] = kv.engine_encodes
+        stats["encoder_model_loaded"] = int(kv.encoder_loaded)
         stats["misses_kept"], stats["misses_not_kept"] = kv.admission.admitted, kv.admission.refused
         if pool.remote is not None:
             remote = dict(pool.remote.stats)

@@ -185,6 +185,26 @@ def test_text_request_after_injection_gets_its_own_kv(server):
     assert top(after) == top(cold)
 
 
+def test_the_front_encodes_on_vllm_and_never_loads_the_model(server):
+    """Issue 51: a front's memories get their KV from vLLM (prefill-only requests below every
+    request); the front process holds no copy of the LLM's weights."""
+    r = server.http("POST", "/memories", json={"messages": "My boat is called Sea Breeze.", "user_id": "frank"})
+    mid = r.json()["results"][0]["id"]
+    deadline = time.monotonic() + 300
+    while not next(m for m in server.http("GET", "/ui/api/memories?user_id=frank").json()["results"]
+                   if m["id"] == mid)["kv"]:
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    metrics = server.http("GET", "/metrics").text
+    loaded = [line for line in metrics.splitlines() if line.startswith("inferscale_kv_encoder_model_loaded")]
+    assert loaded and all(line.endswith(" 0.0") for line in loaded), loaded
+    encodes = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("inferscale_kv_engine_encodes_total")]
+    assert encodes and sum(encodes) >= 1, encodes
+    answer = chat(server, "What is my boat called?", user="frank")
+    assert report(answer)["kv_memory_ids"] == [mid] and report(answer)["injected_tokens"] > 0, report(answer)
+
+
 def test_no_scope_is_served_another_scopes_cached_blocks_as_text_kv_or_without_memory(server):
     """Issue 52: with the memory as text (not encoded yet, or mode text), every scope's requests
     carried the same cache salt, so ``cached_tokens`` confirmed a guess of another scope's

@@ -202,6 +202,11 @@ class KVManager:
         return self._engine_encoder
 
     @property
+    def engine_encodes(self) -> int:
+        """Spans (memories' and the preamble's KV) the serving engine has encoded for this process."""
+        return 0 if self._engine_encoder is None else self._engine_encoder.encoded
+
+    @property
     def encoder_loaded(self) -> bool:
         """Whether this process loaded the LLM's weights to encode KV (the transformers encoder)."""
         return self._encoder is not None

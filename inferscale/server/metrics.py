@@ -17,7 +17,8 @@ class KVPoolCollector(Collector):
     ``inferscale_kv_misses_total``, ``inferscale_kv_evictions_total{tier}``,
     ``inferscale_kv_evicted_bytes_total{tier="disk"}``, ``inferscale_kv_writes_total``,
     ``inferscale_kv_reencodes_total``, ``inferscale_kv_encode_seconds_total``,
-    ``inferscale_kv_encoder_yielded_seconds_total`` and ``inferscale_kv_bytes{tier}`` (held now); with a
+    ``inferscale_kv_encoder_yielded_seconds_total``, ``inferscale_kv_engine_encodes_total``,
+    ``inferscale_kv_encoder_model_loaded`` and ``inferscale_kv_bytes{tier}`` (held now); with a
     Redis tier, ``inferscale_kv_hits_total{tier="redis"}``, ``inferscale_kv_redis_misses_total``,
     ``inferscale_kv_redis_writes_total``, ``inferscale_kv_redis_errors_total`` and
     ``inferscale_kv_redis_up`` (0 during an outage)."""
@@ -64,6 +65,11 @@ class KVPoolCollector(Collector):
                                   "fact KV", s["encode_seconds"])
         yield CounterMetricFamily("inferscale_kv_encoder_yielded_seconds", "seconds the background encoder waited "
                                   "for requests in flight to end before a batch", s["encoder_yielded_seconds"])
+        yield CounterMetricFamily("inferscale_kv_engine_encodes", "memory KV encoded by the serving engine "
+                                  "(kv_encoder engine: a prefill-only request below every request)", s["engine_encodes"])
+        yield GaugeMetricFamily("inferscale_kv_encoder_model_loaded", "1 when this front process loaded the LLM's "
+                                "weights to encode KV (kv_encoder transformers), 0 when the engine encodes",
+                                s["encoder_model_loaded"])
         if "redis_up" in s:
             yield CounterMetricFamily("inferscale_kv_redis_misses", "fact KV asked of Redis and not found there "
                                       "(or Redis down)", s["redis_misses"])
