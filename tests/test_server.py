@@ -188,10 +188,10 @@ def test_text_request_after_injection_gets_its_own_kv(server):
 def test_the_front_encodes_on_vllm_and_never_loads_the_model(server):
     """Issue 51: a front's memories get their KV from vLLM (prefill-only requests below every
     request); the front process holds no copy of the LLM's weights."""
-    r = server.http("POST", "/memories", json={"messages": "My boat is called Sea Breeze.", "user_id": "frank"})
+    r = server.http("POST", "/memories", json={"messages": "My boat is called Sea Breeze.", "user_id": "sailor"})
     mid = r.json()["results"][0]["id"]
     deadline = time.monotonic() + 300
-    while not next(m for m in server.http("GET", "/ui/api/memories?user_id=frank").json()["results"]
+    while not next(m for m in server.http("GET", "/ui/api/memories?user_id=sailor").json()["results"]
                    if m["id"] == mid)["kv"]:
         assert time.monotonic() < deadline
         time.sleep(1)
@@ -201,7 +201,7 @@ def test_the_front_encodes_on_vllm_and_never_loads_the_model(server):
     encodes = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("inferscale_kv_engine_encodes_total")]
     assert encodes and sum(encodes) >= 1, encodes
-    answer = chat(server, "What is my boat called?", user="frank")
+    answer = chat(server, "What is my boat called?", user="sailor")
     assert report(answer)["kv_memory_ids"] == [mid] and report(answer)["injected_tokens"] > 0, report(answer)
 
 

@@ -129,5 +129,6 @@ class EngineEncoder:
                                     f"reach the pool within {self.store_timeout_s:g} s (first: {missing[0]}): see "
                                     "vLLM's log for capture errors (vllm:inferscale_capture_errors_total)")
             time.sleep(0.02)
+        self.pool.note_stored_elsewhere(keys)
         self.encoded += len(spans)
         self.engine_s += time.perf_counter() - t0

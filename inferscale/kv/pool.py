@@ -140,6 +140,9 @@ class KVPool:
         self._disk_full_need = 0  # bytes the last write found no room for (0: none)
         self._full_checked_at = 0.0
         self._evicted: OrderedDict[str, None] = OrderedDict()
+        # keys another process stored at this one's request (the engine's encodes): known stored,
+        # so a file of theirs that is gone reads as evicted, not as never encoded
+        self._stored_elsewhere: OrderedDict[str, None] = OrderedDict()
         self.stats = {"device_hits": 0, "host_hits": 0, "disk_hits": 0, "misses": 0, "writes": 0,
                       "device_evictions": 0, "host_evictions": 0, "disk_evictions": 0, "disk_evicted_bytes": 0,
                       "reencodes": 0, "redis_hits": 0,
@@ -477,10 +480,12 @@ class KVPool:
         elsewhere = [i for i in range(len(keys)) if not on_disk[i]]
         present = self.remote.present([keys[i] for i in elsewhere]) if elsewhere and self.remote is not None else set()
         stale = []
+        with self._lock:
+            stored_elsewhere = [i for i in elsewhere if keys[i] in self._stored_elsewhere]
         for i in elsewhere:
             if keys[i] in present:
                 found[i] = found[i] or "redis"
-            elif found[i] is not None:
+            elif found[i] is not None or i in stored_elsewhere:
                 stale.append(keys[i])
                 found[i] = None
         if stale:
@@ -488,6 +493,7 @@ class KVPool:
                 for key in stale:
                     self._device.pop(key)
                     self._host.pop(key)
+                    self._stored_elsewhere.pop(key, None)
                     self._evicted[key] = None
         return found
 
@@ -524,6 +530,19 @@ class KVPool:
         if n:
             with self._lock:
                 self.stats["served_captured"] += n
+
+    def note_stored_elsewhere(self, keys: Iterable[str]) -> None:
+        """Note ``keys`` as stored for this process by another one (the serving engine's connector,
+        for an encode this process asked for, :mod:`inferscale.kv.engine_encoder`): if one's file
+        later goes (another process evicted it), :meth:`was_evicted` says so, as for an entry
+        this process stored itself."""
+        with self._lock:
+            for key in keys:
+                self._stored_elsewhere[key] = None
+                self._stored_elsewhere.move_to_end(key)
+                self._evicted.pop(key, None)
+            while len(self._stored_elsewhere) > _EVICTED_KEPT:
+                self._stored_elsewhere.popitem(last=False)
 
     def was_evicted(self, key: str) -> bool:
         """Whether this process evicted ``key`` (and has not stored it again since)."""
