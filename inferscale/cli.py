@@ -293,6 +293,30 @@ def _run_bench(name: str, out: Path, call) -> None:
     console.print(f"results in {out}: {', '.join(written)}")
 
 
+@bench_app.command("encode")
+def bench_encode(
+    data: Optional[Path] = typer.Option(None, help="locomo10.json (default: ../shared/data/locomo)."),
+    out: Path = typer.Option(Path("results/encode"), help="Results folder (encode.json, encode.md); the run's "
+                             "temporary stores are its encode-store-*/ subfolders, deleted at the end."),
+    facts: int = typer.Option(1000, min=1, help="Facts queued at once (twice: under questions, then alone)."),
+    questions: int = typer.Option(40, min=2, help="Questions timed with nothing queued, then with the queue."),
+    dtype: str = typer.Option("auto", help="Model dtype (auto, float32, bfloat16)."),
+) -> None:
+    """Who computes the KV: the serving engine (priority 1, below every request) against a
+    transformers copy in the process. Encodes per second, TTFT p50/p99 with encodes queued
+    against none, a question right after add against one on ready KV, LLM weights held."""
+    from inferscale.bench.encode import run
+
+    data, _ = _bench_paths(data, None)
+    if not data.is_file():
+        _fail(f"LoCoMo data not found at {data} (not a file): pass --data path/to/locomo10.json")
+    try:
+        run(data, out, facts=facts, questions=questions, dtype=dtype)
+    except ValueError as exc:
+        _fail(str(exc))
+    console.print((out / "encode.md").read_text())
+
+
 @bench_app.command("latency")
 def bench_latency(
     data: Optional[Path] = _DATA,

@@ -135,6 +135,12 @@ class BackgroundEncoder:
             for job in jobs if len(jobs) > 1 else ():  # find the job that fails
                 self._run([job])
 
+    def yield_now(self) -> None:
+        """Wait, as before a batch, while this process has a request in flight (unless someone
+        waits for the queue, or the encoder is closing): the engine encoder calls it between
+        its waves."""
+        self._yield_to_requests()
+
     def _yield_to_requests(self) -> None:
         """Wait while this process has a request in flight (not while :meth:`wait` waits, nor
         once closing)."""

@@ -40,8 +40,12 @@ from inferscale.kv.pool import KVPool
 
 #: vLLM priority of an encode (lower is served first; requests carry 0)
 ENCODE_PRIORITY = 1
-#: most encodes in flight at once (vLLM batches them; the prefix cache shares their contexts)
-MAX_IN_FLIGHT = 16
+#: most encodes in flight at once, and most prompt tokens of encodes in flight (a wave): vLLM
+#: schedules running requests before waiting ones, so a request that arrives during a wave shares
+#: its steps; a small wave keeps that wait to a step of about this many tokens (the first encode of
+#: a wave is sent whatever its length)
+MAX_IN_FLIGHT = 4
+MAX_WAVE_TOKENS = 256
 
 
 class EncodeTimeout(TimeoutError):
@@ -77,6 +81,21 @@ class EngineSpan:
         return [*self.context_ids, *self.span_ids], params
 
 
+def waves(spans: Sequence[EngineSpan]) -> list[list[EngineSpan]]:
+    """``spans`` in order, cut into waves of at most :data:`MAX_IN_FLIGHT` spans and
+    :data:`MAX_WAVE_TOKENS` prompt tokens (a longer span is a wave of its own)."""
+    out: list[list[EngineSpan]] = []
+    tokens = 0
+    for s in spans:
+        n = len(s.context_ids) + len(s.span_ids)
+        if not out or len(out[-1]) >= MAX_IN_FLIGHT or tokens + n > MAX_WAVE_TOKENS:
+            out.append([])
+            tokens = 0
+        out[-1].append(s)
+        tokens += n
+    return out
+
+
 class EngineEncoder:
     """Encodes spans on the serving engine (module docstring).
 
@@ -98,8 +117,13 @@ class EngineEncoder:
         self.encoded = 0
         self.engine_s = 0.0
 
-    def encode(self, spans: Sequence[EngineSpan]) -> None:
-        """Encode ``spans`` on the engine and wait until the pool holds each one's KV.
+    def encode(self, spans: Sequence[EngineSpan], pause: Callable[[], None] | None = None) -> None:
+        """Encode ``spans`` on the engine, in waves of at most :data:`MAX_IN_FLIGHT` requests and
+        :data:`MAX_WAVE_TOKENS` prompt tokens, and wait until the pool holds each one's KV.
+
+        Args:
+            pause: called before each wave (the background encoder's wait for this process's
+                requests in flight to end).
 
         Raises:
             EncodeTimeout: the KV of some spans did not land within ``store_timeout_s``.
@@ -118,8 +142,11 @@ class EngineEncoder:
                             cache_salt=cache_salt(span.scope_key, None), priority=ENCODE_PRIORITY)
 
         with ThreadPoolExecutor(max_workers=min(MAX_IN_FLIGHT, len(spans)), thread_name_prefix="inferscale-encode") as ex:
-            for future in [ex.submit(one, s) for s in spans]:
-                future.result()
+            for wave in waves(spans):
+                if pause is not None:
+                    pause()
+                for future in [ex.submit(one, s) for s in wave]:
+                    future.result()
         keys = [s.key for s in spans]
         deadline = time.monotonic() + self.store_timeout_s
         while len(have := self.pool.present(keys)) < len(set(keys)):

@@ -179,12 +179,12 @@ class KVManager:
     def use_engine(self, engine: Callable[[], Any]) -> None:
         """Encode on the serving engine from now on (``kv_encoder="engine"``): ``engine()``
         returns it (:class:`inferscale.serving.engine.Engine`, or vLLM's server over HTTP).
-        The background encoder then no longer waits for this process's requests to end:
-        vLLM's priority scheduling puts the encodes below them."""
+        The encodes run below every request in vLLM's priority scheduling; the background
+        encoder still sends each wave only while this process has no request in flight
+        (``encode_when_idle``): vLLM schedules a running encode's step before a waiting
+        request, so a request that arrives mid-wave waits for that wave's step."""
         self._engine = engine
         self.encoder_kind = "engine"
-        if self.background is not None:
-            self.background.yield_to_requests = False
 
     @property
     def engine_encoder(self) -> EngineEncoder | None:
@@ -379,9 +379,13 @@ class KVManager:
         """Whether the KV of ``key`` is in the pool (no load)."""
         return self.pool.contains(key)
 
-    def ensure(self, spans: Sequence[FactSpan]) -> int:
+    def ensure(self, spans: Sequence[FactSpan], pause: Callable[[], None] | None = None) -> int:
         """Store every span's KV that is not in the pool, now: quantized from the model-dtype
         KV where the pool holds it (a storage-dtype switch costs no encode), else encoded.
+
+        Args:
+            pause: with the engine encoding, called before each wave of encodes (the background
+                encoder's wait for this process's requests to end).
 
         Returns:
             How many spans were stored (encoded or quantized).
@@ -400,7 +404,8 @@ class KVManager:
             engine = self.engine_encoder if todo else None
             if engine is not None:  # the serving engine computes it and its connector stores it
                 engine.encode([EngineSpan(s.key, s.item.context_ids, s.item.span_ids,
-                                          "auto" if s.model_key is None else self.storage, s.scope_key) for s in todo])
+                                          "auto" if s.model_key is None else self.storage, s.scope_key) for s in todo],
+                              pause)
                 for span in todo:
                     self.drop_other_variants(span)
                 return len(missing)
@@ -474,7 +479,8 @@ class KVManager:
             have = self._captured_now(ckeys)
             self.jobs_captured += sum(k in have for k in ckeys)
             spans = [pair for pair, k in zip(spans, ckeys) if k not in have]
-        self.ensure([self.preamble_span(), *(s for _, s in spans)])
+        self.ensure([self.preamble_span(), *(s for _, s in spans)],
+                    self.background.yield_now if self.background is not None else None)
         # an update or delete that landed during the encode: drop the KV of the old text
         by_scope: dict[str, list[str]] = defaultdict(list)
         for record, _ in spans:

@@ -1,0 +1,137 @@
+"""``inferscale bench encode``: who computes the KV, the serving engine or a transformers copy.
+
+Both arms in one run, on one machine, each an embedded :class:`~inferscale.Memory` over LoCoMo
+(its turns logged, its observations stored as facts at the configured context window), the
+``engine`` arm with ``kv_encoder="engine"`` (a prefill-only request per fact at priority 1 in
+vLLM's priority scheduling, :mod:`inferscale.kv.engine_encoder`), the ``transformers`` arm with
+the model loaded in the process (the encoder before issue 51). Per arm:
+
+- **encode throughput**: ``facts`` facts queued, then the seconds until ``wait_for_kv`` returns
+  (facts per second; the engine already started, the transformers model already loaded);
+- **TTFT under encoding**: ``questions`` LoCoMo questions of a scope whose KV is ready, asked
+  one after another with nothing queued, then again right after ``facts`` more facts were
+  queued (the encoder busy): p50 and p99 of each, and their ratio;
+- **a question right after ``add``** against the same question once its KV is ready (TTFT);
+- **weights in the adding process**: bytes of causal-LM parameters alive in this process
+  after the encodes (the transformers copy; 0 when the engine encodes).
+
+Writes ``encode.json`` and ``encode.md`` to ``out``. TTFT is vLLM's (submission to first token,
+:class:`~inferscale.types.Generation`), seconds; ratios compare arms of one run.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from inferscale.bench.common import markdown_table, percentile, write_outputs
+from inferscale.datasets.locomo import load_locomo
+from inferscale.memory import Memory
+from inferscale.types import FactInput
+
+#: facts of the scope whose questions are timed (its KV encoded before any timing)
+READY_FACTS = 60
+ARMS = ("engine", "transformers")  # the engine first: the transformers arm's model outlives its memory
+
+
+def llm_weight_bytes() -> int:
+    """Bytes of the parameters of every causal LM alive in this process."""
+    total = 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.nn.Module) and type(o).__name__.endswith("ForCausalLM"):
+            total += sum(p.numel() * p.element_size() for p in o.parameters())
+    return total
+
+
+def _ttfts(m: Memory, questions: list[str], user: str) -> list[float]:
+    return [m.generate(q, user_id=user, max_tokens=1, k=10).ttft_s for q in questions]
+
+
+def run_arm(arm: str, data: Path, store: Path, *, facts: int, questions: int, dtype: str) -> dict:
+    """One arm (module docstring); returns its figures."""
+    samples = load_locomo(data)
+    ready, busy = samples[0], samples[1:]
+    shutil.rmtree(store, ignore_errors=True)
+    out: dict = {"arm": arm}
+    with Memory(data_dir=store, dtype=dtype, kv_encoder=arm) as m:
+        kv = m.components.kv
+        for s in samples:
+            m.log_turns([{"id": t.dia_id, "name": t.speaker, "content": t.text} for t in s.turns],
+                        user_id=f"locomo-{s.sample_id}")
+        asker = f"locomo-{ready.sample_id}"
+        m.add_facts([FactInput(f.dated_text(), f.dia_ids) for f in ready.facts[:READY_FACTS]], user_id=asker)
+        m.wait_for_kv()  # starts the engine (engine arm) or loads the model (transformers arm)
+        qs = [q.question for q in ready.qa[:questions]]
+        _ttfts(m, qs[:3], asker)  # warm
+        calm = _ttfts(m, qs, asker)
+        pool = [(f"locomo-{s.sample_id}", FactInput(f.dated_text(), f.dia_ids)) for s in busy for f in s.facts]
+        if len(pool) < 2 * facts:
+            raise ValueError(f"--facts {facts}: LoCoMo's other conversations hold {len(pool)} facts, fewer than "
+                             f"{2 * facts}")
+
+        def queue(batch):
+            by_user: dict[str, list[FactInput]] = {}
+            for user, f in batch:
+                by_user.setdefault(user, []).append(f)
+            for user, fs in by_user.items():
+                m.add_facts(fs, user_id=user)
+
+        kv.background.pause()
+        queue(pool[:facts])
+        kv.background.resume()
+        t0 = time.perf_counter()
+        loaded = _ttfts(m, qs, asker)  # while the encoder works through the queue
+        pending_after = m.pending_kv()
+        m.wait_for_kv()
+        out.update(ttft_calm_s=calm, ttft_encoding_s=loaded, pending_after_questions=pending_after,
+                   queued=facts, encode_with_questions_s=time.perf_counter() - t0)
+        kv.background.pause()
+        queue(pool[facts:2 * facts])
+        t0 = time.perf_counter()
+        kv.background.resume()
+        m.wait_for_kv()
+        out["encode_s"] = time.perf_counter() - t0
+        out["facts_per_s"] = facts / out["encode_s"]
+        fresh = m.add("My locker at the gym is number 4417.", user_id="fresh")["results"][0]["id"]
+        right_after = m.generate("What is my locker number?", user_id="fresh", max_tokens=1)
+        m.wait_for_kv()
+        ready_kv = m.generate("What is my locker number?", user_id="fresh", max_tokens=1)
+        out.update(after_add_ttft_s=right_after.ttft_s, after_add_sources=right_after.kv_sources.get(fresh),
+                   ready_ttft_s=ready_kv.ttft_s, ready_sources=ready_kv.kv_sources.get(fresh),
+                   llm_weight_bytes=llm_weight_bytes(), engine_encodes=kv.engine_encodes)
+    shutil.rmtree(store, ignore_errors=True)
+    return out
+
+
+def run(data: Path, out: Path, *, facts: int = 1000, questions: int = 40, dtype: str = "auto") -> dict:
+    """Both arms (module docstring); writes ``encode.json`` and ``encode.md`` to ``out``.
+
+    Raises:
+        ValueError: ``facts`` or ``questions`` more than LoCoMo holds.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    arms = {arm: run_arm(arm, data, out / f"encode-store-{arm}", facts=facts, questions=questions, dtype=dtype)
+            for arm in ARMS}
+    rows = []
+    for arm, r in arms.items():
+        p50c, p99c = percentile(r["ttft_calm_s"], 50), percentile(r["ttft_calm_s"], 99)
+        p50l, p99l = percentile(r["ttft_encoding_s"], 50), percentile(r["ttft_encoding_s"], 99)
+        r.update(p50_ratio=p50l / p50c, p99_ratio=p99l / p99c, after_add_ratio=r["after_add_ttft_s"] / r["ready_ttft_s"])
+        rows.append([arm, f"{r['facts_per_s']:.1f}", f"{p50c * 1000:.0f} / {p99c * 1000:.0f}",
+                     f"{p50l * 1000:.0f} / {p99l * 1000:.0f}", f"{r['p50_ratio']:.2f}x / {r['p99_ratio']:.2f}x",
+                     f"{r['after_add_ttft_s'] * 1000:.0f} ({r['after_add_sources']}) vs {r['ready_ttft_s'] * 1000:.0f}: "
+                     f"{r['after_add_ratio']:.2f}x", f"{r['llm_weight_bytes'] / 2**20:.0f} MiB"])
+    page = "\n\n".join([
+        "# Who computes the KV: the serving engine against a transformers copy",
+        f"`inferscale bench encode --facts {facts} --questions {questions}`: both arms in one run, embedded "
+        "(module docstring of `inferscale/bench/encode.py`). TTFT in ms, vLLM's.",
+        markdown_table(["encoder", "encodes / s", "TTFT p50 / p99, nothing queued",
+                        f"TTFT p50 / p99, {facts} encodes queued", "ratio p50 / p99",
+                        "question right after add vs on ready KV", "LLM weights in the adding process"], rows),
+    ])
+    write_outputs(out, "encode", {"facts": facts, "questions": questions, "dtype": dtype, "arms": arms}, page)
+    return arms
