@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -137,6 +138,8 @@ def test_stdio_answers_a_line_that_is_not_json_or_a_batch_with_a_json_rpc_error(
         def ask(line: bytes) -> dict:
             proc.stdin.write(line + b"\n")
             proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], 120)  # no answer is a failure, not a hang
+            assert ready, f"no answer to {line!r} in 120 s"
             return json.loads(proc.stdout.readline())
 
         parse = ask(b"this is not json")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from inferscale.bench.common import markdown_table, percentile, write_outputs
+from inferscale.bench.common import machine, markdown_table, percentile, write_outputs
 from inferscale.datasets.locomo import load_locomo
 from inferscale.memory import Memory
 from inferscale.types import FactInput
@@ -125,10 +125,14 @@ def run(data: Path, out: Path, *, facts: int = 1000, questions: int = 40, dtype:
                      f"{p50l * 1000:.0f} / {p99l * 1000:.0f}", f"{r['p50_ratio']:.2f}x / {r['p99_ratio']:.2f}x",
                      f"{r['after_add_ttft_s'] * 1000:.0f} ({r['after_add_sources']}) vs {r['ready_ttft_s'] * 1000:.0f}: "
                      f"{r['after_add_ratio']:.2f}x", f"{r['llm_weight_bytes'] / 2**20:.0f} MiB"])
+    where = machine()
     page = "\n\n".join([
         "# Who computes the KV: the serving engine against a transformers copy",
         f"`inferscale bench encode --facts {facts} --questions {questions}`: both arms in one run, embedded "
-        "(module docstring of `inferscale/bench/encode.py`). TTFT in ms, vLLM's.",
+        "(module docstring of `inferscale/bench/encode.py`). TTFT in ms, vLLM's. "
+        f"Run {time.strftime('%Y-%m-%d', time.gmtime())} on {where['cpu']}, {where['cores']} cores, "
+        f"{where['gpu'] or 'no GPU'}, torch {where['torch']}, vLLM {where['vllm']}, commit {where['commit']}, "
+        f"dtype {dtype}.",
         markdown_table(["encoder", "encodes / s", "TTFT p50 / p99, nothing queued",
                         f"TTFT p50 / p99, {facts} encodes queued", "ratio p50 / p99",
                         "question right after add vs on ready KV", "LLM weights in the adding process"], rows),

@@ -71,6 +71,7 @@ from inferscale.kv.injection import (
 )
 from inferscale.kv.pool import KVPool
 from inferscale.kv.rope import RopeRotator
+from inferscale.serving.orphans import die_with_parent
 from inferscale.serving.step_gate import StepGate
 
 if TYPE_CHECKING:
@@ -221,6 +222,8 @@ class InferScaleConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        if role == KVConnectorRole.SCHEDULER:  # the engine-core process: it ends with whoever started it
+            die_with_parent()
         if "kv_dir" not in extra:
             raise ValueError("InferScaleConnector needs kv_connector_extra_config={'kv_dir': <KV pool folder>}")
         self._block_size = vllm_config.cache_config.block_size

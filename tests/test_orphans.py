@@ -1,0 +1,65 @@
+"""Nothing outlives its owner (issue 53, item 1, the script path): a plain script that used
+``Memory.generate`` and is then killed, with SIGKILL or SIGTERM, leaves no process of its tree
+behind (vLLM's engine core and worker, the capture writer, multiprocessing's resource tracker)
+20 s later. Before, all of them ran on as orphans: the engine core did not watch its parent
+(:mod:`inferscale.serving.orphans`)."""
+
+from __future__ import annotations
+
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = textwrap.dedent("""
+    import sys, time
+    from inferscale import Memory
+
+    m = Memory(data_dir=sys.argv[1], dtype="float32")
+    m.add("I keep bees on my roof.", user_id="alice")
+    m.generate("What do I keep?", user_id="alice", max_tokens=4)
+    print("READY", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_script_leaves_no_process_of_its_tree(tmp_path, sig):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "data")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    tree: list[psutil.Process] = []
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 600)
+        assert ready and proc.stdout.readline().strip() == b"READY", proc.stderr.read1().decode()[-3000:]
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        names = [p.name() for p in tree]
+        assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
+        proc.send_signal(sig)
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        while (alive := running(tree)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        for p in [psutil.Process(proc.pid)] * (proc.poll() is None) + running(tree):  # a failed test's leftovers
+            p.kill()
+
+
+def running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
