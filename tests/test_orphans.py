@@ -50,7 +50,9 @@ def test_a_killed_script_leaves_no_process_of_its_tree(tmp_path, sig):
             time.sleep(0.5)
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
-        for p in [psutil.Process(proc.pid)] * (proc.poll() is None) + running(tree):  # a failed test's leftovers
+        if proc.poll() is None:
+            proc.kill()
+        for p in running(tree):  # a failed test's leftovers
             p.kill()
 
 
