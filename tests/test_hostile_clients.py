@@ -387,3 +387,13 @@ def test_confusable_scope_ids_are_refused_naming_what_to_send(front):
     # one script, or the mixes Japanese writes with, are ids like any other
     for user in ("\u0430\u043b\u0438\u0441\u0430", "jos\u00e9", "\u5c71\u7530\u305f\u308d\u3046Taro"):
         assert front.http("POST", "/memories", json={"messages": "Likes tea.", "user_id": user}).status_code == 200
+
+
+def test_a_malformed_http_request_is_a_json_400(front):
+    """Issue 53: uvicorn answered a request its parser cannot read in plain text."""
+    answer, _ = read_answer(front.raw(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header Without Colon\r\n\r\n"), 10)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head.lower(), answer
+    payload = json.loads(body)
+    assert payload["detail"] == payload["error"]["message"] and "HTTP" in payload["detail"], payload
+    assert front.http("GET", "/health").status_code == 200

@@ -357,11 +357,18 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(server):
         ("POST", "/memories", dict(json={"messages": "x", "user_id": "alice", "metadata": {"a": [[[[[[[[[[[[[[[[[
             [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}), 400),
         ("POST", "/memories", dict(json={"messages": "x", "user_id": "alice", "infer": "yes"}), 422),
+        # vLLM's own refusals, in the front's shape (issue 53: they had no detail)
+        ("POST", "/v1/chat/completions", dict(json={"model": model, "user": "alice", "max_tokens": -1,
+                                                    "messages": [{"role": "user", "content": "hi"}]}), 400),
+        ("POST", "/v1/chat/completions", dict(json={"model": model, "user": "alice", "max_tokens": -1, "stream": True,
+                                                    "messages": [{"role": "user", "content": "hi"}]}), 400),
+        ("POST", "/v1/completions", dict(json={"model": model, "prompt": "hi", "max_tokens": -1}), 400),
     ]
     for method, path, kw, status in cases:
         r = server.http(method, path, **kw)
         assert r.status_code == status, (path, kw, r.text)
         assert r.json()["error"]["message"], r.text
+        assert r.json()["detail"] == r.json()["error"]["message"], r.text  # one shape, vLLM's errors too
     wrong = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
     assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
     assert "x-inferscale-worker" not in wrong.headers  # no pid to a client without the key (issue 42)

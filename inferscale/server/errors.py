@@ -8,6 +8,8 @@ one line when an outage starts and one when it ends).
 
 from __future__ import annotations
 
+import json
+
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +26,24 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
     status ``status`` (OpenAI's shape; ``detail`` is where Mem0's clients read the message)."""
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}, "detail": message},
                         status_code=status)
+
+
+def upstream_error(status: int, content: bytes) -> JSONResponse:
+    """vLLM's error answer (``status`` >= 400, body ``content``) in the front's shape: its own
+    ``{"error": {...}}`` kept, ``detail`` added with its message; a body that is not vLLM's
+    JSON (a proxy's text, an empty body) becomes the message."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        message = str(body["error"].get("message") or f"vLLM answered {status}")
+        return JSONResponse({**body, "detail": body.get("detail", message)}, status_code=status)
+    if isinstance(body, dict) and "detail" in body:  # FastAPI's own shape (vLLM's 404 for an unknown route)
+        message = body["detail"] if isinstance(body["detail"], str) else json.dumps(body["detail"])
+    else:
+        message = content.decode("utf-8", "replace").strip()[:2000] or f"vLLM answered {status} with no body"
+    return error(status, f"vLLM: {message}", "server_error" if status >= 500 else "invalid_request_error")
 
 
 def outage(exc: BaseException) -> JSONResponse | None:

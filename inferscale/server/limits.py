@@ -127,6 +127,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.transport is not None and not self.transport.is_closing() and self._in_body:
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """A request the HTTP parser cannot read (uvicorn's answer is plain text): the front's
+        JSON error shape, with parser's words, then the connection closes."""
+        self._refuse(400, f"the request is not valid HTTP/1.1 ({msg}): send a well-formed request line and headers")
+
     def _refuse(self, status: int, message: str) -> None:
         """Answer ``status`` with ``message`` in the error shape and close the connection."""
         body = error_body(status, message)

@@ -35,6 +35,7 @@ from inferscale.server.chat import (
     without_server_fields,
 )
 from inferscale.server.chat_report import ChatReport
+from inferscale.server.errors import upstream_error
 from inferscale.server.deps import MemoryDep, MetricsDep, UpstreamDep
 from inferscale.server.metrics import FrontMetrics
 from inferscale.server.upstream import Replicas
@@ -49,7 +50,7 @@ def router() -> APIRouter:
     async def models(upstream: UpstreamDep) -> Response:
         _, resp = await upstream.send("", "GET", "/v1/models")
         if resp.status_code != 200:
-            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+            return upstream_error(resp.status_code, resp.content)
         listing = resp.json()
         for card in listing.get("data", ()):  # vLLM's "root" is the model's folder: a path on the server
             card["root"] = card.get("id")
@@ -198,6 +199,10 @@ async def _send(upstream: Replicas, key: str, path: str, body: dict, plan: ChatP
         if r.status_code != 200 or plan is None:
             if report is not None:
                 await report.write(r.status_code, replica.index)
+            if r.status_code >= 400:  # vLLM's error, with the front's detail
+                answer = upstream_error(r.status_code, r.content)
+                answer.headers.update(headers)
+                return answer
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
                             headers=headers)
         out = r.json()
@@ -217,6 +222,10 @@ async def _send(upstream: Replicas, key: str, path: str, body: dict, plan: ChatP
         await resp.aclose()
         if report is not None:
             await report.write(resp.status_code, replica.index)
+        if resp.status_code >= 400:
+            answer = upstream_error(resp.status_code, content)
+            answer.headers.update(headers)
+            return answer
         return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"),
                         headers=headers)
 
