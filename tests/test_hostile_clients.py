@@ -397,3 +397,66 @@ def test_a_malformed_http_request_is_a_json_400(front):
     payload = json.loads(body)
     assert payload["detail"] == payload["error"]["message"] and "HTTP" in payload["detail"], payload
     assert front.http("GET", "/health").status_code == 200
+
+
+# ------------------------------------------------------------------ issue 52: a hostile pass over the first fixes
+
+def test_no_body_the_gate_cannot_read_reaches_a_route(front):
+    """A body nested deep enough to stop the gate's reader (and not the route's) wrote under the
+    second of two user_ids; bytes that are not UTF-8, a byte order mark, another charset and a
+    number no float holds are refused too."""
+    before = front.http("GET", "/memories?user_id=bob").json()["results"]
+    for depth in (970, 5000):
+        raw = (b'{"messages": [{"role": "user", "content": "deep", "pad": ' + b"[" * depth + b"1" + b"]" * depth +
+               b'}], "infer": false, "user_id": "alice", "user_id": "bob"}')
+        r = front.http("POST", "/memories", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["detail"], (depth, r.text)
+    body = '{"messages": "Bob likes tea.", "user_id": "bob"}'
+    refused(front.http("POST", "/memories", content=body.encode("utf-16"), headers={"content-type": "application/json"}),
+            400, "UTF-8")
+    refused(front.http("POST", "/memories", content=b"\xef\xbb\xbf" + body.encode(),
+                       headers={"content-type": "application/json"}), 400, "byte order mark")
+    refused(front.http("POST", "/memories", content=body.encode(),
+                       headers={"content-type": "application/json; charset=latin-1"}), 415, "latin-1")
+    refused(front.http("POST", "/search", content=b'{"query": "tea", "user_id": "bob", "limit": 1e999}',
+                       headers={"content-type": "application/json"}), 400, "1e999")
+    assert front.http("GET", "/memories?user_id=bob").json()["results"] == before
+
+
+def test_a_body_with_no_type_or_a_json_suffix_type_is_read_as_json_by_every_route(front):
+    body = b'{"messages": "Hana likes tea.", "user_id": "hana", "infer": false}'
+    r = httpx.post(front.url + "/memories", content=body, headers=AUTH, timeout=60)
+    assert "content-type" not in r.request.headers and r.status_code == 200, r.text
+    r = front.http("POST", "/memories", content=body, headers={"content-type": "application/vnd.api+json"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(front.url + "/search", content=b'{"query": "tea", "user_id": "hana"}', headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["results"], r.text
+
+
+def test_scope_headers_are_read_as_utf8_and_checked_like_the_body(front):
+    body = {"model": "smol", "messages": [{"role": "user", "content": "tea?"}], "user": "alice"}
+    r = httpx.post(front.url + "/v1/chat/completions", json=body, timeout=60,
+                   headers=[*AUTH.items(), ("X-InferScale-Agent-Id", "\u0430lice".encode())])
+    refused(r, 400, "CYRILLIC")
+    r = httpx.post(front.url + "/v1/chat/completions", json=body, timeout=60,
+                   headers=[*AUTH.items(), ("X-InferScale-Agent-Id", b"x\xffy")])
+    refused(r, 400, "UTF-8")
+
+
+def test_ids_that_show_nothing_or_mix_digits_of_another_script_are_refused(front):
+    for user, word in (("alice\u034f", "U+034F"), ("alice\ufe00", "U+FE00"), ("alice\u1160", "U+1160"),
+                       ("alice\u2800", "U+2800"), ("b\u0c66b", "TELUGU"), ("alice\u0483", "CYRILLIC")):
+        refused(front.http("POST", "/memories", json={"messages": "Likes tea.", "user_id": user}), 400, word)
+    for user in ("Hawai\u02bbi", "\u041c\u02bc\u044f\u0442\u0430"):  # modifier letters belong to no script
+        assert front.http("POST", "/memories", json={"messages": "Likes tea.", "user_id": user}).status_code == 200
+
+
+def test_mcp_string_arguments_are_strings_never_json_read_again(front):
+    added = mcp_call(front, "add", {"text": "Ivy likes tea.", "user_id": "null", "agent_id": "ivy-agent"})
+    assert not added.get("isError"), added
+    assert front.http("GET", "/memories?agent_id=ivy-agent").json()["results"] == []  # not the agent's alone
+    assert len(front.http("GET", "/memories?user_id=null&agent_id=ivy-agent").json()["results"]) == 1
+    result = mcp_call(front, "add", {"text": "Ivy likes tea.", "user_id": "ivy", "metadata": '{"a": 1}'})
+    assert result["isError"] and "metadata" in result["content"][0]["text"], result
+    result = mcp_call(front, "add", {"user_id": "ivy", "messages": '[{"role": "user", "content": "a"}]'})
+    assert result["isError"] and "messages" in result["content"][0]["text"], result

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 import anyio
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.server.stdio import stdio_server
 from mcp.shared.message import SessionMessage
@@ -66,15 +67,27 @@ def _strict_arguments(tool) -> None:
     refused, not dropped). The SDK's argument model is lax and ignores extras; its strict
     subclass replaces it, and the input schema says ``additionalProperties: false``.
 
-    The SDK still reads a list or object sent as a JSON string (``"[...]"``: a quirk of some
-    clients, its ``pre_parse_json``) before validation; nothing else is converted.
+    The SDK also reads a string argument as JSON first when the parameter is not a plain
+    string (its ``pre_parse_json``, for clients that send ``"[...]"``), so ``"null"`` became
+    ``None`` (``user_id: "null"`` wrote to the run's scope alone) and a list in a string was
+    read by a lenient parser (a repeated key kept its last value): that step is skipped, and a
+    string is a string.
     """
     lax = tool.fn_metadata.arg_model
     strict = type(lax.__name__, (lax,), {"__module__": lax.__module__,
                                          "model_config": ConfigDict(**{**lax.model_config, "strict": True,
                                                                        "extra": "forbid"})})
-    tool.fn_metadata.arg_model = strict
+    meta = tool.fn_metadata
+    tool.fn_metadata = _AsSent(arg_model=strict, output_schema=meta.output_schema, output_model=meta.output_model,
+                               wrap_output=meta.wrap_output)
     tool.parameters = strict.model_json_schema(by_alias=True)
+
+
+class _AsSent(FuncMetadata):
+    """The SDK's argument handling without its JSON-in-a-string reading (:func:`_strict_arguments`)."""
+
+    def pre_parse_json(self, data: dict) -> dict:
+        return data
 
 
 def run_stdio(tools: MemoryTools) -> None:

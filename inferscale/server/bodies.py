@@ -14,8 +14,11 @@ before any route sees it, whatever the ``Content-Type`` says:
   route reads that value instead of parsing the bytes again. The memory routes' pydantic models
   read the same bytes the gate has found unambiguous, so both readings agree.
 
-A body that is not JSON at all (a syntax error, bytes that are not UTF-8) is left to the route,
-which answers it in its own words (400 or 422).
+A body the gate cannot read is refused there, with a 400 saying why: not UTF-8 (or declared in
+another charset: 415; a byte order mark), not JSON, nested deeper than the reader goes, a number
+no float holds. No route ever reads a body the gate could not (a route's own, more lenient
+reader read one the gate gave up on, and kept the second of two keys). The gate then tells the
+app the body is ``application/json``, so every route's reader takes it as the gate did.
 """
 
 from __future__ import annotations
@@ -54,16 +57,25 @@ def _refuse_constant(name: str) -> Any:
     raise NotJsonConstantError(name)
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):  # 1e999: valid JSON, but no float holds it
+        raise NotJsonConstantError(text[:40])
+    return value
+
+
 def strict_json(raw: bytes | str) -> Any:
     """``raw`` parsed as JSON, refusing what JSON readers disagree on.
 
     Raises:
         RepeatedKeyError: an object names a key twice.
-        NotJsonConstantError: ``NaN`` or ``Infinity`` (Python's reader takes them, JSON has none).
+        NotJsonConstantError: ``NaN`` or ``Infinity`` (Python's reader takes them, JSON has none),
+            or a number too large for a float (``1e999``).
         ValueError: not JSON (``json.JSONDecodeError``, ``UnicodeDecodeError``).
         RecursionError: nested deeper than the interpreter's recursion limit.
     """
-    return json.loads(raw, object_pairs_hook=_refuse_repeats, parse_constant=_refuse_constant)
+    return json.loads(raw, object_pairs_hook=_refuse_repeats, parse_constant=_refuse_constant,
+                      parse_float=_finite_float)
 
 
 def is_json_type(content_type: bytes | None) -> bool:
@@ -108,12 +120,38 @@ def read_body(raw: bytes, content_type: bytes | None) -> BodyVerdict:
         return BodyVerdict(415, f"the request body is sent as {shown!r}; every route of this server takes JSON: "
                                 "send it with 'Content-Type: application/json' (curl: --json, or -H 'Content-Type: "
                                 "application/json')")
+    charset = _charset(content_type)
+    if charset not in (None, "utf-8", "utf8"):
+        return BodyVerdict(415, f"the request body is declared as charset {charset!r}; JSON is UTF-8 (RFC 8259, "
+                                "section 8.1): send it as UTF-8, with 'charset=utf-8' or no charset")
+    if raw.startswith(b"\xef\xbb\xbf"):
+        return BodyVerdict(400, "the request body starts with a byte order mark, which JSON must not have (RFC 8259, "
+                                "section 8.1): send UTF-8 without it")
     try:
-        return BodyVerdict(value=strict_json(raw))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return BodyVerdict(400, f"the request body is not UTF-8 ({exc.reason} at byte {exc.start}): JSON is UTF-8 "
+                                "(RFC 8259, section 8.1)")
+    try:
+        return BodyVerdict(value=strict_json(text))
     except RepeatedKeyError as exc:
         return BodyVerdict(400, f"the request body names {exc.key!r:.80} twice in one JSON object: send each key "
                                 "once (which one would count is a parser's guess)")
     except NotJsonConstantError as exc:
-        return BodyVerdict(400, f"the request body holds {exc}, which is not JSON: send a number or null")
-    except (ValueError, RecursionError):  # not JSON: the route says so in its own words
-        return BodyVerdict()
+        return BodyVerdict(400, f"the request body holds {exc}, which is not a JSON number this server reads: send "
+                                "a finite number or null")
+    except RecursionError:
+        return BodyVerdict(400, "the request body is nested too deeply to read: flatten it")
+    except ValueError as exc:  # every route reads this one reading: a body it cannot read goes no further
+        return BodyVerdict(400, f"the request body is not valid JSON ({exc})")
+
+
+def _charset(content_type: bytes | None) -> str | None:
+    """The ``charset`` parameter of a ``Content-Type`` value, lower case (``None``: none given)."""
+    if content_type is None:
+        return None
+    for param in content_type.split(b";")[1:]:
+        name, _, value = param.partition(b"=")
+        if name.strip().lower() == b"charset":
+            return value.strip().strip(b'"').decode("latin-1").lower()
+    return None

@@ -84,6 +84,21 @@ def scope_id(value: Any, name: str) -> str | None:
     return value
 
 
+def header_text(value: str | None, name: str) -> str | None:
+    """A header's value as the UTF-8 text a client sent (ASGI servers hand header bytes over
+    as Latin-1, so ``аlice`` in UTF-8 would arrive as ``Ð°lice`` and pass every check).
+
+    Raises:
+        ChatRequestError: bytes that are not UTF-8.
+    """
+    if value is None:
+        return None
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        raise ChatRequestError(f"the {name} header is not UTF-8: send the id as UTF-8 bytes") from None
+
+
 def request_scope(body: dict, headers: Any) -> Scope:
     """The memory scope: ``user`` from the body, agent and run ids from the headers.
 
@@ -91,8 +106,8 @@ def request_scope(body: dict, headers: Any) -> Scope:
         ChatRequestError: no id at all, or a malformed one.
     """
     user = scope_id(body.get("user"), "user")
-    agent = scope_id(headers.get(AGENT_HEADER), "the X-InferScale-Agent-Id header")
-    run = scope_id(headers.get(RUN_HEADER), "the X-InferScale-Run-Id header")
+    agent = scope_id(header_text(headers.get(AGENT_HEADER), "X-InferScale-Agent-Id"), "the X-InferScale-Agent-Id header")
+    run = scope_id(header_text(headers.get(RUN_HEADER), "X-InferScale-Run-Id"), "the X-InferScale-Run-Id header")
     if not (user or agent or run):
         raise ChatRequestError("say whose memory to use: set the request's 'user' field (the user id), or the "
                                "X-InferScale-Agent-Id / X-InferScale-Run-Id header; or send "

@@ -237,6 +237,9 @@ class RequestGate:
             return await _answer(send, verdict.status, verdict.message)
         if verdict.parsed:
             scope[PARSED_BODY] = verdict.value
+            # the app reads what the gate read: JSON (a body sent with no type, or a +json type, too)
+            scope["headers"] = [(n, v) for n, v in scope["headers"] if n != b"content-type"] + [
+                (b"content-type", b"application/json")]
         if self.api_key is None or b"authorization" in headers and self._authorized(headers):
             scope[AUTHORIZED] = True
         await self.app(scope, _replay([body], receive), send)

@@ -9,10 +9,14 @@ rather than maps, what could be mistaken (docs/decisions.md, "Confusable scope i
   normalise before comparing): decomposed accents, fullwidth or ligature letters. The error
   names the NFKC spelling to send instead. Refused, not normalised: a silent mapping would
   merge two ids an earlier version stored apart;
-- an id whose letters come from more than one script, except the combinations Japanese,
-  Chinese and Korean write with (UTS #39 section 5.2, "Highly Restrictive": Latin with Han
-  and Hiragana and Katakana; with Han and Bopomofo; with Han and Hangul). Digits,
-  punctuation and marks belong to no script here.
+- an id whose letters, digits and marks come from more than one script, except the
+  combinations Japanese, Chinese and Korean write with (UTS #39 section 5.2, "Highly
+  Restrictive": Latin with Han and Hiragana and Katakana; with Han and Bopomofo; with Han and
+  Hangul). ASCII digits, punctuation, modifier letters and the marks every script uses belong
+  to no script here; a digit or mark of a script belongs to it (``b౦b``, a Telugu zero);
+- an id holding a character that shows nothing (:data:`INVISIBLE`: a combining grapheme
+  joiner, a variation selector, a Hangul filler, a blank braille pattern), which would make
+  it look like the same id without it.
 
 Ids of one script that look like ids of another (Cyrillic ``аре`` and Latin ``ape``) are still
 two scopes; the page at ``/ui`` shows the code points of every id that is not plain ASCII.
@@ -26,16 +30,39 @@ import unicodedata
 ALLOWED_MIXES = (frozenset({"LATIN", "HAN", "HIRAGANA", "KATAKANA"}), frozenset({"LATIN", "HAN", "BOPOMOFO"}),
                  frozenset({"LATIN", "HAN", "HANGUL"}))
 _HAN_WORDS = ("CJK", "IDEOGRAPHIC")
+#: first words of character names that name no script (ASCII digits, modifier letters such as
+#: Hawaiian's okina, marks shared by every script)
+_NO_SCRIPT = frozenset({"DIGIT", "MODIFIER", "COMBINING", "VARIATION", "ZERO", "SUPERSCRIPT", "SUBSCRIPT"})
+#: scripts a combining mark may name after ``COMBINING`` (``COMBINING CYRILLIC TITLO``)
+_MARK_SCRIPTS = frozenset({"LATIN", "GREEK", "CYRILLIC", "ARMENIAN", "HEBREW", "ARABIC", "GEORGIAN", "GLAGOLITIC"})
+#: code points that show nothing (Unicode's Default_Ignorable_Code_Point, DerivedCoreProperties.txt,
+#: plus the blank braille pattern): an id holding one looks like the id without it
+INVISIBLE = ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+             (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x2800, 0x2800),
+             (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8),
+             (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF))
+
+
+def invisible(ch: str) -> bool:
+    """Whether ``ch`` shows nothing (:data:`INVISIBLE`)."""
+    cp = ord(ch)
+    return any(lo <= cp <= hi for lo, hi in INVISIBLE)
 
 
 def letter_script(ch: str) -> str | None:
-    """The script of a letter, from the first word of its Unicode name (``LATIN``, ``CYRILLIC``,
-    ``GREEK``, ``HAN`` for CJK ideographs ...), ``None`` for what is not a letter of one script
-    (digits, punctuation, marks, the Japanese prolonged sound mark)."""
-    if not unicodedata.category(ch).startswith("L"):
+    """The script of a letter, a digit or a mark, from its Unicode name (``LATIN``, ``CYRILLIC``,
+    ``GREEK``, ``TELUGU`` for a Telugu digit, ``HAN`` for CJK ideographs ...), ``None`` for what
+    belongs to no one script (ASCII digits, punctuation, modifier letters, marks every script
+    uses, the Japanese prolonged sound mark). A digit of another script counts: ``b౦b`` (a
+    Telugu zero) is not ``bob``."""
+    category = unicodedata.category(ch)
+    if not (category.startswith("L") or category.startswith("M") or category == "Nd"):
         return None
-    word = unicodedata.name(ch, "").split(" ", 1)[0]
-    if not word or "-" in word:  # KATAKANA-HIRAGANA PROLONGED SOUND MARK is both
+    words = unicodedata.name(ch, "").split(" ")
+    word = words[0]
+    if word == "COMBINING" and len(words) > 1 and words[1] in _MARK_SCRIPTS:
+        return words[1]
+    if not word or "-" in word or word in _NO_SCRIPT:  # KATAKANA-HIRAGANA PROLONGED SOUND MARK is both
         return None
     return "HAN" if word in _HAN_WORDS else word
 
@@ -48,11 +75,15 @@ def check_scope_id(name: str, value: str) -> None:
         value: the id (a printable string, checked by the caller).
 
     Raises:
-        ValueError: ``value`` is not in NFKC form (the message gives the form to send), or mixes
-            scripts (the message names them).
+        ValueError: ``value`` holds a character that shows nothing, is not in NFKC form (the
+            message gives the form to send), or mixes scripts (the message names them).
     """
     if value.isascii():
         return
+    hidden = [c for c in value if invisible(c)]
+    if hidden:
+        raise ValueError(f"{name} {value!r} ({code_points(value)}) holds {code_points(''.join(hidden))}, which shows "
+                         "nothing: an id with it looks like the id without it; send the id without it")
     nfkc = unicodedata.normalize("NFKC", value)
     if nfkc != value:
         raise ValueError(f"{name} {value!r} ({code_points(value)}) is not in Unicode's NFKC form: send {nfkc!r} "
