@@ -146,7 +146,7 @@ def test_no_module_outside_serving_imports_vllm_when_imported():
 def test_the_connector_loads_a_small_part_of_the_package():
     """vLLM's engine process loads the connector: it needs the KV pool, rotation, injection
     and capture (and the (de)quantizer of 8- and 4-bit KV, the pool's tiers, the capture
-    writer's step gate and process), not the settings,
+    writer's step gate and process, the watch on its parent), not the settings,
     the model registry, prompts or tools."""
     import subprocess
     import sys
@@ -161,7 +161,8 @@ def test_the_connector_loads_a_small_part_of_the_package():
                       "inferscale.kv.capture", "inferscale.kv.capture_writer", "inferscale.kv.injection", "inferscale.kv.pool", "inferscale.kv.quant", "inferscale.kv.rope",
                       "inferscale.kv.entry", "inferscale.kv.tiers", "inferscale.kv.disk",
                       "inferscale.kv.remote", "inferscale.serving",
-                      "inferscale.serving.connector", "inferscale.serving.step_gate"}, sorted(loaded)
+                      "inferscale.serving.connector", "inferscale.serving.orphans",
+                      "inferscale.serving.step_gate"}, sorted(loaded)
 
 
 def test_the_adapters_use_only_the_public_api_and_the_integration_module():
