@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import warnings
 from pathlib import Path
@@ -280,6 +281,7 @@ def _run_bench(name: str, out: Path, call) -> None:
     from inferscale.models.resolve import ModelNotFoundError
     from inferscale.store.records import StoreError
 
+    created = not out.exists()  # a failed run leaves no folder it made (issue 56)
     try:  # before the benchmark runs, not after
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -287,6 +289,8 @@ def _run_bench(name: str, out: Path, call) -> None:
     try:
         call()
     except (FileNotFoundError, LocomoFormatError, ModelNotFoundError, StoreError, ValueError) as exc:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
         _fail(str(exc))
     console.print((out / f"{name}.md").read_text(), markup=False)
     written = sorted(p.name for p in out.glob(f"{name}.*"))

@@ -77,11 +77,13 @@ def check_one_line(proc: subprocess.CompletedProcess, expected: str) -> None:
 @pytest.mark.parametrize("line,expected", MISSING_FILES, ids=[c[0].split(" --")[0] for c in MISSING_FILES])
 def test_a_missing_file_is_one_line_and_exit_2(line, expected, tmp_path):
     check_one_line(run_cli(line, tmp_path), expected)
+    assert not (tmp_path / "out").exists()  # a failed run leaves nothing at --out (issue 56)
 
 
 @pytest.mark.parametrize("line,expected", BAD_VALUES, ids=[c[0] for c in BAD_VALUES])
 def test_a_bad_option_value_is_one_line_and_exit_2(line, expected, tmp_path):
     check_one_line(run_cli(line, tmp_path), expected)
+    assert not (tmp_path / "out").exists()  # a failed run leaves nothing at --out (issue 56)
 
 
 def test_a_vllm_cache_too_small_for_max_model_len_is_one_line_before_vllm_starts(tmp_path):
