@@ -26,17 +26,22 @@ TURNS = ["I moved to Lisbon in March for a new job.", "My new job is at a bakery
 QUESTIONS = ["What is my cat called?", "Where do I work?", "What am I allergic to?"]
 
 
-def llm_modules() -> list[torch.nn.Module]:
-    """Every live torch module holding a causal LM (the LLM's weights in this process)."""
-    return [o for o in gc.get_objects() if isinstance(o, torch.nn.Module) and type(o).__name__.endswith("ForCausalLM")]
+def llm_modules() -> set[int]:
+    """The ids of every live torch module holding a causal LM (the LLM's weights in this process);
+    a test compares them before and after (earlier tests of the suite may hold models of their own)."""
+    gc.collect()
+    return {id(o) for o in gc.get_objects()
+            if isinstance(o, torch.nn.Module) and type(o).__name__.endswith("ForCausalLM")}
 
 
 @pytest.fixture(scope="module")
 def memory(tmp_path_factory):
+    held = llm_modules()
     with Memory(data_dir=tmp_path_factory.mktemp("engine-kv"), dtype="float32", kv_encoder="engine",
                 context_window=3) as m:
         m.add([{"role": "user", "content": t} for t in TURNS], user_id="alice")
         assert m.wait_for_kv(timeout=900)
+        m.llm_modules_after = llm_modules() - held  # before any test loads the reference
         yield m
 
 
@@ -49,7 +54,7 @@ def spans_of(m: Memory, user: str):
 
 def test_no_process_that_adds_memories_holds_the_llms_weights(memory):
     assert not memory.components.kv.encoder_loaded
-    assert llm_modules() == []  # vLLM's engine core and worker hold the model, in their own processes
+    assert memory.llm_modules_after == set()  # vLLM's engine core and worker hold the model, in their own processes
     records, _ = spans_of(memory, "alice")
     entries = memory.kv_entries(user_id="alice")
     assert len(records) == len(TURNS)
@@ -106,6 +111,7 @@ def test_a_memory_updated_while_its_encode_is_queued_ends_with_the_new_texts_kv_
 
 
 def test_int8_storage_and_a_disk_budget_carry_engine_made_kv(tmp_path):
+    held = llm_modules()
     with Memory(data_dir=tmp_path / "int8", dtype="float32", kv_encoder="engine", kv_storage_dtype="int8",
                 disk_kv_budget_bytes=64 << 20) as m:
         ids = [r["id"] for r in m.add([{"role": "user", "content": t} for t in TURNS], user_id="dora")["results"]]
@@ -118,4 +124,4 @@ def test_int8_storage_and_a_disk_budget_carry_engine_made_kv(tmp_path):
         assert set(g.kv_sources) <= set(ids) and set(g.kv_sources.values()) <= {"device", "disk"}, g.kv_sources
         assert g.num_injected_tokens > 0 and "grey" in g.text.lower(), g.text  # the memory, read from int8 KV
         assert 0 < m.components.pool.footprint()["disk"] <= 64 << 20
-        assert not kv.encoder_loaded and llm_modules() == []
+        assert not kv.encoder_loaded and llm_modules() - held == set()
