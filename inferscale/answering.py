@@ -186,6 +186,14 @@ class Answering:
 
     # ------------------------------------------------------------------ serving
 
+    def _attach_engine(self, engine) -> None:
+        """The engine this memory serves with (``engine``, or its own started on first use) and,
+        by ``kv_encoder``, whether that engine computes the memories' KV (no model in this process)."""
+        self._engine, self._owns_engine = engine, engine is None
+        self._engine_lock = threading.Lock()
+        if self.config.kv_encoder == "engine" or self.config.kv_encoder == "auto" and engine is not None:
+            self.components.kv.use_engine(lambda: self.engine)
+
     @property
     def engine(self):
         """The vLLM engine with InferScale's connector (:class:`~inferscale.serving.engine.Engine`,

@@ -12,7 +12,6 @@ calls included: another scope's memory id is "not found".
 
 from __future__ import annotations
 
-import threading
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
@@ -92,11 +91,8 @@ class Memory(Answering, Inspection, Reopenable):
             self.model_path, self.tokenizer, self.device = c.model_path, c.tokenizer, c.device
             self.extractor = extractor or LLMFactExtractor()
             self.reconciler = reconciler or SimilarityReconciler()
-            self._engine, self._owns_engine = engine, engine is None
-            self._engine_lock = threading.Lock()
             self._closed = False
-            if self.config.kv_encoder == "engine" or self.config.kv_encoder == "auto" and engine is not None:
-                c.kv.use_engine(lambda: self.engine)  # every KV from the serving engine: no model here
+            self._attach_engine(engine)
             close_at_exit(self, first=True)  # a script that never calls close() still exits cleanly
             # a memory collected without close() lets go of the folder's pool too (a notebook
             # re-running `m = Memory(..., other budgets)`); at exit, close_at_exit does it

@@ -11,7 +11,6 @@ one worker's memory would be unknown to the others), and the front's key and siz
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from typing import AsyncIterator
 
@@ -26,6 +25,7 @@ from mcp_types import INVALID_REQUEST, PARSE_ERROR, ErrorData, JSONRPCError
 from pydantic import ConfigDict, ValidationError
 
 from inferscale.mcp_server.tools import TOOLS, MemoryTools
+from inferscale.server.limits import error_body
 
 logger = logging.getLogger("inferscale.mcp")
 
@@ -185,9 +185,8 @@ class HttpEndpoint:
 
 
 async def _error(send, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    """An answer in the front's error shape (:func:`inferscale.server.limits.error_body`'s)."""
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}, "detail": message}).encode()
+    """An answer in the front's error shape (:func:`inferscale.server.limits.error_body`)."""
+    body = error_body(status, message, "server_error" if status >= 500 else "invalid_request_error")
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})

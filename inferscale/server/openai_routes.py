@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from inferscale.kv.injection import cache_salt, injected_tokens
 from inferscale.memory import Memory
-from inferscale.server.bodies import PARSED_BODY, NotJsonConstantError, RepeatedKeyError, strict_json
+from inferscale.server.bodies import PARSED_BODY, read_body
 from inferscale.server.chat import (
     ChatPlan,
     ChatRequestError,
@@ -132,17 +132,10 @@ async def _json_body(request: Request) -> dict:
     if PARSED_BODY in request.scope:
         body = request.scope[PARSED_BODY]
     else:
-        try:
-            body = strict_json(await request.body())
-        except RepeatedKeyError as exc:
-            raise ChatRequestError(f"the request body names {exc.key!r:.80} twice in one JSON object: send each "
-                                   "key once") from None
-        except NotJsonConstantError as exc:
-            raise ChatRequestError(f"the request body holds {exc}, which is not JSON: send a number or null") from None
-        except ValueError as exc:
-            raise ChatRequestError(f"the request body is not valid JSON ({exc})") from None
-        except RecursionError:
-            raise ChatRequestError("the request body is nested too deeply to read: flatten it") from None
+        verdict = read_body(await request.body(), b"application/json")
+        if verdict.status or not verdict.parsed:
+            raise ChatRequestError(verdict.message or "the request body is empty: send a JSON object")
+        body = verdict.value
     if not isinstance(body, dict):
         raise ChatRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     if not isinstance(body.get("stream", False), bool):
