@@ -161,7 +161,7 @@ def test_the_connector_loads_a_small_part_of_the_package():
                       "inferscale.kv.capture", "inferscale.kv.capture_writer", "inferscale.kv.injection", "inferscale.kv.pool", "inferscale.kv.quant", "inferscale.kv.rope",
                       "inferscale.kv.entry", "inferscale.kv.tiers", "inferscale.kv.disk",
                       "inferscale.kv.remote", "inferscale.serving",
-                      "inferscale.serving.connector", "inferscale.serving.orphans",
+                      "inferscale.serving.connector", "inferscale.serving.connector_stats", "inferscale.serving.orphans",
                       "inferscale.serving.step_gate"}, sorted(loaded)
 
 

@@ -95,7 +95,7 @@ class BatchStats(StatLoggerBase):
 
     Attributes:
         max_running: most requests in one step. steps: scheduler steps seen.
-        connector: sums of :data:`inferscale.serving.connector.STAT_FIELDS` (counts, seconds).
+        connector: sums of :data:`inferscale.serving.connector_stats.STAT_FIELDS` (counts, seconds).
     """
 
     def __init__(self, vllm_config: Any = None, engine_index: int = 0) -> None:
