@@ -19,6 +19,21 @@ import pytest
 from inferscale.models.resolve import resolve_llm
 
 
+def _transformers_encoder_by_default() -> None:
+    """This process's memories encode KV with the transformers reference unless a test asks for
+    the engine (``kv_encoder="engine"``, ``Memory(engine=...)``): with the default, each of the
+    suite's hundreds of embedded stores would start a vLLM engine of its own at its first
+    ``wait_for_kv`` (20-60 s each). Processes the tests start (scripts, ``inferscale serve``,
+    the CLI) keep the real default, and tests/test_embedded_engine.py runs it embedded."""
+    from inferscale.config import MemoryConfig
+
+    MemoryConfig.model_fields["kv_encoder"].default = "transformers"
+    MemoryConfig.model_rebuild(force=True)
+
+
+_transformers_encoder_by_default()
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return resolve_llm()

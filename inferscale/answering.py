@@ -11,6 +11,7 @@ queue and pool as the benchmarks and the reference path read them. It uses the f
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Any, ContextManager, Iterable, Iterator, Sequence
 
@@ -21,6 +22,7 @@ from inferscale.kv.background import wait_with_bar
 from inferscale.kv.pool import KVPool, StoredKV
 from inferscale.kv.reference import ReferenceModel
 from inferscale.models.kv_shape import check_kv_cache_fits
+from inferscale.runtime.progress import notice
 from inferscale.generation.options import GenerationOptions
 from inferscale.generation.request import MemoryBlock, PreparedRequest, generation_chunks
 from inferscale.store.records import Scope
@@ -61,9 +63,17 @@ class Answering:
             TypeError / ValueError: ``timeout`` is not ``None`` or a finite number >= 0.
         """
         timeout = check_timeout(timeout)
+        kv = self.components.kv
+        if kv.pending() and kv.encoder_kind == "engine" and self._owns_engine and self._engine is None:
+            self._check_open()
+            self.engine  # noqa: B018 - an embedded memory's KV is made by its engine: start it now
         if not progress:
-            return self.components.kv.wait(timeout)
-        return wait_with_bar(self.components.kv, timeout)
+            pending = kv.pending()
+            if pending:
+                notice("making the KV of %d memor%s (%s)", pending, "y" if pending == 1 else "ies",
+                       "on vLLM's engine" if kv.encoder_kind == "engine" else "with transformers in this process")
+            return kv.wait(timeout)
+        return wait_with_bar(kv, timeout)
 
     def pending_kv(self) -> int:
         """How many ``(memory, context window)`` KV encodings are queued."""
@@ -191,8 +201,15 @@ class Answering:
         by ``kv_encoder``, whether that engine computes the memories' KV (no model in this process)."""
         self._engine, self._owns_engine = engine, engine is None
         self._engine_lock = threading.Lock()
-        if self.config.kv_encoder == "engine" or self.config.kv_encoder == "auto" and engine is not None:
-            self.components.kv.use_engine(lambda: self.engine)
+        if self.config.kv_encoder == "transformers":
+            return
+        self.components.kv.use_engine(lambda: self.engine)
+        background = self.components.kv.background
+        if engine is None and background is not None:
+            # embedded: the engine starts when KV or an answer is first asked for (wait_for_kv,
+            # generate, an inject-mode prepare), not at add: a process that only adds and
+            # searches starts no model (docs/decisions.md, "The engine computes every KV")
+            background.pause()
 
     @property
     def engine(self):
@@ -209,12 +226,18 @@ class Answering:
                 from inferscale.serving.engine import Engine
 
                 self._check_engine_settings()
+                started = time.monotonic()
+                notice("starting vLLM's engine (%s, %s) for answers and KV: about 20-60 s on a CPU, "
+                       "the first time a process asks", self.model_path.name, self.config.resolved_dtype)
                 self._engine = Engine(
                     self.model_path, dtype=self.config.resolved_dtype, kv_dir=self.kv_dir,
                     max_model_len=self.config.max_model_len, kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
                     device_budget_bytes=self.config.device_kv_budget_bytes, verbose=self.config.verbose,
                     redis_url=self.config.kv_redis_url,
                 )
+                notice("vLLM's engine is up (%.0f s)", time.monotonic() - started)
+                if self.components.kv.background is not None:
+                    self.components.kv.background.resume()  # queued encodes go to the engine now
             return self._engine
 
     def _check_engine_settings(self) -> None:

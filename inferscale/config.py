@@ -163,11 +163,12 @@ class MemoryConfig(BaseSettings):
             re-encodes). ``"engine"``: the engine that serves the model, as a prefill-only
             request below every request in vLLM's priority scheduling, whose connector captures
             the memory line's KV (:mod:`inferscale.kv.engine_encoder`): no second copy of the
-            model in this process. ``"transformers"``: a copy of the model loaded in this
-            process with transformers. ``"auto"`` (default): ``"engine"`` where the memory
-            talks to vLLM's server (``inferscale serve``'s fronts, ``Memory(engine=...)``),
-            ``"transformers"`` for an embedded memory, whose engine starts on its first
-            ``generate`` (docs/decisions.md, "The engine computes the KV").
+            model in this process. An embedded memory's engine starts when KV or an answer is
+            first asked for (``wait_for_kv``, ``generate``, an inject-mode ``prepare``), not at
+            ``add``: added memories wait in the durable queue until then, and a process that only
+            adds and searches starts no model. ``"transformers"``: a copy of the model loaded in
+            this process with transformers (the tests' reference). ``"auto"`` (default):
+            ``"engine"`` (docs/decisions.md, "The engine computes every KV")
         encode_when_idle: the background encoder (first encodes and re-encodes of evicted
             KV) starts a batch only when no request of this process is in flight, so it
             never competes with one for the cores or the GPU (default ``True``; a batch

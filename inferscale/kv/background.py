@@ -105,6 +105,8 @@ class BackgroundEncoder:
     def _loop(self) -> None:
         while not self._closed:
             self._running.wait()
+            if self._closed:  # paused until closed: the queued jobs stay for the next start
+                break
             self._yield_to_requests()
             self._wake.clear()
             if self.gather_s and not self._closed and self.queue.pending() < self.batch_jobs:

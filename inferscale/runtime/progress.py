@@ -1,0 +1,51 @@
+"""One line on stderr for every wait longer than a moment: vLLM's engine starting, KV being made.
+
+A newcomer's script used to wait two silent minutes for its first answer (issue 56). These
+notices go through the ``inferscale.progress`` logger at INFO, which writes
+``inferscale: <message>`` to the ``sys.stderr`` of the moment (so pytest's and Jupyter's
+captures see it) and does not propagate. Silence them the standard way::
+
+    logging.getLogger("inferscale.progress").setLevel(logging.WARNING)
+
+or route them elsewhere by replacing the logger's handlers. Nothing here prints at exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+#: The logger every notice goes through.
+LOGGER_NAME = "inferscale.progress"
+
+
+class _StderrNow(logging.StreamHandler):
+    """A stream handler over whatever ``sys.stderr`` is when a record is written."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def _logger() -> logging.Logger:
+    log = logging.getLogger(LOGGER_NAME)
+    if not log.handlers:
+        handler = _StderrNow()
+        handler.setFormatter(logging.Formatter("inferscale: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)
+    return log
+
+
+def notice(message: str, *args: object) -> None:
+    """Write one notice line (``%``-style ``args``, as :mod:`logging` takes them)."""
+    _logger().info(message, *args)
