@@ -10,6 +10,7 @@ queue and pool as the benchmarks and the reference path read them. It uses the f
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -31,6 +32,15 @@ from inferscale.types import Generation, GenerationChunk, Injection, require_tex
 CLOSED = "this Memory was closed: open a new Memory(...) over the same data_dir"
 
 
+def forked_message(pid: int) -> str:
+    """What a forked child is told when it uses the ``Memory`` its parent (``pid``) opened."""
+    return (f"this Memory was opened in process {pid}, and this process is a child forked from it "
+            "(multiprocessing's default start on Linux): a child cannot use its parent's Memory (two processes "
+            "writing one embedded store corrupt each other's view of it). Open a Memory in the child after the "
+            "parent closed its own, start children with multiprocessing.get_context('spawn'), or share the "
+            "memories through `inferscale serve` (docs/server.md) or a Chroma server (chroma_url)")
+
+
 class Answering:
     """The answering half of :class:`~inferscale.memory.Memory` (not used on its own)."""
 
@@ -39,8 +49,11 @@ class Answering:
     _engine: Any
     _engine_lock: threading.Lock
     _closed: bool
+    _pid: int  # the process that opened it: a forked child may not use it
 
     def _check_open(self) -> None:
+        if self._pid != os.getpid():
+            raise RuntimeError(forked_message(self._pid))
         if self._closed:
             raise RuntimeError(CLOSED)
 

@@ -697,7 +697,7 @@ def mcp_stdio(
     finally:
         memory.close()
         if lock is not None:
-            lock.close()
+            serve_lock.release(config.data_dir)  # a clean stop leaves no serve.lock
 
 
 @bench_app.command("serve")

@@ -12,6 +12,7 @@ calls included: another scope's memory id is "not found".
 
 from __future__ import annotations
 
+import os
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
@@ -91,7 +92,7 @@ class Memory(Answering, Inspection, Reopenable):
             self.model_path, self.tokenizer, self.device = c.model_path, c.tokenizer, c.device
             self.extractor = extractor or LLMFactExtractor()
             self.reconciler = reconciler or SimilarityReconciler()
-            self._closed = False
+            self._closed, self._pid = False, os.getpid()
             self._attach_engine(engine)
             close_at_exit(self, first=True)  # a script that never calls close() still exits cleanly
             # a memory collected without close() lets go of the folder's pool too (a notebook
@@ -160,6 +161,7 @@ class Memory(Answering, Inspection, Reopenable):
             raise ValueError("dedupe=False stores each message as given, so it needs infer=False (with infer=True "
                              "the reconciler decides what is new): pass infer=False, or leave dedupe=True")
         scope = Scope.of(user_id, agent_id, run_id)
+        scope.check_metadata(meta)  # before the turns are logged
         c = self.components
         if infer:
             c.requests.check_prompt_chars([t.content for t in turns])  # before anything is tokenized
@@ -381,7 +383,11 @@ class Memory(Answering, Inspection, Reopenable):
 
     def close(self) -> None:
         """Stop the background encoder (queued encodes stay queued for the next start) and the
-        engine this memory started (an engine given to the constructor is left running)."""
+        engine this memory started (an engine given to the constructor is left running). In a
+        forked child it only marks the child's copy closed: the store and the engine are the parent's."""
+        if self._pid != os.getpid():
+            self._closed = True
+            return
         self.components.kv.close()
         self.components.store.close()  # a re-embed may run now
         with self._engine_lock:

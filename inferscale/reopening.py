@@ -4,6 +4,7 @@ open Memory over the same store, else the store opened anew (another process).""
 
 from __future__ import annotations
 
+import os
 import uuid
 import weakref
 from pathlib import Path
@@ -11,6 +12,9 @@ from typing import Any
 
 #: the memories open in this process, by a handle unique to each (:meth:`Reopenable.__reduce__`)
 _OPEN: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+# a forked child's memories are not its parent's: one unpickled there opens the store anew
+# (and is refused, naming the parent, while the parent holds it: inferscale.store.open_lock)
+os.register_at_fork(after_in_child=_OPEN.clear)
 
 
 def reopen(cls: type, settings: dict, handle: str | None = None) -> Any:

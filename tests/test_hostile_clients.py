@@ -83,6 +83,8 @@ def front(tmp_path_factory):
     proc.terminate()
     assert proc.wait(60) == 0, log.read_text()[-3000:]
     assert log.read_text().rstrip().endswith("InferScale stopped"), log.read_text()[-3000:]  # a last line says so
+    assert not (root / "data" / "serve.lock").exists()  # a clean stop removes its lock (issue 53)
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
 
 
 def refused(r: httpx.Response, status: int, *words: str) -> str:
@@ -143,6 +145,34 @@ def test_a_method_a_route_does_not_take_is_405_naming_those_it_does(front):
     r = front.http("PATCH", "/memories?user_id=bob", json={})
     message = refused(r, 405, "PATCH is not a method of /memories: it takes")
     assert set(r.headers["allow"].split(", ")) >= {"GET", "POST", "DELETE"} and "GET" in message
+
+
+@pytest.mark.parametrize("method,path,allow", [
+    ("PUT", "/v1/chat/completions", {"POST"}), ("DELETE", "/health", {"GET"}),
+    ("PATCH", "/memories/{id}", {"GET", "PUT", "DELETE"}), ("GET", "/v1/completions", {"POST"}),
+    ("PATCH", "/v1/memories/{id}/", {"GET", "PUT", "DELETE"})])
+def test_every_405_is_json_and_names_the_methods_in_allow(front, method, path, allow):
+    """Issue 53 item 4: the front's own routes, the OpenAI routes and Mem0's platform routes."""
+    path = path.format(id=front.ids["bob"])
+    r = front.http(method, path + ("?user_id=bob" if "memories" in path else ""))
+    message = refused(r, 405, f"{method} is not a method of {path}: it takes")
+    assert set(r.headers["allow"].split(", ")) >= allow, r.headers.get("allow")
+    assert r.json()["detail"] == message
+
+
+def test_metadata_naming_another_scope_is_400_naming_both_and_writes_nothing(front):
+    before = front.http("GET", "/memories", params={"user_id": "bob"}).json()
+    r = front.http("POST", "/memories", json={"messages": "Bob flies kites.", "user_id": "bob",
+                                              "metadata": {"user_id": "alice"}})
+    refused(r, 400, "metadata names user_id='alice'", "stored under user_id='bob'")
+    memory_path = f"/memories/{front.ids['bob']}?user_id=bob"
+    r = front.http("PUT", memory_path, json={"text": "Bob likes black tea.", "metadata": {"agent_id": "helper"}})
+    refused(r, 400, "metadata names agent_id='helper'", "stored under agent_id=None")
+    r = front.http("PUT", memory_path, json={"metadata": {"user_id": "carol"}})
+    refused(r, 400, "metadata names user_id='carol'", "stored under user_id='bob'")
+    assert front.http("GET", "/memories", params={"user_id": "bob"}).json() == before
+    r = front.http("PUT", memory_path, json={"metadata": {"user_id": "bob", "topic": "tea"}})  # its own scope: fine
+    assert r.status_code == 200 and r.json()["metadata"]["user_id"] == "bob", r.text
 
 
 def test_two_authorization_headers_are_400_even_with_the_right_key_last(front):

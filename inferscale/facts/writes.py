@@ -128,6 +128,7 @@ class FactService:
         """
         for i, f in enumerate(inputs):
             self.check_length(f.text, f"fact {i}")
+            scope.check_metadata(f.metadata, "metadata" if len(inputs) == 1 else f"fact {i}'s metadata")
         with self._lock, self.history.scope_lock(scope.key):
             self.index.refresh(scope.key)  # another process's writes count for duplicates too
             hashes = [text_hash(f.text) for f in inputs]
@@ -189,6 +190,7 @@ class FactService:
         """
         require_text(text, "data")
         self.check_length(text, "data")
+        scope.check_metadata(metadata)
         with self._lock, self.history.scope_lock(scope.key):
             self.index.refresh(scope.key)
             old = self.get(scope, memory_id)
@@ -225,6 +227,7 @@ class FactService:
         Raises:
             MemoryNotFoundError: no such memory in ``scope``.
         """
+        scope.check_metadata(fields)
         with self._lock, self.history.scope_lock(scope.key):
             self.index.refresh(scope.key)
             old = self.get(scope, memory_id)

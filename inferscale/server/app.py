@@ -45,7 +45,7 @@ from inferscale.mcp_server.app import HttpEndpoint
 from inferscale.mcp_server.tools import MemoryTools
 from inferscale.memory import Memory
 from inferscale.server import mem0_platform, memories, openai_routes, ops, ui
-from inferscale.server.errors import install_error_handlers, install_outage_watch
+from inferscale.server.errors import BugsAnswered, install_error_handlers, install_outage_watch
 from inferscale.server.limits import AUTHORIZED, FrontLimits, RequestGate
 from inferscale.server.metrics import FrontMetrics
 from inferscale.server.pool_history import PoolHistory
@@ -112,6 +112,7 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
     app.state.metrics = FrontMetrics(memory.kv_stats)
     worker = str(os.getpid())
 
+    app.add_middleware(BugsAnswered)  # first, so innermost: a bug is answered and logged once
     install_outage_watch(app)
 
     @app.middleware("http")  # the worker's pid only to a client that sent the key (or where none is needed)

@@ -9,6 +9,7 @@ one line when an outage starts and one when it ends).
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 from fastapi import FastAPI, Request
@@ -122,6 +123,41 @@ def install_error_handlers(app: FastAPI) -> None:
         # anything else is a bug: 500, and Starlette re-raises it after this answer, so the
         # server logs its traceback
         return outage(exc) or error(500, f"internal error ({type(exc).__name__}); see the server log", "server_error")
+
+
+class BugsAnswered:
+    """The innermost of the front's middlewares (add it before the others): an exception no
+    handler took is answered here, a 503 naming the dependency that is down (:func:`outage`) or
+    a 500 in the front's shape, and a bug's traceback is logged once (``uvicorn.error``, as
+    uvicorn logs). Left to Starlette's outermost handler, it was re-raised through every
+    middleware on the way out and logged as a chain of the same traceback (issue 53). An
+    exception after the answer began (a stream) cannot be answered: it goes on up, as before."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:  # noqa: BLE001 - every bug gets an answer and one log entry
+            if started:
+                raise
+            response = outage(exc)
+            if response is None:
+                logging.getLogger("uvicorn.error").error("%s %s failed: %s: %s", scope.get("method"),
+                                                         scope.get("path"), type(exc).__name__, exc, exc_info=exc)
+                response = error(500, f"internal error ({type(exc).__name__}); see the server log", "server_error")
+            await response(scope, receive, send)
 
 
 def install_outage_watch(app: FastAPI) -> None:

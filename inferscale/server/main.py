@@ -174,7 +174,15 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
     kv_dir = config.data_dir / "kv"
     # the store opens before vLLM starts, so its errors come first (and once, not once per worker)
     engine = HttpEngine((), kv_dir, name, options.api_key)  # its servers are set once they answer
-    memory = Memory(config, engine=engine)
+    try:
+        memory = Memory(config, engine=engine)
+    except BaseException:
+        sock.close()
+        if lock is not None:
+            from inferscale.store import serve_lock
+
+            serve_lock.release(config.data_dir)  # a refused start leaves no lock behind
+        raise
     if options.workers > 1:
         memory.close()
         engine.close()
@@ -248,6 +256,10 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
                 t.start()
             for t in threads:
                 t.join()
+        if lock is not None:
+            from inferscale.store import serve_lock
+
+            serve_lock.release(config.data_dir)  # a clean stop leaves no serve.lock
     say("InferScale stopped")  # only after a stop asked for: an error propagates past this line
 
 

@@ -235,7 +235,8 @@ def router() -> APIRouter:
         methods = sorted({m for route in others if route.matches({**request.scope, "path": path})[0] == Match.PARTIAL
                           for m in getattr(route, "methods", ()) if m != "HEAD"})
         if methods:
-            raise HTTPException(405, f"{request.method} {path}: this route takes {', '.join(methods)}")
+            raise HTTPException(405, f"{request.method} is not a method of {path}: it takes {', '.join(methods)}",
+                                headers={"Allow": ", ".join(methods)})  # RFC 9110, 15.5.6
         if not path.endswith("/") and any(route.matches({**request.scope, "path": path + "/"})[0] != Match.NONE
                                           for route in others):
             query = f"?{request.url.query}" if request.url.query else ""  # relative: the Host header is the client's

@@ -11,7 +11,10 @@ process share that hold. ``inferscale reembed`` takes it too, and so never runs 
 open store. Processes that must share memories use ``inferscale serve`` (HTTP) or a Chroma
 server (``chroma_url``), which has its own writer.
 
-The file says who holds it: ``"<pid> <command>"``.
+The file says who holds it: ``"<pid> <command>"``. A lock left by a dead process never blocks
+(the kernel drops a ``flock`` with its process); a clean close removes the file
+(:func:`unlock`). A child forked while a store is open inherits neither the hold nor the
+right to open the store: its own ``Memory`` is refused, naming the parent (issue 53).
 """
 
 from __future__ import annotations
@@ -44,16 +47,50 @@ def lock_open(path: Path, command: str | None = None) -> IO | None:
         when another open file holds it.
     """
     path.mkdir(parents=True, exist_ok=True)
-    f = open(path / OPEN_LOCK, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
+    f = take_file(path / OPEN_LOCK)
+    if f is None:
         return None
     f.truncate(0)
     f.write(f"{os.getpid()} {command or _command()}")
     f.flush()
     return f
+
+
+def take_file(path: Path) -> IO | None:
+    """Open ``path`` (created when missing) and ``flock`` it exclusively, without waiting.
+
+    The file that is locked is the one at ``path`` now: a holder that ends cleanly removes it
+    (:func:`unlock`), and a process that opened it before then would otherwise hold a lock on a
+    file no longer there; it opens the new one instead.
+
+    Returns:
+        The open, locked file, or ``None`` when another open file holds the lock.
+    """
+    for _ in range(10):
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            return None
+        try:
+            same = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return f
+        f.close()  # removed by the holder that just ended: lock the file there now
+    return None
+
+
+def unlock(f: IO, path: Path) -> None:
+    """Remove the lock file ``f`` (held, at ``path``) and close it: a clean stop leaves nothing."""
+    try:
+        if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+            path.unlink()
+    except (FileNotFoundError, ValueError):  # gone already, or f closed
+        pass
+    f.close()
 
 
 def holder(path: Path) -> str:
@@ -105,8 +142,18 @@ def release(key: Path) -> None:
             return
         held[1] -= 1
         if held[1] <= 0:
-            held[0].close()
+            unlock(held[0], key / OPEN_LOCK)
             del _held[key]
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's holds are not the child's (a new ``Memory`` of the child
+    over the same store asks for the lock itself, and is refused while the parent holds it).
+    The inherited files stay open: closing them would be harmless, but nothing needs it."""
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _command() -> str:

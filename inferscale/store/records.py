@@ -71,6 +71,20 @@ class Scope:
         user_id, agent_id, run_id = json.loads(key)
         return cls(user_id, agent_id, run_id)
 
+    def check_metadata(self, metadata: dict | None, what: str = "metadata") -> None:
+        """Refuse metadata whose ``user_id``, ``agent_id`` or ``run_id`` names another scope than
+        this one, where the memory is stored (a reader filtering on the field would take it for
+        another scope's). A field equal to the scope's, or ``None`` in a patch (removed), passes.
+
+        Raises:
+            ValueError: naming the field, its value and the scope's (issue 53).
+        """
+        for name in ("user_id", "agent_id", "run_id"):
+            if metadata and metadata.get(name) is not None and metadata[name] != getattr(self, name):
+                raise ValueError(f"{what} names {name}={metadata[name]!r}, but the memory is stored under "
+                                 f"{name}={getattr(self, name)!r}: drop {name} from the metadata, or store the "
+                                 f"memory under {name}={metadata[name]!r}")
+
     def as_dict(self) -> dict[str, str]:
         return {k: v for k, v in (("user_id", self.user_id), ("agent_id", self.agent_id), ("run_id", self.run_id)) if v}
 

@@ -32,7 +32,7 @@ from inferscale.checks import first_line
 from inferscale.store.chroma import (_COLLECTION, EMBEDDER_KEY, REEMBED_SUFFIX, REEMBEDDING_KEY, FactStore,
                                      open_client, has_collection, reembed_command)
 from inferscale.store.embedded import check_not_served, read_manifest, write_manifest
-from inferscale.store.open_lock import holder, lock_open
+from inferscale.store.open_lock import OPEN_LOCK, holder, lock_open, unlock
 from inferscale.store.records import SCHEMA_VERSION, StoreError
 
 #: Marks the new collection complete (every memory embedded and counted).
@@ -84,7 +84,7 @@ def reembed(data_dir: Path, server, embedder: str, embed: Callable[[list[str]], 
                          f"refused until `{reembed_command(embedder, data_dir, server)}` runs to its end") from None
     finally:
         if lock is not None:
-            lock.close()
+            unlock(lock, path / OPEN_LOCK)
 
 
 def _reembed(data_dir: Path, server, path: Path, where: str, embedder: str, embed, batch: int,

@@ -1,6 +1,8 @@
 """``<data_dir>/serve.lock``: the one ``inferscale serve`` (or ``inferscale mcp``) that writes a
 data dir holds it (``flock``, released when its process ends, even on SIGKILL); others check
-it. The file says who holds it: ``"<pid> <command>"``."""
+it. The file says who holds it: ``"<pid> <command>"``. A lock left by a dead process never
+blocks (the kernel drops the ``flock``); a clean stop removes the file (:func:`release`); a
+forked child does not inherit its parent's hold."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import os
 import time
 from pathlib import Path
 from typing import IO
+
+from inferscale.store.open_lock import take_file, unlock
 
 LOCK_FILE = "serve.lock"
 #: the data dirs whose lock this process took (resolved) -> the open lock file: while it is
@@ -60,17 +64,29 @@ def hold(data_dir: Path, command: str = "inferscale serve") -> IO:
         DataDirServed: another process holds it.
     """
     data_dir.mkdir(parents=True, exist_ok=True)
-    f = open(data_dir / LOCK_FILE, "a+")
-    try:
-        _take(f, data_dir, _TRIES)
-    except DataDirServed:
-        f.close()
-        raise
+    for attempt in range(_TRIES):
+        f = take_file(data_dir / LOCK_FILE)
+        if f is not None:
+            break
+        if attempt + 1 < _TRIES:
+            time.sleep(_PAUSE_S)
+    else:
+        with open(data_dir / LOCK_FILE, "a+") as busy:
+            _take(busy, data_dir)  # raises DataDirServed naming the holder
+        return hold(data_dir, command)  # freed just now
     f.truncate(0)
     f.write(f"{os.getpid()} {command}")
     f.flush()
     _held[data_dir.resolve()] = f
     return f
+
+
+def release(data_dir: Path) -> None:
+    """End this process's hold of ``data_dir`` (:func:`hold`) and remove the lock file: a clean
+    stop leaves no ``serve.lock`` behind."""
+    f = _held.pop(Path(data_dir).resolve(), None)
+    if f is not None:
+        unlock(f, Path(data_dir) / LOCK_FILE)
 
 
 def check_free(data_dir: Path, *, own_ok: bool = False) -> None:
@@ -86,6 +102,13 @@ def check_free(data_dir: Path, *, own_ok: bool = False) -> None:
     mine = _held.get(Path(data_dir).resolve())
     if own_ok and mine is not None and not mine.closed:
         return
-    with open(path, "a+") as f:
+    try:
+        f = open(path, "r+")  # never created here: a server that stopped cleanly removed it
+    except FileNotFoundError:
+        return
+    with f:
         _take(f, data_dir)
         fcntl.flock(f, fcntl.LOCK_UN)
+
+
+os.register_at_fork(after_in_child=_held.clear)  # a forked child does not hold its parent's data dir
