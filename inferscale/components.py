@@ -29,6 +29,7 @@ from inferscale.runtime.devices import best_device
 from inferscale.kv.jobs import KVJobQueue
 from inferscale.kv.manager import KVManager
 from inferscale.kv.pool import KVPool
+from inferscale.kv.garbage import Served, collect as collect_unserved
 from inferscale.models.resolve import model_fingerprint, resolve_embedder, resolve_llm
 from inferscale.generation.prompt import PromptBuilder
 from inferscale.generation.request import RequestBuilder
@@ -132,6 +133,9 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
                          "choose another data_dir") from exc
     try:
         pool.enforce_budget()  # a budget lowered since the folder was filled holds from the start
+        fingerprint = model_fingerprint(model_path)
+        if pool.holders == 1:  # the process's first memory over the folder: KV no longer served goes
+            collect_unserved(pool.disk, Served(fingerprint, config.resolved_dtype, config.kv_storage_dtype))
         if manifest is not None:
             write_manifest(data, manifest)
         embedder = Embedder(config.embedder, device, source=embedder_source, backend=config.embedder_backend)
@@ -139,7 +143,7 @@ def open_components(config: MemoryConfig, models: tuple[Path, Path | str, Any] |
         index = VectorIndex(device, loader=store.load_scope, versioner=history_log.scope_version,
                             changes=history_log.changes_since, fetch=store.fetch,
                             keyword_docs=turns.keyword_docs if config.keyword_turns else None)
-        kv = KVManager(model_path, model_fingerprint(model_path), config.resolved_dtype, prompts, pool, turns,
+        kv = KVManager(model_path, fingerprint, config.resolved_dtype, prompts, pool, turns,
                        config.encode_batch_tokens, config.max_model_len, jobs=kv_jobs, store=store,
                        verbose=config.verbose, storage=config.kv_storage_dtype,
                        encode_when_idle=config.encode_when_idle, capture=config.capture_kv,

@@ -13,10 +13,15 @@ import sys
 import textwrap
 import time
 
+from pathlib import Path
+
 import psutil
 import pytest
 
+from inferscale.kv.capture_writer import SPOOL_PREFIX, remove_dead_spools
+
 pytestmark = pytest.mark.slow
+SHM = Path("/dev/shm")
 
 SCRIPT = textwrap.dedent("""
     import sys, time
@@ -49,6 +54,11 @@ def test_a_killed_script_leaves_no_process_of_its_tree(tmp_path, sig):
         while (alive := running(tree)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not alive, [(p.pid, p.name()) for p in alive]
+        # the spools they left in /dev/shm are dead ones: the next capture writer's start removes them
+        pids = {proc.pid, *(p.pid for p in tree)}
+        left = [p for p in SHM.glob(f"{SPOOL_PREFIX}*-*") if int(p.name[len(SPOOL_PREFIX):].split("-")[0]) in pids]
+        remove_dead_spools(SHM)
+        assert not [p for p in left if p.exists()]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -184,6 +184,11 @@ class KVPool:
             pool._users += 1
             return pool
 
+    @property
+    def holders(self) -> int:
+        """How many :meth:`shared` holds of this pool are open in this process."""
+        return self._users
+
     def release(self) -> None:
         """Let go of one :meth:`shared` hold (``Memory.close`` does, once). The last hold takes
         the pool out of the process's registry and closes its Redis connection, so the folder
