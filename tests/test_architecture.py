@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "inferscale"
 APPLICATION = ("inferscale", "inferscale.memory", "inferscale.answering", "inferscale.integration", "inferscale.async_memory", "inferscale.sessions",
-               "inferscale.demo", "inferscale.cli", "inferscale.datasets", "inferscale.bench", "inferscale.server",
+               "inferscale.demo", "inferscale.cli", "inferscale.cli_bench", "inferscale.cli_common", "inferscale.datasets", "inferscale.bench", "inferscale.server",
                "inferscale.mcp_server")
 FRAMEWORKS = ("vllm", "langchain", "langchain_core", "langchain_inferscale", "llama_index", "integrations")
 

@@ -265,7 +265,7 @@ def test_default_data_dir_is_never_tmp(monkeypatch):
 
 
 def test_data_dir_env_reaches_the_demo_and_benchmark_stores(monkeypatch, tmp_path):
-    from inferscale.cli import _bench_paths
+    from inferscale.cli_bench import _bench_paths
     from inferscale.config import default_data_dir
 
     monkeypatch.setenv("INFERSCALE_DATA_DIR", str(tmp_path))

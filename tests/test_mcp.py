@@ -232,3 +232,29 @@ async def test_front_mcp_client_without_the_key_gets_no_tools(front):
 def leaves(exc: BaseException) -> list[BaseException]:
     """The exceptions inside (nested) exception groups."""
     return [leaf for e in exc.exceptions for leaf in leaves(e)] if isinstance(exc, BaseExceptionGroup) else [exc]
+
+
+# ---------------------------------------------------------------- the README's client entries (issue 56 item 4)
+
+def readme_mcp_entries() -> list[dict]:
+    """The ``mcpServers`` entries of the README's "Switch in one line" (its JSON blocks)."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n## Switch in one line\n", 1)[1].split("\n## ", 1)[0]
+    return [json.loads(block)["mcpServers"]["inferscale"] for block in re.findall(r"```json\n(.*?)```", section, re.S)]
+
+
+async def test_the_readmes_mcp_entries_reach_the_six_tools(tmp_path, front):
+    stdio, http = readme_mcp_entries()
+    assert stdio["args"][:2] == ["mcp", "--data-dir"] and Path(stdio["command"]).name == "inferscale"
+    params = StdioServerParameters(command=str(INFERSCALE), args=[*stdio["args"][:2], str(tmp_path / "data")],
+                                   env={**os.environ, "INFERSCALE_PRECOMPUTE_KV": "false"})
+    with (tmp_path / "mcp.log").open("a") as errlog:
+        async with Client(stdio_client(params, errlog=errlog), read_timeout_seconds=300) as client:
+            assert [t.name for t in (await client.list_tools()).tools] == TOOLS
+    assert http["url"] == "http://127.0.0.1:8000/mcp"
+    key = http["headers"]["Authorization"].replace("<key>", KEY)
+    async with Client(streamable_http_client(f"{front}/mcp", http_client=httpx2.AsyncClient(
+            headers={"Authorization": key}, timeout=120))) as client:
+        assert [t.name for t in (await client.list_tools()).tools] == TOOLS

@@ -75,3 +75,36 @@ def running(processes: list[psutil.Process]) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def test_a_killed_notebook_kernel_leaves_no_process_of_its_tree(tmp_path):
+    """A Jupyter kernel that used ``Memory.generate``, then ended as a kernel restart or a
+    closed notebook server ends it (``shutdown_kernel(now=True)``: SIGKILL)."""
+    from jupyter_client import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(cwd=str(tmp_path))
+    tree: list[psutil.Process] = []
+    try:
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=300)
+        code = (f"from inferscale import Memory\nm = Memory(data_dir={str(tmp_path / 'data')!r}, dtype='float32')\n"
+                "m.add('I keep bees on my roof.', user_id='alice')\n"
+                "m.generate('What do I keep?', user_id='alice', max_tokens=4)")
+        reply = kc.execute_interactive(code, timeout=900)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        kc.stop_channels()
+        tree = psutil.Process(km.provisioner.process.pid).children(recursive=True)
+        names = [p.name() for p in tree]
+        assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
+        km.shutdown_kernel(now=True)
+        deadline = time.monotonic() + 20
+        while (alive := running(tree)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if km.is_alive():
+            km.shutdown_kernel(now=True)
+        for p in running(tree):
+            p.kill()

@@ -256,3 +256,20 @@ def test_a_scope_id_that_is_not_ascii_shows_its_code_points(served, page):
     cyrillic = [t for t in labels if "U+0430 U+0440 U+0435" in t]
     latin = [t for t in labels if t.startswith('user_id="ape"')]
     assert len(cyrillic) == 1 and len(latin) == 1 and "U+" not in latin[0], labels
+
+
+def test_the_docs_way_of_driving_the_page_from_playwright_runs_as_written(served, tmp_path):
+    """docs/server.md's block (issue 56 item 5): Debian's Chromium, the key typed in, waits on
+    selectors under the page's own CSP (no bypass), run as a script against this server."""
+    import re
+    import subprocess
+    import sys
+
+    section = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text().split(
+        "**Driving the page from a browser tool**", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    script = tmp_path / "drive.py"
+    script.write_text(code.replace("http://127.0.0.1:8000", served.url).replace("<key>", KEY))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert USER in done.stdout and "bob" in done.stdout, done.stdout

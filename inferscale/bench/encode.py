@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -107,15 +108,31 @@ def run_arm(arm: str, data: Path, store: Path, *, facts: int, questions: int, dt
     return out
 
 
-def run(data: Path, out: Path, *, facts: int = 1000, questions: int = 40, dtype: str = "auto") -> dict:
-    """Both arms (module docstring); writes ``encode.json`` and ``encode.md`` to ``out``.
+def run(data: Path, out: Path, *, facts: int = 1000, questions: int = 40, dtype: str = "auto",
+        served: bool = True, served_facts: int = 50) -> dict:
+    """Both arms (module docstring), embedded and (``served``) through ``inferscale serve``
+    (:mod:`inferscale.bench.encode_served`, ``served_facts`` LoCoMo observations added over
+    HTTP); writes ``encode.json`` and ``encode.md`` to ``out``.
 
     Raises:
         ValueError: ``facts`` or ``questions`` more than LoCoMo holds.
+        RuntimeError: a served arm's server did not start.
     """
     out.mkdir(parents=True, exist_ok=True)
     arms = {arm: run_arm(arm, data, out / f"encode-store-{arm}", facts=facts, questions=questions, dtype=dtype)
             for arm in ARMS}
+    fronts = {}
+    if served:
+        from inferscale.bench.encode_served import served_arm
+
+        texts = [f.dated_text() for f in load_locomo(data)[0].facts[:served_facts]]
+        for arm in ARMS:
+            store = out / f"encode-store-served-{arm}"
+            shutil.rmtree(store, ignore_errors=True)
+            try:
+                fronts[arm] = served_arm(arm, store, texts, dtype=dtype)
+            finally:
+                shutil.rmtree(store, ignore_errors=True)
     rows = []
     for arm, r in arms.items():
         p50c, p99c = percentile(r["ttft_calm_s"], 50), percentile(r["ttft_calm_s"], 99)
@@ -125,6 +142,11 @@ def run(data: Path, out: Path, *, facts: int = 1000, questions: int = 40, dtype:
                      f"{p50l * 1000:.0f} / {p99l * 1000:.0f}", f"{r['p50_ratio']:.2f}x / {r['p99_ratio']:.2f}x",
                      f"{r['after_add_ttft_s'] * 1000:.0f} ({r['after_add_sources']}) vs {r['ready_ttft_s'] * 1000:.0f}: "
                      f"{r['after_add_ratio']:.2f}x", f"{r['llm_weight_bytes'] / 2**20:.0f} MiB"])
+    served_rows = [[arm, f"{r['front_rss_ready_bytes'] / 2**20:.0f}", f"{r['front_rss_after_kv_bytes'] / 2**20:.0f}",
+                    f"{statistics.median(r['after_add_ttft_s']) * 1000:.0f} vs "
+                    f"{statistics.median(r['ready_ttft_s']) * 1000:.0f}: {r['after_add_ratio']:.2f}x",
+                    ", ".join(sorted({s for ss in r["after_add_sources"] for s in ss}))]
+                   for arm, r in fronts.items()]
     where = machine()
     page = "\n\n".join([
         "# Who computes the KV: the serving engine against a transformers copy",
@@ -136,6 +158,13 @@ def run(data: Path, out: Path, *, facts: int = 1000, questions: int = 40, dtype:
         markdown_table(["encoder", "encodes / s", "TTFT p50 / p99, nothing queued",
                         f"TTFT p50 / p99, {facts} encodes queued", "ratio p50 / p99",
                         "question right after add vs on ready KV", "LLM weights in the adding process"], rows),
+        *([f"## Served: one `inferscale serve` per encoder ({served_facts} facts added over HTTP)\n\n"
+           "The front's resident memory (MiB) once ready and once the facts' KV is made; a question right "
+           "after add against the same question on ready KV, TTFT in ms measured by the client (streamed, "
+           "medians of 5), and the sources the chat's report gave the new memory right after add.",
+           markdown_table(["encoder", "front RSS ready", "front RSS after KV", "question right after add vs ready",
+                           "source right after add"], served_rows)] if fronts else []),
     ])
-    write_outputs(out, "encode", {"facts": facts, "questions": questions, "dtype": dtype, "arms": arms}, page)
+    write_outputs(out, "encode", {"facts": facts, "questions": questions, "dtype": dtype, "arms": arms,
+                                  "served": fronts}, page)
     return arms

@@ -54,12 +54,13 @@ class ServerProcess:
     """``inferscale serve`` over ``data_dir`` on a free loopback port (dev mode, for
     ``/reset_prefix_cache``); :meth:`stop` sends it SIGTERM."""
 
-    def __init__(self, data_dir: Path, dtype: str, max_num_seqs: int, log: Path) -> None:
+    def __init__(self, data_dir: Path, dtype: str, max_num_seqs: int, log: Path,
+                 environment: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = {**os.environ, "INFERSCALE_API_KEY": _KEY, "VLLM_SERVER_DEV_MODE": "1",
-               "INFERSCALE_KV_CACHE_MEMORY_BYTES": str(PAGED_CACHE_BYTES)}
+               "INFERSCALE_KV_CACHE_MEMORY_BYTES": str(PAGED_CACHE_BYTES), **(environment or {})}
         cmd = [str(Path(sys.executable).with_name("inferscale")), "serve", "--port", str(self.port), "--data-dir",
                str(data_dir), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs)]
         with open(log, "w") as out:
