@@ -157,25 +157,23 @@ def test_stdio_answers_a_line_that_is_not_json_or_a_batch_with_a_json_rpc_error(
 
 
 async def test_stdio_answer_injects_the_users_memories_as_kv(tmp_path):
-    """The subprocess starts vLLM on the first answer; the memories' KV is encoded in the
-    background after the add (a memory not encoded yet comes as text: ask again)."""
+    """The subprocess starts vLLM on the first answer, which (``wait_for_kv``) makes the KV of the
+    memory added a moment before and injects it; the client's log says what it waited for."""
     log = tmp_path / "mcp.log"
     async with Client(stdio_server(tmp_path / "data", log, INFERSCALE_PRECOMPUTE_KV="true"),
                       read_timeout_seconds=600) as client:
         added = await ok(client, "add", {"text": "My dog is called Max.", "user_id": "alice"})
         mid = added["results"][0]["id"]
-        deadline = time.monotonic() + 300
-        while True:
-            answer = await ok(client, "answer", {"question": "What is my dog called?", "user_id": "alice",
-                                                 "max_tokens": 16})
-            assert [m["id"] for m in answer["memories"]] == [mid]
-            assert sorted(answer["kv_memory_ids"] + answer["text_memory_ids"]) == [mid]
-            if answer["kv_memory_ids"] or time.monotonic() > deadline:
-                break
+        # right after add, wait_for_kv makes the memory's KV first (issue 56): no answer over its text
+        answer = await ok(client, "answer", {"question": "What is my dog called?", "user_id": "alice",
+                                             "max_tokens": 16, "wait_for_kv": True})
+        assert [m["id"] for m in answer["memories"]] == [mid]
         assert answer["kv_memory_ids"] == [mid] and answer["injected_tokens"] > 0, answer
         assert answer["kv_sources"][mid] in ("device", "host", "disk"), answer
         assert answer["text"].strip(), answer
         assert "Max" in answer["text"], answer  # the greedy answer of SmolLM2-135M with the memory as KV
+    said = log.read_text()  # the client's log says what the first answer waited for (issue 56)
+    assert "inferscale: starting vLLM's engine" in said and "inferscale: vLLM's engine is up" in said, said[-3000:]
 
 
 # ---------------------------------------------------------------- streamable HTTP: inferscale serve's /mcp

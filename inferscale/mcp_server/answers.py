@@ -54,7 +54,8 @@ class Answer:
 class Answers(Protocol):
     """What the ``answer`` tool calls (both classes below)."""
 
-    async def __call__(self, question: str, scope: Scope, k: int | None, max_tokens: int) -> Answer: ...
+    async def __call__(self, question: str, scope: Scope, k: int | None, max_tokens: int,
+                       wait_for_kv: bool = False) -> Answer: ...
 
 
 class LocalAnswers:
@@ -67,16 +68,19 @@ class LocalAnswers:
     def __init__(self, memory: Any) -> None:
         self.memory = memory
 
-    async def __call__(self, question: str, scope: Scope, k: int | None, max_tokens: int) -> Answer:
+    async def __call__(self, question: str, scope: Scope, k: int | None, max_tokens: int,
+                       wait_for_kv: bool = False) -> Answer:
         """Answer ``question`` with ``scope``'s top-``k`` memories (``None``: the memory's
-        ``top_k``), at most ``max_tokens`` tokens.
+        ``top_k``), at most ``max_tokens`` tokens; ``wait_for_kv``: encode the KV of retrieved
+        memories that have none yet first (:class:`~inferscale.generation.options.GenerationOptions`).
 
         Raises:
             UnknownScopeError: the scope has no memories and no turns.
             ValueError / TypeError: as :meth:`inferscale.Memory.generate`.
         """
         g = await anyio.to_thread.run_sync(functools.partial(
-            self.memory.generate, question, **scope.as_dict(), k=k, max_tokens=max_tokens, mode="inject"))
+            self.memory.generate, question, **scope.as_dict(), k=k, max_tokens=max_tokens, mode="inject",
+            wait_for_kv=wait_for_kv))
         return Answer(g.text, list(g.memories), list(g.kv_memory_ids), list(g.text_memory_ids), dict(g.kv_sources),
                       g.num_injected_tokens)
 
@@ -113,7 +117,8 @@ class UpstreamAnswers:
     def __init__(self, memory: _BlockMemory, upstream: Upstream) -> None:
         self.memory, self.upstream = memory, upstream
 
-    async def __call__(self, question: str, scope: Scope, k: int | None, max_tokens: int) -> Answer:
+    async def __call__(self, question: str, scope: Scope, k: int | None, max_tokens: int,
+                       wait_for_kv: bool = False) -> Answer:
         """As :meth:`LocalAnswers.__call__`.
 
         Raises:
@@ -124,7 +129,7 @@ class UpstreamAnswers:
         """
         from inferscale.server.chat import forward_body  # the chat route's own request, one code path
 
-        block = await anyio.to_thread.run_sync(self._block, question, scope, k)
+        block = await anyio.to_thread.run_sync(self._block, question, scope, k, wait_for_kv)
         turn = [{"role": "user", "content": question}]
         body = forward_body({"messages": turn, "max_tokens": max_tokens, "temperature": 0.0}, block, turn, max_tokens)
         with self.memory.pinned_kv(block.plan.keys if block.plan is not None else ()):  # no eviction in flight
@@ -139,8 +144,8 @@ class UpstreamAnswers:
                       list(block.text_memory_ids), dict(block.kv_sources),
                       injected_tokens(out.get("kv_transfer_params")))
 
-    def _block(self, question: str, scope: Scope, k: int | None):
+    def _block(self, question: str, scope: Scope, k: int | None, wait_for_kv: bool):
         ids = scope.as_dict()
         if self.memory.count(**ids) == 0 and self.memory.count_turns(**ids) == 0:  # as Memory.generate refuses it
             raise UnknownScopeError(f"no memories for {ids}")
-        return self.memory.memory_block(question, **ids, mode="inject", k=k)
+        return self.memory.memory_block(question, **ids, mode="inject", k=k, wait_for_kv=wait_for_kv)

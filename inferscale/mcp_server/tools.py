@@ -74,6 +74,8 @@ ListLimit = Annotated[int, Field(description=f"Most memories, 1-{MAX_LIMIT} (def
                                  json_schema_extra=_range(1, MAX_LIMIT))]
 NewText = Annotated[str, Field(description="The memory's new text (it replaces the old one).")]
 Question = Annotated[str, Field(description="The question to answer from memory.")]
+WaitForKV = Annotated[bool, Field(description="true: make the KV of retrieved memories that have none yet (added a "
+                                              "moment ago) before answering, instead of reading them as text.")]
 K = Annotated[int | None, Field(description=f"Memories to retrieve, 0-{MAX_K} (default: the server's top_k).",
                                 json_schema_extra=_range(0, MAX_K))]
 MaxTokens = Annotated[int | None, Field(description=f"Longest answer, 1-{MAX_ANSWER_TOKENS} tokens (default: the "
@@ -192,8 +194,10 @@ class MemoryTools:
         return await self._call(self.memory.delete, memory_id, **scope.as_dict())
 
     async def answer(self, question: Question, user_id: UserId = None, agent_id: AgentId = None,
-                     run_id: RunId = None, k: K = None, max_tokens: MaxTokens = None) -> dict[str, Any]:
-        """Answer ``question`` with the scope's memories injected as precomputed KV.
+                     run_id: RunId = None, k: K = None, max_tokens: MaxTokens = None,
+                     wait_for_kv: WaitForKV = False) -> dict[str, Any]:
+        """Answer ``question`` with the scope's memories injected as precomputed KV (``wait_for_kv``:
+        those not encoded yet are encoded first, not read as text).
 
         Returns:
             ``{"text", "memories", "kv_memory_ids", "text_memory_ids", "kv_sources", "injected_tokens"}``
@@ -209,7 +213,8 @@ class MemoryTools:
         with tool_errors():
             require_text(question, "question")
             try:
-                answer = await self.answers(question, scope, k, max_tokens or self.memory.config.default_max_tokens)
+                answer = await self.answers(question, scope, k, max_tokens or self.memory.config.default_max_tokens,
+                                            wait_for_kv)
             except UnknownScopeError:
                 raise ToolError(f"no memories for {scope.as_dict()}: add some with the add tool first, or check "
                                 "user_id / agent_id / run_id") from None
