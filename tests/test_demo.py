@@ -45,6 +45,10 @@ def test_demo_answers_questions_and_the_committed_page_has_the_shape_of_a_run(tm
     bars = re.findall(r"encoding KV:\s+(\d+)%\|[^|]*\|\s*(\d+)/(\d+) \[[^\]]*?([\d.?]+)(?:KV/s|s/KV)\]", proc.stderr)
     assert bars, proc.stderr[-2000:]
     assert bars[-1][0] == "100" and bars[-1][1] == bars[-1][2] and int(bars[-1][2]) > 0, bars[-1]
+    # the KV bar's first estimate is honest (issue 56): within 2x of the time the rest really took
+    assert first_eta_error(proc.stderr, "encoding KV") <= 2.0, proc.stderr[-2000:]
+    # and the wait before it says what it waits for: vLLM's engine starting (issue 51)
+    assert "inferscale: starting vLLM's engine" in proc.stderr.split("encoding KV")[0], proc.stderr[-2000:]
     store = tmp_path / "store"
     assert (store / "chroma").is_dir() and any((store / "kv").iterdir())
 
@@ -59,6 +63,22 @@ def test_demo_answers_questions_and_the_committed_page_has_the_shape_of_a_run(tm
     assert shapes <= committed_shapes, sorted(shapes - committed_shapes)
     extra = committed_shapes - shapes
     assert all(s.startswith("Q# (cat #)") for s in extra), sorted(extra)  # only its later questions
+
+
+def first_eta_error(stderr: str, desc: str) -> float:
+    """How far the first estimate of a tqdm bar named ``desc`` was from the truth: its first
+    update with items done shows ``elapsed<left``; the bar's last update shows when it ended.
+    Returns the larger of left / truth and truth / left."""
+    def seconds(clock: str) -> int:
+        parts = [int(x) for x in clock.split(":")]
+        return sum(p * 60 ** i for i, p in enumerate(reversed(parts)))
+
+    updates = re.findall(rf"{desc}:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[([\d:]+)<([\d:?]+)", stderr)
+    first = next(u for u in updates if 0 < int(u[0]) < int(u[1]) and "?" not in u[3])
+    end = seconds(updates[-1][2])
+    truth = max(1, end - seconds(first[2]))
+    left = max(1, seconds(first[3]))
+    return max(left / truth, truth / left)
 
 
 def test_demo_rejects_a_file_that_is_not_locomo(tmp_path):
