@@ -110,10 +110,10 @@ def test_a_memory_updated_while_its_encode_is_queued_ends_with_the_new_texts_kv_
     assert stored.token_ids == kv.prompts.fact_line_ids(record.text) and "orange" in record.text
 
 
-def test_int8_storage_and_a_disk_budget_carry_engine_made_kv(tmp_path):
+def test_int8_storage_a_disk_budget_and_redis_carry_engine_made_kv(tmp_path, redis_server):
     held = llm_modules()
     with Memory(data_dir=tmp_path / "int8", dtype="float32", kv_encoder="engine", kv_storage_dtype="int8",
-                disk_kv_budget_bytes=64 << 20) as m:
+                disk_kv_budget_bytes=64 << 20, kv_redis_url=redis_server["url"]) as m:
         ids = [r["id"] for r in m.add([{"role": "user", "content": t} for t in TURNS], user_id="dora")["results"]]
         assert m.wait_for_kv(timeout=900)
         kv = m.components.kv
@@ -125,3 +125,10 @@ def test_int8_storage_and_a_disk_budget_carry_engine_made_kv(tmp_path):
         assert g.num_injected_tokens > 0 and "grey" in g.text.lower(), g.text  # the memory, read from int8 KV
         assert 0 < m.components.pool.footprint()["disk"] <= 64 << 20
         assert not kv.encoder_loaded and llm_modules() - held == set()
+        # the capture writer wrote each engine-made entry through to Redis: another machine reads it there
+        keys = [span.key for span in spans]
+        deadline = time.monotonic() + 60
+        while m.components.pool.remote.present(keys) != set(keys):
+            assert time.monotonic() < deadline, m.components.pool.remote.present(keys)
+            time.sleep(0.5)
+        assert isinstance(m.components.pool.remote.get(spans[1].key), QuantizedKV)
