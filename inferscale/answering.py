@@ -214,6 +214,7 @@ class Answering:
         by ``kv_encoder``, whether that engine computes the memories' KV (no model in this process)."""
         self._engine, self._owns_engine = engine, engine is None
         self._engine_lock = threading.Lock()
+        self._encoder_waits_for_engine = False
         if self.config.kv_encoder == "transformers":
             return
         self.components.kv.use_engine(lambda: self.engine)
@@ -223,6 +224,7 @@ class Answering:
             # generate, an inject-mode prepare), not at add: a process that only adds and
             # searches starts no model (docs/decisions.md, "The engine computes every KV")
             background.pause()
+            self._encoder_waits_for_engine = True
 
     @property
     def engine(self):
@@ -249,8 +251,9 @@ class Answering:
                     redis_url=self.config.kv_redis_url,
                 )
                 notice("vLLM's engine is up (%.0f s)", time.monotonic() - started)
-                if self.components.kv.background is not None:
-                    self.components.kv.background.resume()  # queued encodes go to the engine now
+                if self._encoder_waits_for_engine:  # queued encodes go to the engine now (a pause of the
+                    self._encoder_waits_for_engine = False  # caller's own, benchmarks' and tests', stays)
+                    self.components.kv.background.resume()
             return self._engine
 
     def _check_engine_settings(self) -> None:
