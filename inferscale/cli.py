@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.console import Console
+
 from inferscale.cli_bench import bench_app
 from inferscale.cli_common import DTYPE_OPTION as _DTYPE, console, fail as _fail
-from inferscale.config import AUTO_DTYPE_RULE, DEFAULT_EMBEDDER
+from inferscale.config import AUTO_DTYPE_RULE
 
 app = typer.Typer(add_completion=False, help="InferScale: LLM memory served as precomputed KV in vLLM.")
 models_app = typer.Typer(help="Default model preparation.")

@@ -17,7 +17,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
