@@ -78,8 +78,11 @@ class Answering:
         timeout = check_timeout(timeout)
         kv = self.components.kv
         if kv.pending() and kv.encoder_kind == "engine" and self._owns_engine and self._engine is None:
-            self._check_open()
-            self.engine  # noqa: B018 - an embedded memory's KV is made by its engine: start it now
+            self._check_open()  # an embedded memory's KV is made by its engine: start it now
+            started = time.monotonic()
+            if not self._start_engine(timeout):
+                return False
+            timeout = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
         if not progress:
             pending = kv.pending()
             if pending:
@@ -87,6 +90,42 @@ class Answering:
                        "on vLLM's engine" if kv.encoder_kind == "engine" else "with transformers in this process")
             return kv.wait(timeout)
         return wait_with_bar(kv, timeout)
+
+    def _start_engine(self, timeout: float | None) -> bool:
+        """Start this memory's engine (:attr:`engine`), waiting at most ``timeout`` seconds
+        (``None``: until it is up); past that the start goes on in a thread of its own (a
+        later call waits for the same start; :meth:`close` waits for it, then stops it).
+
+        Returns:
+            Whether the engine is up.
+
+        Raises:
+            What the start raised (vLLM could not start; a cache too small for a request).
+        """
+        if timeout is None:
+            self.engine  # noqa: B018 - starts it
+            return True
+        with self._engine_lock:
+            if self._engine is not None:
+                return True
+            if self._engine_start is None:
+                failed: list[BaseException] = []
+
+                def start() -> None:
+                    try:
+                        self.engine  # noqa: B018 - starts it
+                    except BaseException as exc:  # noqa: BLE001 - given to the waiting caller
+                        failed.append(exc)
+
+                thread = threading.Thread(target=start, name="inferscale-engine-start", daemon=True)
+                self._engine_start = (thread, failed)
+                thread.start()
+        thread, failed = self._engine_start
+        thread.join(timeout)
+        if failed:
+            self._engine_start = None
+            raise failed[0]
+        return not thread.is_alive()
 
     def pending_kv(self) -> int:
         """How many ``(memory, context window)`` KV encodings are queued."""
@@ -214,6 +253,7 @@ class Answering:
         by ``kv_encoder``, whether that engine computes the memories' KV (no model in this process)."""
         self._engine, self._owns_engine = engine, engine is None
         self._engine_lock = threading.Lock()
+        self._engine_start: tuple[threading.Thread, list[BaseException]] | None = None  # a start under way
         self._encoder_waits_for_engine = False
         if self.config.kv_encoder == "transformers":
             return

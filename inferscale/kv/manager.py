@@ -28,6 +28,7 @@ from inferscale.kv.engine_encoder import EngineEncoder, EngineSpan
 from inferscale.kv.jobs import KVJob, KVJobQueue
 from inferscale.kv.pool import KVPool, kv_key, to_storage
 from inferscale.kv.quant import STORAGE_DTYPES
+from inferscale.kv.sizing import kv_file_bytes
 from inferscale.runtime.logs import quiet_progress_bars
 from inferscale.generation.prompt import PREAMBLE_OWNER, PromptBuilder
 from inferscale.store.chroma import FactStore
@@ -403,9 +404,12 @@ class KVManager:
             todo = [s for s in missing.values() if s.key not in quantized]
             engine = self.engine_encoder if todo else None
             if engine is not None:  # the serving engine computes it and its connector stores it
-                engine.encode([EngineSpan(s.key, s.item.context_ids, s.item.span_ids,
-                                          "auto" if s.model_key is None else self.storage, s.scope_key) for s in todo],
-                              pause)
+                spans = [EngineSpan(s.key, s.item.context_ids, s.item.span_ids,
+                                    "auto" if s.model_key is None else self.storage, s.scope_key) for s in todo]
+                # the writer is another process: a full disk is found here, not after a wait for KV that never lands
+                self.pool.check_room(max(kv_file_bytes(self.model_path, self.dtype, s.storage, len(s.span_ids))
+                                         for s in spans))
+                engine.encode(spans, pause)
                 for span in todo:
                     self.drop_other_variants(span)
                 return len(missing)

@@ -372,6 +372,21 @@ class KVPool:
         if room[0] + evictable < need:
             raise self._full_error(need, evictable)
 
+    def check_room(self, need: int) -> None:
+        """Before KV this process does not write itself is made (the serving engine's capture
+        writer stores it): raise :class:`DiskFullError` when the disk has fewer than ``need``
+        bytes free even after evicting every KV file no request uses, as a write would.
+
+        Raises:
+            DiskFullError: as above (and :meth:`check_writable` raises it again until there is room).
+        """
+        room = self.disk.room()
+        if room is None or room[0] >= need:
+            return
+        evictable = self.disk.evictable(self._keep(""))
+        if room[0] + evictable < need:
+            raise self._full_error(need, evictable)
+
     def _evict_disk(self, protect: str, free_bytes: int = 0, keep: Callable[[str], bool] | None = None) -> None:
         keep = keep or self._keep(protect)
         # the preamble's newest file (owner "_preamble": in every request) is kept by the disk tier
