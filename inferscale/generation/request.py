@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 from inferscale.checks import check_bool
 from inferscale.facts.writes import FactService
 from inferscale.kv.disk import DiskFullError
+from inferscale.runtime.outages import OUTAGES
 from inferscale.kv.capture import CaptureRequest
 from inferscale.kv.injection import InjectionPlan, cache_salt
 from inferscale.kv.manager import KVManager
@@ -311,7 +312,8 @@ class RequestBuilder:
                    for r, k, ok in zip(ranked, keys, ready)}
         try:  # first: without the preamble's KV nothing can be injected, and facts' KV would be stored in vain
             self.kv.ensure([preamble])
-        except DiskFullError:  # no room for it: all text, the missing facts queued for when there is
+        except DiskFullError as exc:  # no room for it: all text, the missing facts queued for when there is
+            OUTAGES.failed("kv_disk", exc)  # said once per outage, as the background encoder says it
             if missing:
                 self.kv.schedule(scope.key, missing, w)
             pool.count_served(None for _ in ranked)
@@ -322,7 +324,8 @@ class RequestBuilder:
                 self.kv.ensure(self.kv.fact_spans(scope.key, missing, w))
                 ready = [True] * len(ranked)
                 sources.update({r.id: "encoded now" for r in missing})
-            except DiskFullError:  # no room for their KV: they come as text, as a miss does
+            except DiskFullError as exc:  # no room for their KV: they come as text, as a miss does
+                OUTAGES.failed("kv_disk", exc)
                 ready = [self.kv.stored(k) for k in keys]
                 sources.update({r.id: "text: KV disk full" for r, ok in zip(ranked, ready) if not ok})
         # the text tail: the best-ranked memories come as text even with KV, after the injected rest
