@@ -6,6 +6,7 @@ behind (vLLM's engine core and worker, the capture writer, multiprocessing's res
 
 from __future__ import annotations
 
+import os
 import select
 import signal
 import subprocess
@@ -106,5 +107,46 @@ def test_a_killed_notebook_kernel_leaves_no_process_of_its_tree(tmp_path):
     finally:
         if km.is_alive():
             km.shutdown_kernel(now=True)
+        for p in running(tree):
+            p.kill()
+
+
+def test_a_killed_serve_with_replicas_leaves_no_process_of_its_tree(tmp_path):
+    """``inferscale serve --replicas 2`` (two vLLM OpenAI servers, each with its engine core,
+    worker and capture writer), SIGKILLed once ready: nothing of it runs 20 s later."""
+    import httpx
+
+    from inferscale.server.ports import free_port
+
+    port = free_port()
+    exe = Path(sys.executable).with_name("inferscale")
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(exe), "serve", "--replicas", "2", "--port", str(port), "--data-dir",
+                                 str(tmp_path / "data")], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "INFERSCALE_DTYPE": "float32"})
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        names = [p.name() for p in tree]
+        assert sum("EngineCore" in n for n in names) == 2, names  # one engine core a replica
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        while (alive := running(tree)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
         for p in running(tree):
             p.kill()
