@@ -83,13 +83,12 @@ class Answering:
             if not self._start_engine(timeout):
                 return False
             timeout = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
-        if not progress:
-            pending = kv.pending()
-            if pending:
-                notice("making the KV of %d memor%s (%s)", pending, "y" if pending == 1 else "ies",
-                       "on vLLM's engine" if kv.encoder_kind == "engine" else "with transformers in this process")
-            return kv.wait(timeout)
-        return wait_with_bar(kv, timeout)
+        pending = kv.pending()
+        if pending:
+            notice("making the KV of %d memor%s (%s)%s", pending, "y" if pending == 1 else "ies",
+                   "on vLLM's engine" if kv.encoder_kind == "engine" else "with transformers in this process",
+                   "; the bar starts with the first" if progress else "")
+        return wait_with_bar(kv, timeout) if progress else kv.wait(timeout)
 
     def _start_engine(self, timeout: float | None) -> bool:
         """Start this memory's engine (:attr:`engine`), waiting at most ``timeout`` seconds

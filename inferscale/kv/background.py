@@ -227,6 +227,11 @@ def wait_with_bar(kv, timeout: float | None, poll_s: float = 0.5) -> bool:
     """:meth:`~inferscale.kv.manager.KVManager.wait` with a tqdm bar: the encodes done of
     those queued when the wait began (``kv.pending()``), and their rate in ``KV/s``.
 
+    The bar's clock starts at the first encode that lands (the bar is shown from then, at that
+    count): its rate, and so its estimate of the time left, is the encoder's steady one, not one
+    that counts what comes before the first (the engine's warm-up, the preamble's encode: a
+    first estimate several times too short or too long, issue 56).
+
     Args:
         kv: the :class:`~inferscale.kv.manager.KVManager` whose queue is waited on.
         timeout: most seconds to wait (``None``: no limit).
@@ -239,10 +244,18 @@ def wait_with_bar(kv, timeout: float | None, poll_s: float = 0.5) -> bool:
 
     total = kv.pending()
     deadline = None if timeout is None else time.monotonic() + timeout
-    with tqdm(total=total, desc="encoding KV", unit="KV", disable=total == 0) as bar:
+    bar = None
+    try:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             done = kv.wait(poll_s if left is None else min(poll_s, left))
-            bar.update(max(0, total - kv.pending()) - bar.n)
+            n = max(0, total - kv.pending())
+            if bar is None and total and (n or done):
+                bar = tqdm(total=total, initial=n, desc="encoding KV", unit="KV")
+            elif bar is not None:
+                bar.update(n - bar.n)
             if done or (left is not None and left <= poll_s):
                 return done or kv.pending() == 0
+    finally:
+        if bar is not None:
+            bar.close()
