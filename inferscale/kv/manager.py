@@ -39,6 +39,10 @@ from inferscale.store.turns import TurnLog
 #: Part of every KV key: entries of an older format (format 1 stored no token ids) are
 #: never found, so they are encoded again rather than served unverified.
 KV_FORMAT = 2
+#: jobs the background encoder takes at once when the engine encodes (it sends them in waves of
+#: at most :data:`inferscale.kv.engine_encoder.MAX_IN_FLIGHT` requests anyway)
+ENGINE_BATCH_JOBS = 8
+
 #: ``kv_encoder``'s values: who computes a fact's KV (:class:`KVManager`)
 KV_ENCODERS = ("engine", "transformers")
 
@@ -186,6 +190,10 @@ class KVManager:
         request, so a request that arrives mid-wave waits for that wave's step."""
         self._engine = engine
         self.encoder_kind = "engine"
+        if self.background is not None:
+            # a batch's jobs are marked done together: small batches keep the count of what is
+            # left (and a progress bar's estimate) current, at no cost to the engine's waves
+            self.background.batch_jobs = ENGINE_BATCH_JOBS
 
     @property
     def engine_encoder(self) -> EngineEncoder | None:
