@@ -66,7 +66,7 @@ def served_arm(arm: str, store: Path, facts: list[str], *, dtype: str, samples: 
                                          "user_id": user}).raise_for_status()
             t, report = _stream_ttft(client, model, user, "What is my locker number?")
             after.append(t)
-            sources.append(sorted(m["source"] for m in report.get("memories", [])))
+            sources.append(sorted(report.get("kv_sources", {}).values()))
             client.chat.completions.create(model=model, user=user, max_tokens=1, messages=[
                 {"role": "user", "content": "Hello"}], extra_body={"memory": {"wait_for_kv": True}})
             ready.append(_stream_ttft(client, model, user, "What is my locker number?")[0])
