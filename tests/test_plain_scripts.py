@@ -53,6 +53,7 @@ def test_the_readmes_use_block_runs_as_a_plain_script(tmp_path):
     # the answer line: text, then TTFT (seconds), injected and prefilled tokens
     text, ttft, injected, prefilled = lines[-2].rsplit(" ", 3)
     assert text.strip() and float(ttft) > 0 and int(injected) > 0 and int(prefilled) > 0, lines[-2]
+    assert "peanut" in text.lower(), text  # the headline example answers from its memory (issue 56)
     # then where each memory's KV came from: the fact just added, as KV or as text and why
     sources = ast.literal_eval(lines[-1])
     assert len(sources) == 1 and all(s in ("device", "host", "disk", "redis", "quantized now", "encoded now")
