@@ -227,8 +227,8 @@ class Answering:
         held = pool.footprint(exact=False)
         stats = {**pool.stats, **{f"{tier}_bytes": n for tier, n in held.items()}}
         background = self.components.kv.background
-        kv = self.components.kv  # a job's wait for a capture to land is not encoding
-        stats["encode_seconds"] = background.encode_s - kv.capture_wait_s if background is not None else 0.0
+        kv = self.components.kv
+        stats["encode_seconds"] = background.encode_s if background is not None else 0.0
         stats["encoder_yielded_seconds"] = background.yielded_s if background is not None else 0.0
         stats["encodes_skipped_captured"] = kv.jobs_captured
         stats["engine_encodes"] = kv.engine_encodes

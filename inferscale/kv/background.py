@@ -45,8 +45,9 @@ class BackgroundEncoder:
     Attributes:
         yield_to_requests: as the argument; may be changed while the thread runs.
         last_error: the last failure, ``"<job>: <exception>"`` (``None`` if none).
-        encode_s: seconds spent encoding batches (wall clock). yielded_s: seconds the
-            thread waited for requests to end before a batch.
+        encode_s: seconds spent encoding batches (wall clock, less what a batch reported
+            with :meth:`not_encoding`; settled when a batch ends, so it never decreases).
+            yielded_s: seconds the thread waited for requests to end before a batch.
     """
 
     #: how often the thread looks again while requests are in flight (seconds)
@@ -60,6 +61,7 @@ class BackgroundEncoder:
         self.yield_to_requests = yield_to_requests and requests_in_flight is not None
         self._waiters = 0  # wait() calls under way: they want the KV now
         self.encode_s = 0.0
+        self._not_encoding_s = 0.0  # of the batch under way: see not_encoding()
         self.yielded_s = 0.0
         self._run_batch = run_batch
         self.batch_jobs = batch_jobs
@@ -152,6 +154,17 @@ class BackgroundEncoder:
             time.sleep(self.YIELD_POLL_S)
             self.yielded_s += time.monotonic() - t0  # counted as it goes: a scrape sees a long wait
 
+    def not_encoding(self, seconds: float) -> None:
+        """Say that ``seconds`` of the batch under way were spent waiting, not encoding (for a
+        request's capture to land): :attr:`encode_s` leaves them out when the batch ends.
+        Called from the batch function, on this thread."""
+        self._not_encoding_s += seconds
+
+    def _count_batch(self, t0: float) -> None:
+        """Add the batch begun at ``t0`` (monotonic seconds) to :attr:`encode_s`."""
+        self.encode_s += max(time.monotonic() - t0 - self._not_encoding_s, 0.0)
+        self._not_encoding_s = 0.0
+
     def _run(self, jobs: Sequence[KVJob]) -> bool:
         """Encode ``jobs``; on failure count an attempt per job and drop those out of attempts.
 
@@ -162,9 +175,10 @@ class BackgroundEncoder:
         from inferscale.runtime.outages import OUTAGES
 
         t0 = time.monotonic()
+        self._not_encoding_s = 0.0
         try:
             self._run_batch(jobs)
-            self.encode_s += time.monotonic() - t0
+            self._count_batch(t0)
             self.queue.done(jobs)
             self.batches += 1
             for job in jobs:
@@ -173,7 +187,7 @@ class BackgroundEncoder:
             OUTAGES.recheck()  # a dependency this batch needed may be back
             return True
         except Exception as exc:  # noqa: BLE001 - the thread must survive a bad batch; jobs stay queued
-            self.encode_s += time.monotonic() - t0
+            self._count_batch(t0)
             self.failures += 1
             self.last_error = f"{jobs[0] if len(jobs) == 1 else f'{len(jobs)} jobs'}: {type(exc).__name__}: {exc}"
             dependency = OUTAGES.dependency_of(exc)

@@ -152,8 +152,6 @@ class KVManager:
         # captured keys requests asked for, and when (monotonic seconds): a job for one of them
         # waits a moment for the connector's write instead of encoding it (bounded)
         self._capture_asked: OrderedDict[str, float] = OrderedDict()
-        #: seconds background jobs waited for captures to land (inside the encoder's busy time)
-        self.capture_wait_s = 0.0
         #: a capture was seen in the pool: the connector captures, so a miss need not be encoded
         self.captures_seen = False
         self.model_path = model_path
@@ -380,7 +378,8 @@ class KVManager:
             time.sleep(0.05)
             have = self.pool.present(keys)
             pending = [t for k, t in zip(keys, asked) if k not in have and t is not None]
-        self.capture_wait_s += time.monotonic() - t0
+        if self.background is not None:  # a job's wait for a capture to land is not encoding
+            self.background.not_encoding(time.monotonic() - t0)
         self.captures_seen |= bool(have)
         return have
 
