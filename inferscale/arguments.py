@@ -295,3 +295,52 @@ def _check_expiry(value: Any) -> None:
     if not finite:
         raise ValueError(f"metadata[{EXPIRES_AT!r}] is the memory's expiry in epoch seconds (a finite number such "
                          f"as {4102444800}; search and chat skip the memory after it), got {value!r:.60}")
+
+
+def per_message_metadata(metadata: Any, n_messages: int, infer: bool) -> list[dict] | None:
+    """``add``'s ``metadata`` when it is a list: one checked dict per message (``None`` -> ``{}``);
+    ``None`` when it is not a list (one dict for every message, checked by the caller).
+
+    Raises:
+        ValueError: a list whose length is not ``n_messages``, or a list with ``infer=True``
+            (the extracted facts are not the messages). TypeError: an entry that is not a dict.
+    """
+    if not isinstance(metadata, (list, tuple)):
+        return None
+    if infer:
+        raise ValueError("a metadata list gives each message's memory its own metadata, so it needs infer=False "
+                         "(with infer=True the facts are extracted, not the messages): pass one dict")
+    if len(metadata) != n_messages:
+        raise ValueError(f"metadata has {len(metadata)} entries for {n_messages} messages: give one dict (or None) "
+                         "per message, or one dict for all")
+    out = []
+    for i, m in enumerate(metadata):
+        try:
+            out.append(check_metadata(m))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"metadata[{i}]: {exc}") from None
+    return out
+
+
+def batch_items(method: str, items: Any, required: tuple[str, ...], optional: tuple[str, ...]) -> list[dict]:
+    """``batch_update`` / ``batch_delete``'s ``memories``: a non-empty list of dicts with the
+    ``required`` keys and no keys beyond ``optional``.
+
+    Raises:
+        TypeError: not a list, an entry not a dict. ValueError: empty, a key missing or unknown.
+    """
+    shape = "{" + ", ".join(f"'{k}': ..." for k in required) + "}"
+    if isinstance(items, (str, bytes, dict)) or not isinstance(items, Sequence):
+        raise TypeError(f"{method} takes a list of dicts such as [{shape}], got {type(items).__name__}")
+    if not items:
+        raise ValueError(f"{method} got an empty list: give at least one {shape}")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise TypeError(f"{method}: entry {i} must be a dict such as {shape}, got {type(item).__name__} "
+                            f"{item!r:.40}")
+        missing = [k for k in required if k not in item]
+        unknown = sorted(str(k) for k in item if k not in required and k not in optional)
+        if missing or unknown:
+            raise ValueError(f"{method}: entry {i} " + (f"lacks {missing}" if missing else f"has unknown keys {unknown}")
+                             + f": each entry is {shape}" + (f" with optional {list(optional)}" if optional else ""))
+    return list(items)

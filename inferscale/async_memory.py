@@ -16,6 +16,7 @@ from inferscale.memory import Memory
 
 _METHODS = (
     "add", "add_facts", "log_turns", "get", "get_all", "search", "update", "update_metadata", "delete",
+    "batch_update", "batch_delete",
     "delete_all", "history", "reset", "inject", "prepare", "generate", "count", "close",
     "wait_for_kv", "pending_kv", "get_turns", "delete_turns", "find_texts", "count_turns", "owner_of", "scopes",
     "kv_entries", "chats",

@@ -454,3 +454,32 @@ def bench_retrieval(
         _fail(str(exc))
     _run_bench("retrieval", out, lambda: run(data, out, big=big, latency_queries=latency_queries, repeats=repeats,
                                              embedder=embedder))
+
+
+@bench_app.command("store")
+def bench_store(
+    out: Path = typer.Option(Path("results/store"), help="Results folder (store.json, store.md, store.png)."),
+    postgres_url: Optional[str] = typer.Option(None, help="A PostgreSQL database for the PostgresStore arm (its "
+                                               "store tables are created there and emptied); without it, that arm "
+                                               "is left out."),
+    items: int = typer.Option(2000, min=1, help="Items of LangGraph's batch mix (6 ops each)."),
+    batch_sizes: str = typer.Option("1,100,10000", help="Ops a batch, comma-separated."),
+) -> None:
+    """LangGraph's batch mix: ops a second of InferScaleStore, InMemoryStore and PostgresStore at 1,
+    100 and 10,000 ops a batch. Runs langchain-inferscale's benchmark (``python -m
+    langchain_inferscale.bench_store``) in its own process: LangGraph is imported only there."""
+    import subprocess
+    import sys
+
+    sizes = _ints(batch_sizes, "batch-sizes")
+    if min(sizes) < 1:
+        _fail(f"--batch-sizes must each be at least 1, got {batch_sizes!r}")
+    command = [sys.executable, "-m", "langchain_inferscale.bench_store", "--out", str(out), "--items", str(items),
+               "--batch-sizes", ",".join(map(str, sizes))] + (["--postgres-url", postgres_url] if postgres_url else [])
+    try:
+        done = subprocess.run(command, check=False)
+    except OSError as exc:
+        _fail(f"cannot run the store benchmark: {exc}")
+    if done.returncode:
+        _fail("the store benchmark failed (above); is langchain-inferscale installed? "
+              "(`pip install -e integrations/langchain`)")

@@ -14,6 +14,8 @@ their meaning within 0.1.x (:data:`INTEGRATION_API` counts breaking changes).
 - :class:`Scope`: whose memories (``Scope.of`` validates the ids, as every entry point does).
 - :func:`check_metadata`, :func:`require_text`: what ``add`` refuses in a memory's metadata
   and text, for an adapter to check a batch before it writes any of it.
+- :func:`machine`, :func:`write_outputs`: where a benchmark ran, and its JSON and page
+  written as InferScale's own benchmarks write them (an adapter's benchmark).
 """
 
 from __future__ import annotations
@@ -26,8 +28,29 @@ from inferscale.store.filters import compile_filter
 from inferscale.store.records import Scope
 from inferscale.types import require_text
 
+def machine() -> dict:
+    """Where a benchmark ran: CPU, cores, memory, GPU, versions, commit
+    (:func:`inferscale.bench.common.machine`)."""
+    from inferscale.bench.common import machine as _machine
+
+    return _machine()
+
+
+def write_outputs(out_dir, name: str, summary: dict, markdown: str) -> None:
+    """Write ``<out_dir>/<name>.json`` (``summary`` and :func:`machine`) and ``<name>.md``
+    (:func:`inferscale.bench.common.write_outputs`).
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    from inferscale.bench.common import write_outputs as _write
+
+    _write(out_dir, name, summary, markdown)
+
+
 #: Incremented when a name here changes meaning; the adapters pin the 0.1 series.
 INTEGRATION_API = 1
 
 __all__ = ["INTEGRATION_API", "ChatSessions", "PlainErrors", "Scope", "ScopeFields", "SessionMessage",
-           "check_call_options", "check_int", "check_metadata", "compile_filter", "require_text"]
+           "check_call_options", "check_int", "check_metadata", "compile_filter", "machine", "require_text",
+           "write_outputs"]

@@ -134,7 +134,9 @@ class Memory(Answering, Inspection, Reopenable):
 
         Args:
             messages: a string, a message dict (``{"role", "content"}``) or a list of them.
-            metadata: attached to every stored fact (JSON-serialisable).
+            metadata: attached to every stored fact (JSON-serialisable); or, with
+                ``infer=False``, a list of one dict (or ``None``) per message, each attached to
+                its message's memory (a key-value store's batch of items in one write).
             infer: ``False`` stores each message as given; ``True`` has the served LLM
                 extract facts from the messages and reconciles each with the scope's
                 stored facts (:mod:`inferscale.facts.extraction`).
@@ -150,18 +152,22 @@ class Memory(Answering, Inspection, Reopenable):
 
         Raises:
             ValueError / TypeError: empty or non-string text, no scope, ``infer`` or
-                ``dedupe`` not a bool, ``dedupe=False`` with ``infer=True`` (nothing is written).
+                ``dedupe`` not a bool, ``dedupe=False`` with ``infer=True``, a ``metadata``
+                list whose length is not the number of messages, or given with
+                ``infer=True`` (nothing is written).
         """
         self._check_open()
         turns = args.messages_to_turns(messages)  # validates everything before writing
-        meta = args.check_metadata(metadata)
+        metas = args.per_message_metadata(metadata, len(turns), infer)
+        meta = metas[0] if metas else args.check_metadata(metadata)
         check_bool("infer", infer)
         check_bool("dedupe", dedupe)
         if infer and not dedupe:
             raise ValueError("dedupe=False stores each message as given, so it needs infer=False (with infer=True "
                              "the reconciler decides what is new): pass infer=False, or leave dedupe=True")
         scope = Scope.of(user_id, agent_id, run_id)
-        scope.check_metadata(meta)  # before the turns are logged
+        for m in metas or [meta]:
+            scope.check_metadata(m)  # before the turns are logged
         c = self.components
         if infer:
             c.requests.check_prompt_chars([t.content for t in turns])  # before anything is tokenized
@@ -176,7 +182,8 @@ class Memory(Answering, Inspection, Reopenable):
             c.facts.check_length(t.content, f"message {i}")
         with c.facts.transaction():
             logged = c.turns.append(scope.key, turns)
-            return write_results(c.facts.add(scope, [FactInput(t.content, (t.turn_id,), meta) for t in logged],
+            return write_results(c.facts.add(scope, [FactInput(t.content, (t.turn_id,), m)
+                                                     for t, m in zip(logged, metas or [meta] * len(logged))],
                                              dedupe=dedupe))
 
     def _chat(self, messages: list[dict]) -> str:
@@ -254,6 +261,59 @@ class Memory(Answering, Inspection, Reopenable):
                                            None if metadata is None else args.check_metadata(metadata), dedupe=dedupe)
         return {"message": "Memory updated successfully!", "id": rec.id, "memory": rec.text}
 
+    def batch_update(self, memories: Sequence[dict], *, user_id: str | None = None, agent_id: str | None = None,
+                     run_id: str | None = None, dedupe: bool = True) -> dict:
+        """Replace the texts (and metadata, where given) of several memories of the scope in one
+        write (Mem0's platform ``batch_update``): embedded in one call, written to Chroma in one
+        update, recorded in the history in one transaction; their KV is invalidated and queued
+        at once. All or nothing: everything is checked before anything is written.
+
+        Args:
+            memories: ``[{"memory_id": id, "text": new text, "metadata": dict (optional)}]``;
+                an entry without ``text`` sets only its ``metadata`` fields (``None`` removes
+                one), keeping the text, embedding, KV and ``updated_at``, as
+                :meth:`update_metadata` does (those entries are one more write: one Chroma
+                update and one history transaction for all of them).
+            dedupe: as :meth:`update`.
+
+        Returns:
+            ``{"message": "N memories updated successfully!", "results": [{"id", "memory"}]}``,
+            in the order given.
+
+        Raises:
+            inferscale.types.MemoryNotFoundError: an id is not a memory of this scope.
+            TypeError / ValueError: ``memories`` is not a list of such dicts (an unknown key, a
+                missing ``memory_id`` or ``text``), an empty or too long text, a memory given
+                twice, or (``dedupe=True``) a text another memory holds.
+
+        Example:
+            >>> memory.batch_update([{"memory_id": a, "text": "I live in Lyon."},
+            ...                      {"memory_id": b, "text": "I drink green tea.", "metadata": {"topic": "food"}}],
+            ...                     user_id="alice")
+        """
+        scope = self._scope(user_id, agent_id, run_id)
+        check_bool("dedupe", dedupe)
+        items = args.batch_items("batch_update", memories, ("memory_id",), ("text", "metadata"))
+        for i, item in enumerate(items):
+            check_id("memory_id", item["memory_id"])
+            if "text" not in item and not isinstance(item.get("metadata"), dict):
+                raise ValueError(f"batch_update: entry {i} has neither 'text' nor 'metadata': give the new text, or "
+                                 "the metadata fields to set")
+        changes = [(c["memory_id"], c["text"], None if c.get("metadata") is None else args.check_metadata(c["metadata"]))
+                   for c in items if "text" in c]
+        patches = [(c["memory_id"], args.check_metadata_patch(c["metadata"])) for c in items if "text" not in c]
+        ids = [c["memory_id"] for c in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"memory {next(i for i in ids if ids.count(i) > 1)!r} is changed twice in one batch: "
+                             "give each memory once")
+        facts = self.components.facts
+        if patches:
+            facts.get_many(scope, [p[0] for p in patches])  # every id found before anything is written
+        records = {r.id: r for r in facts.update_many(scope, changes, dedupe=dedupe)} if changes else {}
+        records.update((r.id, r) for r in facts.update_metadata_many(scope, patches))
+        return {"message": f"{len(items)} memories updated successfully!",
+                "results": [{"id": i, "memory": records[i].text} for i in ids]}
+
     def update_metadata(self, memory_id: str, metadata: dict, *, user_id: str | None = None,
                         agent_id: str | None = None, run_id: str | None = None) -> dict:
         """Set top-level fields of a memory's metadata, keeping its other fields (a field
@@ -296,6 +356,29 @@ class Memory(Answering, Inspection, Reopenable):
         check_id("memory_id", memory_id)
         self.components.facts.delete(scope, [memory_id])
         return {"message": "Memory deleted successfully!"}
+
+    def batch_delete(self, memories: Sequence[dict], *, user_id: str | None = None, agent_id: str | None = None,
+                     run_id: str | None = None) -> dict:
+        """Delete several memories of the scope (and their KV) in one write (Mem0's platform
+        ``batch_delete``): one Chroma delete, one history transaction. All or nothing.
+
+        Args:
+            memories: ``[{"memory_id": id}]``.
+
+        Returns:
+            ``{"message": "N memories deleted successfully!"}``.
+
+        Raises:
+            inferscale.types.MemoryNotFoundError: an id is not a memory of this scope (nothing
+                is deleted).
+            TypeError / ValueError: ``memories`` is not a list of ``{"memory_id": id}`` dicts.
+        """
+        scope = self._scope(user_id, agent_id, run_id)
+        items = args.batch_items("batch_delete", memories, ("memory_id",), ())
+        for item in items:
+            check_id("memory_id", item["memory_id"])
+        deleted = self.components.facts.delete(scope, [i["memory_id"] for i in items])
+        return {"message": f"{len(deleted)} memories deleted successfully!"}
 
     def delete_all(self, *, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None) -> dict:
         """Delete every memory of the scope and its chat reports (its turn log stays)."""

@@ -131,7 +131,7 @@ install_project() {
 step "project + adapters (editable, dev extras)" install_project
 
 # LangGraph's store tests: the sdists of these releases, unpacked (tests/ of each).
-LANGGRAPH_SUITES=(langgraph-checkpoint==4.3.2 langgraph-checkpoint-sqlite==3.1.2)
+LANGGRAPH_SUITES=(langgraph-checkpoint==4.3.2 langgraph-checkpoint-sqlite==3.1.2 langgraph-checkpoint-postgres==3.2.0)
 install_langgraph_suites() {
   local dir=.venv/langgraph-suites
   mkdir -p "$dir/sdists"

@@ -178,75 +178,131 @@ class FactService:
     def update(self, scope: Scope, memory_id: str, text: str, metadata: dict | None = None,
                dedupe: bool = True) -> FactRecord:
         """Replace a memory's text (and metadata when given); invalidates its KV everywhere.
-
-        Args:
-            dedupe: ``True``: refuse a new text another memory of the scope holds;
-                ``False``: take it (two memories then hold the text).
+        :meth:`update_many` with one change.
 
         Raises:
             MemoryNotFoundError: no such memory in ``scope``.
             ValueError: empty text, or (``dedupe``) another memory of the scope already holds
                 the new text.
         """
-        require_text(text, "data")
-        self.check_length(text, "data")
-        scope.check_metadata(metadata)
-        with self._lock, self.history.scope_lock(scope.key):
-            self.index.refresh(scope.key)
-            old = self.get(scope, memory_id)
-            h = text_hash(text)
-            other = self.index.find_hashes(scope.key, [h]).get(h) if dedupe and h != old.hash else None
-            if other is not None and other != memory_id:
-                raise ValueError(f"memory {other} of this scope already holds this text: update or delete that one")
-            new = replace(old, text=text, hash=h, metadata=old.metadata if metadata is None else stored_metadata(metadata),
-                          updated_at=_stamps(1)[0])
-            emb = self.embedder.encode([text])
-            self.store.update(new, emb.numpy())
-            self.index.add(scope.key, [new], emb)  # replaces the row of memory_id
-            self.kv.invalidate(memory_id)
-            self.index.advance(scope.key, *self.history.record(scope.key, [(memory_id, "UPDATE", old.text, text)]))
-        if self.precompute_kv:
-            self.kv.schedule(scope.key, [new], self.default_w)
-        return new
+        return self.update_many(scope, [(memory_id, text, metadata)], dedupe=dedupe, what="data")[0]
 
-    def update_metadata(self, scope: Scope, memory_id: str, fields: dict) -> FactRecord:
-        """Set (or, given as ``None``, remove) top-level metadata ``fields`` of a memory,
-        keeping its other fields, its text, embedding, KV and ``updated_at``: written to Chroma
-        and the index without embedding anything or invalidating KV. The change is read and
-        merged under the scope's lock (shared by every process over the database), so two
-        patches of one memory never lose each other's fields; it is recorded in the history as
-        an ``UPDATE`` whose text is unchanged (other processes' index partitions catch up on it).
+    def update_many(self, scope: Scope, changes: Sequence[tuple[str, str, dict | None]], dedupe: bool = True,
+                    what: str = "memory") -> list[FactRecord]:
+        """Replace memories' texts (and metadata, where given): ``changes`` are
+        ``(memory_id, text, metadata or None)``. Everything is checked before anything is
+        written; then the texts are embedded in one call, written to Chroma in one update,
+        recorded in the history in one transaction, and their KV invalidated and queued at once.
 
         Args:
-            fields: the fields to set, ``None`` for a field to remove; already checked
-                (:func:`inferscale.arguments.check_metadata`).
+            dedupe: ``True``: refuse a new text another memory of the scope holds (or that
+                two changes give); ``False``: take it.
+            what: how an error names a change (``"memory"``: ``"memory 3's text"``).
 
         Returns:
-            The memory as now stored.
+            The memories as now stored, in the order of ``changes``.
+
+        Raises:
+            MemoryNotFoundError: an id is not a memory of ``scope`` (nothing is written).
+            ValueError: an empty or too long text, a memory changed twice, or (``dedupe``) a
+                text another memory holds (nothing is written).
+        """
+        for i, (memory_id, text, metadata) in enumerate(changes):
+            name = what if len(changes) == 1 else f"{what} {i}'s text"
+            require_text(text, name)
+            self.check_length(text, name)
+            scope.check_metadata(metadata)
+        ids = [c[0] for c in changes]
+        if len(set(ids)) != len(ids):
+            twice = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"memory {twice!r} is changed twice in one batch: give each memory once")
+        with self._lock, self.history.scope_lock(scope.key):
+            self.index.refresh(scope.key)
+            olds = self.get_many(scope, ids)
+            hashes = [text_hash(text) for _, text, _ in changes]
+            if dedupe:
+                holders = self.index.find_hashes(scope.key, hashes)
+                claimed: dict[str, str] = {}
+                for old, (memory_id, _, _), h in zip(olds, changes, hashes):
+                    other = holders.get(h) if h != old.hash else None
+                    if other is not None and other != memory_id and other not in ids:
+                        raise ValueError(f"memory {other} of this scope already holds this text (given to "
+                                         f"{memory_id}): update or delete that one")
+                    if claimed.setdefault(h, memory_id) != memory_id:
+                        raise ValueError(f"memories {claimed[h]} and {memory_id} are given the same text: give each "
+                                         "its own (or pass dedupe=False)")
+            stamps = _stamps(len(changes))
+            news = [replace(old, text=text, hash=h, updated_at=stamp,
+                            metadata=old.metadata if metadata is None else stored_metadata(metadata))
+                    for old, (_, text, metadata), h, stamp in zip(olds, changes, hashes, stamps)]
+            if news:
+                emb = self.embedder.encode([r.text for r in news])
+                self.store.update(news, emb.numpy())
+                self.index.add(scope.key, news, emb)  # replaces the rows of these ids
+                for memory_id in ids:
+                    self.kv.invalidate(memory_id)
+                self.index.advance(scope.key, *self.history.record(
+                    scope.key, [(r.id, "UPDATE", old.text, r.text) for old, r in zip(olds, news)]))
+        if news and self.precompute_kv:
+            self.kv.schedule(scope.key, news, self.default_w)
+        return news
+
+    def update_metadata(self, scope: Scope, memory_id: str, fields: dict) -> FactRecord:
+        """Set (or, given as ``None``, remove) top-level metadata ``fields`` of a memory:
+        :meth:`update_metadata_many` with one patch.
 
         Raises:
             MemoryNotFoundError: no such memory in ``scope``.
         """
-        scope.check_metadata(fields)
+        return self.update_metadata_many(scope, [(memory_id, fields)])[0]
+
+    def update_metadata_many(self, scope: Scope, patches: Sequence[tuple[str, dict]]) -> list[FactRecord]:
+        """Set (or, given as ``None``, remove) top-level metadata fields of memories, keeping
+        their other fields, texts, embeddings, KV and ``updated_at``: ``patches`` are
+        ``(memory_id, fields)``, already checked (:func:`inferscale.arguments.check_metadata`).
+        Written to Chroma in one update and to the index without embedding anything or
+        invalidating KV. The patches are read and merged under the scope's lock (shared by
+        every process over the database), so two patches of one memory never lose each
+        other's fields; they are recorded in the history in one transaction, each an
+        ``UPDATE`` whose text is unchanged (other processes' index partitions catch up on it).
+
+        Returns:
+            The memories as now stored, in the order of ``patches``.
+
+        Raises:
+            MemoryNotFoundError: an id is not a memory of ``scope`` (nothing is written).
+            ValueError: a memory patched twice.
+        """
+        for _, fields in patches:
+            scope.check_metadata(fields)
+        ids = [memory_id for memory_id, _ in patches]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"memory {next(i for i in ids if ids.count(i) > 1)!r} is patched twice in one batch: "
+                             "give each memory once")
         with self._lock, self.history.scope_lock(scope.key):
             self.index.refresh(scope.key)
-            old = self.get(scope, memory_id)
-            merged = {k: v for k, v in old.metadata.items() if k not in fields}
-            merged.update({k: v for k, v in fields.items() if v is not None})
-            new = replace(old, metadata=stored_metadata(merged))  # as deep as the stored or the given, both checked
-            self.store.update_metadata(new)
-            self.index.replace_records(scope.key, [new])
-            self.index.advance(scope.key, *self.history.record(scope.key, [(memory_id, "UPDATE", old.text, old.text)]))
-        return new
+            olds = self.get_many(scope, ids)
+            news = []
+            for old, (_, fields) in zip(olds, patches):
+                merged = {k: v for k, v in old.metadata.items() if k not in fields}
+                merged.update({k: v for k, v in fields.items() if v is not None})
+                news.append(replace(old, metadata=stored_metadata(merged)))  # as deep as the stored or given
+            if news:
+                self.store.update_metadata(news)
+                self.index.replace_records(scope.key, news)
+                self.index.advance(scope.key, *self.history.record(
+                    scope.key, [(r.id, "UPDATE", r.text, r.text) for r in news]))
+        return news
 
     def delete(self, scope: Scope, memory_ids: Sequence[str]) -> list[FactRecord]:
-        """Delete memories of ``scope``; returns the deleted records.
+        """Delete memories of ``scope`` (one Chroma delete, one history transaction); returns
+        the deleted records.
 
         Raises:
             MemoryNotFoundError: one of the ids is not a memory of ``scope`` (nothing is deleted).
         """
         with self._lock, self.history.scope_lock(scope.key):
-            return self._delete(scope, [self.get(scope, i) for i in memory_ids])
+            return self._delete(scope, self.get_many(scope, list(dict.fromkeys(memory_ids))))
 
     def _delete(self, scope: Scope, records: list[FactRecord]) -> list[FactRecord]:
         """Delete ``records`` (under both locks)."""
@@ -310,6 +366,23 @@ class FactService:
         if not found:
             raise MemoryNotFoundError(f"memory {memory_id!r} not found for {scope.as_dict()}")
         return found[0]
+
+    def get_many(self, scope: Scope, memory_ids: Sequence[str]) -> list[FactRecord]:
+        """The memories ``memory_ids`` of ``scope``, in that order: one lookup.
+
+        Raises:
+            MemoryNotFoundError: one is absent or owned by another scope (named; the two are
+                not told apart).
+        """
+        for memory_id in memory_ids:
+            if not isinstance(memory_id, str) or not memory_id:
+                raise MemoryNotFoundError(f"memory id must be a non-empty string, got {memory_id!r}")
+        found = {r.id: r for r in self.store.get(scope, list(memory_ids))} if memory_ids else {}
+        missing = [i for i in memory_ids if i not in found]
+        if missing:
+            raise MemoryNotFoundError(f"memory {missing[0]!r} not found for {scope.as_dict()}"
+                                      + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        return [found[i] for i in memory_ids]
 
     def list(self, scope: Scope, filters: dict | None = None) -> list[FactRecord]:
         """The scope's memories matching ``filters``, oldest first (from the scope's index

@@ -2,8 +2,12 @@
 (``server/main.py`` in mem0ai/mem0): ``POST /memories``, ``GET /memories``,
 ``GET /memories/{id}``, ``POST /search``, ``PUT /memories/{id}``,
 ``GET /memories/{id}/history``, ``DELETE /memories/{id}``, ``DELETE /memories``,
-``POST /reset``; and ``POST /memories/check``, InferScale's own: the texts an add would
-refuse, and why, with nothing written.
+``POST /reset``; ``POST /memories/list`` (``get_all`` with metadata ``filters``);
+``PUT /memories/batch`` and ``DELETE /memories/batch`` (the bodies of Mem0's
+platform ``batch_update`` / ``batch_delete``, ``{"memories": [...]}``, scoped like ``POST``
+routes); and ``POST /memories/check``, InferScale's own: the texts an add would refuse, and
+why, with nothing written. ``POST /memories`` takes ``metadata`` as one object for every
+message or a list of one per message.
 
 Differences, each because InferScale's memories are scoped: the routes of one memory
 take the scope as query parameters (``?user_id=alice``) and a memory of another scope is
@@ -47,7 +51,8 @@ class ScopeFields(BaseModel):
 
 class MemoryCreate(ScopeFields):
     messages: list[Message] | str = Field(description="messages to remember, or one text")
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, Any] | list[dict[str, Any] | None] | None = Field(
+        default=None, description="attached to every memory; or a list of one object (or null) per message")
     infer: bool = Field(default=False, strict=True, description="extract facts with the served LLM (Mem0's infer=True)")
     dedupe: bool = Field(default=True, strict=True, description="false: store each message even when the scope "
                          "already holds its text (a new memory); needs infer=false")
@@ -73,6 +78,11 @@ class SearchRequest(ScopeFields):
         return super().scope()
 
 
+class MemoryList(ScopeFields):
+    filters: dict[str, Any] | None = Field(default=None, description="metadata filters, as POST /search takes them")
+    limit: int = Field(default=100, ge=0, le=100_000, strict=True, description="most memories returned")
+
+
 class TextsCheck(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -88,6 +98,36 @@ class MemoryUpdate(BaseModel):
     metadata: dict[str, Any] | None = None
     dedupe: bool = Field(default=True, strict=True, description="false: take a text another memory of the scope "
                          "holds (else refused)")
+
+
+class BatchUpdateItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    memory_id: str
+    text: str | None = Field(default=None, description="the new text; omitted: only the metadata fields given are "
+                             "set (null removes one), as PUT /memories/{id} without text")
+    metadata: dict[str, Any] | None = None
+
+    def entry(self) -> dict:
+        """The entry as :meth:`inferscale.Memory.batch_update` takes it (absent fields left out)."""
+        return {"memory_id": self.memory_id, **({"text": self.text} if self.text is not None else {}),
+                **({"metadata": self.metadata} if self.metadata is not None else {})}
+
+
+class BatchUpdate(ScopeFields):
+    memories: list[BatchUpdateItem] = Field(min_length=1, max_length=10_000, description="the memories to change")
+    dedupe: bool = Field(default=True, strict=True, description="false: take a text another memory of the scope "
+                         "holds (else refused)")
+
+
+class BatchDeleteItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    memory_id: str
+
+
+class BatchDelete(ScopeFields):
+    memories: list[BatchDeleteItem] = Field(min_length=1, max_length=10_000, description="the memories to delete")
 
 
 def _scope(user_id: str | None, agent_id: str | None, run_id: str | None) -> dict[str, str]:
@@ -123,6 +163,20 @@ def router() -> APIRouter:
             except (TypeError, ValueError) as exc:
                 results.append({"ok": False, "error": str(exc)})
         return {"results": results}
+
+    @r.put("/memories/batch", summary="Update several memories in one write (Mem0's batch_update)")
+    def batch_update(body: BatchUpdate, memory: MemoryDep) -> dict:
+        return memory.batch_update([m.entry() for m in body.memories], dedupe=body.dedupe,
+                                   **body.scope())
+
+    @r.delete("/memories/batch", summary="Delete several memories in one write (Mem0's batch_delete)")
+    def batch_delete(body: BatchDelete, memory: MemoryDep) -> dict:
+        return memory.batch_delete([m.model_dump() for m in body.memories], **body.scope())
+
+    @r.post("/memories/list", summary="Get all memories of a scope matching metadata filters")
+    def get_all_filtered(body: MemoryList, memory: MemoryDep) -> dict:
+        """``get_all`` with ``filters``: what ``GET /memories`` cannot carry; no query is embedded."""
+        return memory.get_all(filters=body.filters, limit=body.limit, **body.scope())
 
     @r.get("/memories", summary="Get all memories of a scope")
     def get_all(memory: MemoryDep, user_id: str | None = None, agent_id: str | None = None,

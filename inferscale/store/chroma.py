@@ -269,21 +269,24 @@ class FactStore:
                         self._col.delete(ids=ids[:start])
                     raise
 
-    def update(self, record: FactRecord, embedding: np.ndarray) -> None:
-        """Replace a stored record's text, metadata and embedding (``[1, dim]``)."""
+    def update(self, records: list[FactRecord], embeddings: np.ndarray) -> None:
+        """Replace stored records' texts, metadata and embeddings (``[n, dim]`` float32), in
+        writes of at most :attr:`max_batch` rows (one write for most batches)."""
         with self._lock:
-            self._col.update(
-                ids=[record.id],
-                embeddings=embedding.astype(np.float32),
-                documents=[record.text],
-                metadatas=[record.to_chroma_metadata()],
-            )
+            for start in range(0, len(records), self.max_batch):
+                part = records[start:start + self.max_batch]
+                self._col.update(ids=[r.id for r in part],
+                                 embeddings=embeddings[start:start + len(part)].astype(np.float32),
+                                 documents=[r.text for r in part], metadatas=[r.to_chroma_metadata() for r in part])
 
-    def update_metadata(self, record: FactRecord) -> None:
-        """Replace a stored record's metadata (its user metadata and timestamps) alone: the
-        text and the embedding stay as stored, nothing is embedded."""
+    def update_metadata(self, records: list[FactRecord]) -> None:
+        """Replace stored records' metadata (their user metadata and timestamps) alone: the
+        texts and the embeddings stay as stored, nothing is embedded; writes of at most
+        :attr:`max_batch` rows."""
         with self._lock:
-            self._col.update(ids=[record.id], metadatas=[record.to_chroma_metadata()])
+            for start in range(0, len(records), self.max_batch):
+                part = records[start:start + self.max_batch]
+                self._col.update(ids=[r.id for r in part], metadatas=[r.to_chroma_metadata() for r in part])
 
     def delete(self, ids: list[str]) -> None:
         """Delete records by id (in batches of at most :attr:`max_batch`)."""

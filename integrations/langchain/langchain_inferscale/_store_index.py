@@ -4,8 +4,12 @@
 embeds what ``InMemoryStore``, ``SqliteStore`` and ``PostgresStore`` embed: each field path
 of a put (the put's ``index`` list, else ``fields``, else the whole value as JSON) gives one
 text per match (``"tags[*]"`` gives one per tag), each embedded with ``embed``; a search with a
-query scores an item by the best cosine between the query's vector and its own (max
-pooling), as those stores do. The vectors travel in the item's memory metadata
+query scores an item by the best similarity between the query's vector and one of its own
+(max pooling), as those stores do: cosine by default, or ``PostgresIndexConfig``'s
+``distance_type`` (``"inner_product"``: the dot product; ``"l2"``: minus the Euclidean
+distance, PostgresStore's scores). ``PostgresIndexConfig``'s ``ann_index_config`` is taken and
+has no effect: InferScaleStore ranks a search's matches exactly, with float32 vectors (no
+approximate index, no ``halfvec``). The vectors travel in the item's memory metadata
 (:data:`VECTORS`), so every client of the memory, in-process or over HTTP, ranks the same
 way. Without ``embed`` the store ranks with InferScale's own hybrid search (docs/adapters.md).
 """
@@ -25,9 +29,16 @@ logger = logging.getLogger(__name__)
 
 #: the metadata field that holds an item's vectors: ``{"dims": d, "f32": base64 of [m, d] float32}``
 VECTORS = "lg_vectors"
-#: the keys of LangGraph's ``IndexConfig``, and of ``SqliteIndexConfig`` (``text_fields`` is its
-#: name for ``fields``; ``distance_type``: only ``"cosine"`` here)
-INDEX_KEYS = ("dims", "embed", "fields", "text_fields", "distance_type")
+#: the keys of LangGraph's ``IndexConfig``, of ``SqliteIndexConfig`` (``text_fields`` is its name
+#: for ``fields``) and of ``PostgresIndexConfig`` (``ann_index_config``, ``distance_type``)
+INDEX_KEYS = ("dims", "embed", "fields", "text_fields", "distance_type", "ann_index_config")
+#: ``distance_type`` -> the score of a vector ``v`` against a query ``q``, as PostgresStore gives it:
+#: ``1 - cosine distance``, ``-(negative inner product)``, ``-(L2 distance)`` (langgraph-checkpoint-postgres
+#: ``base.py``, ``_get_vector_type_ops`` and its score expressions)
+DISTANCES = ("cosine", "inner_product", "l2")
+#: ``ann_index_config``'s keys (``ANNIndexConfig``, ``HNSWConfig``, ``IVFFlatConfig``) and its vector types
+ANN_KEYS = ("kind", "vector_type", "m", "ef_construction", "nlist")
+ANN_VECTOR_TYPES = ("vector", "halfvec")
 
 
 class StoreIndex:
@@ -42,7 +53,8 @@ class StoreIndex:
     Raises:
         TypeError / ValueError: ``config`` is not a dict, has a key other than those, or a
             ``dims`` that is not a positive int, a ``fields`` that is not a list of non-empty
-            strings, a ``distance_type`` other than ``"cosine"``, or an ``embed`` LangGraph's
+            strings, a ``distance_type`` other than those three, an ``ann_index_config``
+            PostgresStore would refuse, or an ``embed`` LangGraph's
             ``ensure_embeddings`` refuses.
     """
 
@@ -56,9 +68,21 @@ class StoreIndex:
         if not isinstance(dims, int) or isinstance(dims, bool) or dims <= 0:
             raise ValueError(f"index['dims'] must be the embedder's vector size, a positive int, got {dims!r}")
         distance = config.get("distance_type", "cosine")
-        if distance != "cosine":
-            raise ValueError(f"index['distance_type'] {distance!r} is not supported: InferScaleStore ranks by cosine "
-                             f"similarity; give 'cosine' or leave it out")
+        if distance not in DISTANCES:
+            raise ValueError(f"index['distance_type'] must be one of {list(DISTANCES)} (PostgresStore's), got "
+                             f"{distance!r}")
+        ann = config.get("ann_index_config")
+        if ann is not None:
+            if not isinstance(ann, dict):
+                raise TypeError(f"index['ann_index_config'] must be a dict such as {{'vector_type': 'vector'}}, got "
+                                f"{type(ann).__name__}")
+            unknown_ann = sorted(str(k) for k in ann if k not in ANN_KEYS)
+            if unknown_ann:
+                raise ValueError(f"index['ann_index_config'] has unknown keys {unknown_ann}: PostgresStore's "
+                                 f"ANNIndexConfig has {list(ANN_KEYS)}")
+            if ann.get("vector_type", "vector") not in ANN_VECTOR_TYPES:
+                raise ValueError(f"index['ann_index_config']['vector_type'] must be one of {list(ANN_VECTOR_TYPES)}, "
+                                 f"got {ann.get('vector_type')!r}")
         fields = config.get("fields") or config.get("text_fields") or ["$"]
         if isinstance(fields, str):  # SqliteStore takes one path as a string
             fields = [fields]
@@ -72,6 +96,7 @@ class StoreIndex:
             raise TypeError(f"index['embed'] must be an Embeddings object, a function of a list of texts, or a "
                             f"'provider:model' string, got {type(embed).__name__} {embed!r:.40}")
         self.dims = dims
+        self.distance = distance
         self.fields = list(fields)
         self.embeddings = ensure_embeddings(config["embed"])
 
@@ -109,7 +134,6 @@ class StoreIndex:
         text), in ``memories``' order."""
         scored, scoreless, other = [], [], []
         q = self._matrix([self.embeddings.embed_query(query)], 1, "the query")[0]
-        q = q / (np.linalg.norm(q) or 1.0)
         for memory in memories:
             stored = memory["metadata"].get(VECTORS)
             if not stored:
@@ -120,9 +144,7 @@ class StoreIndex:
                 other.append(memory)
                 continue
             block = np.frombuffer(base64.b64decode(stored["f32"]), dtype=np.float32).reshape(-1, self.dims)
-            norms = np.linalg.norm(block, axis=1)
-            cosines = block @ q / np.where(norms > 0, norms, 1.0)
-            scored.append({**memory, "score": float(cosines.max())})
+            scored.append({**memory, "score": float(self.scores(block, q).max())})
         scored.sort(key=lambda m: -m["score"])  # stable: ties keep the listing's order
         if other:
             first = other[0]["metadata"].get("langgraph", {})
@@ -131,6 +153,17 @@ class StoreIndex:
                            len(other), other[0]["metadata"][VECTORS].get("dims"), self.dims,
                            "/".join(first.get("namespace", [])), first.get("key"))
         return scored, scoreless
+
+    def scores(self, block: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """The score of each row of ``block`` (``[m, dims]``) against the query ``q``
+        (``[dims]``), by :attr:`distance`: cosine similarity (0 for a zero vector), inner
+        product, or minus the L2 distance (higher is closer in all three)."""
+        if self.distance == "inner_product":
+            return block.astype(np.float64) @ q
+        if self.distance == "l2":
+            return -np.linalg.norm(block.astype(np.float64) - q, axis=1)
+        norms = np.linalg.norm(block, axis=1) * (np.linalg.norm(q) or 1.0)
+        return block @ q / np.where(norms > 0, norms, 1.0)
 
     def _matrix(self, vectors: Any, count: int, what: str) -> np.ndarray:
         """``vectors`` as a ``[count, dims]`` float32 matrix of finite numbers.

@@ -65,6 +65,7 @@ from langgraph.store.base.embed import get_text_at_path
 
 from inferscale import Memory, MemoryNotFoundError
 from inferscale.integration import Scope, check_metadata, require_text
+from langchain_inferscale._group_commit import GroupCommit
 from langchain_inferscale._store_index import VECTORS, StoreIndex
 
 logger = logging.getLogger(__name__)
@@ -76,11 +77,12 @@ MAX_RESULTS = 10_000
 #: value fields whose string becomes the memory's text, first present wins
 TEXT_FIELDS = ("content", "text", "memory")
 _OPS = {"$eq": "eq", "$ne": "ne", "$gt": "gt", "$gte": "gte", "$lt": "lt", "$lte": "lte"}
-_ANY_QUERY = "item"  # a search needs a query; with filters only, every matching memory is returned
 #: the keys of LangGraph's ``TTLConfig``
-TTL_KEYS = ("default_ttl", "refresh_on_read", "sweep_interval_minutes")
+TTL_KEYS = ("default_ttl", "refresh_on_read", "sweep_interval_minutes", "omit_expired")
 #: the longest TTL (minutes, about 1.9 million years): its expiry must stay a finite JSON number
 MAX_TTL_MINUTES = 1e12
+#: most items one HTTP write carries (a larger batch is several requests, taken back together on failure)
+HTTP_BATCH = 1_000
 #: minutes between sweeps when neither ``start_ttl_sweeper`` nor ``ttl=`` says (SqliteStore's default)
 DEFAULT_SWEEP_MINUTES = 5.0
 
@@ -99,10 +101,13 @@ class InferScaleStore(BaseStore):
     ``search`` runs InferScale's hybrid search (``query``) with the namespace prefix and the
     value ``filter`` as metadata filters, ``list_namespaces`` lists the namespaces that hold
     items. A batch reads first (one lookup per scope for all its gets and puts, one search
-    per scope a search covers), then writes (one add, update or delete per put, the last
-    put of a key winning), as ``InMemoryStore`` does. ``abatch`` runs the same code in a
-    worker thread. Batches that write the same key run one at a time in this process (two
-    concurrent puts of a key leave one item); two processes writing one key still race.
+    per scope a search covers), then writes (per scope, one delete, one update and one add
+    for all its puts, each embedded in one call and recorded in one transaction; the last
+    put of a key winning), as ``InMemoryStore`` does. Concurrent batches (threads, or the
+    coroutines of an ``asyncio.gather``) are joined into one (group commit); ``abatch`` runs
+    the same code in a worker thread. Batches that write the same key run one at a time in
+    this process (two concurrent puts of a key leave one item); two processes writing one
+    key still race.
 
     TTL, as ``SqliteStore`` has it: ``put(..., ttl=minutes)`` gives the item an expiry (``ttl``
     omitted: ``ttl["default_ttl"]``, if the store has one; ``ttl=None``: none); ``get`` /
@@ -130,7 +135,9 @@ class InferScaleStore(BaseStore):
         ttl: LangGraph's ``TTLConfig``: ``default_ttl`` (minutes, > 0, for puts that give no
             ``ttl``), ``refresh_on_read`` (bool, default ``False`` as in ``SqliteStore``: reads
             refresh only when it is ``True``), ``sweep_interval_minutes`` (> 0, for
-            :meth:`start_ttl_sweeper`; default 5).
+            :meth:`start_ttl_sweeper`; default 5), ``omit_expired`` (taken, and always in effect:
+            an expired item is never read, swept or not, as ``PostgresStore`` does with
+            ``omit_expired=True``).
         index: LangGraph's ``IndexConfig`` (``dims``, ``embed``, ``fields``): a store-level
             embedder, as ``InMemoryStore(index=...)`` takes it. Each put embeds one vector per
             text its field paths match (the put's ``index`` list, else ``fields``, else the
@@ -191,6 +198,7 @@ class InferScaleStore(BaseStore):
         self.registry_scope = {"agent_id": f"{store_id}:scopes"}
         self._registered: set[str] = set()
         self._writing = _AddressLocks()
+        self._joined = GroupCommit(self._batch)
         self._sweeper: threading.Thread | None = None
         self._sweeper_stop = threading.Event()
 
@@ -222,7 +230,11 @@ class InferScaleStore(BaseStore):
 
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         """Run ``ops`` in order of reads then writes, as ``InMemoryStore`` does: every get,
-        search and list sees the store as it was before the batch's puts.
+        search and list sees the store as it was before the batch's puts. Batches that other
+        threads (or coroutines, :meth:`abatch`) hand in while one runs are joined and run as
+        one (:mod:`langchain_inferscale._group_commit`), as LangGraph's async stores gather the
+        operations of one event-loop tick: a joined batch's reads see the store before all
+        of its writes, and a failure runs each caller's batch again alone.
 
         Raises:
             TypeError / ValueError: an op is malformed (a non-dict value, a ``ttl`` that is
@@ -232,6 +244,25 @@ class InferScaleStore(BaseStore):
         ops = list(ops)
         for op in ops:
             self._check(op)
+        return self._joined.call(ops)
+
+    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
+        """:meth:`batch` from async code: the coroutines of one ``asyncio.gather`` are joined
+        into few batches, each run in a worker thread (the event loop keeps running).
+
+        Raises:
+            As :meth:`batch`.
+        """
+        ops = list(ops)
+        for op in ops:
+            self._check(op)
+        future, lead = self._joined.submit(ops)
+        if lead:
+            await asyncio.to_thread(self._joined.lead)
+        return await asyncio.wrap_future(future)
+
+    def _batch(self, ops: list[Op]) -> list[Result]:
+        """One batch of checked ops (a joined one, from :meth:`batch`)."""
         puts = {(op.namespace, op.key): op for op in ops if isinstance(op, PutOp)}  # the last put of a key wins
         addressed = [(op.namespace, op.key) for op in ops if isinstance(op, GetOp)] + list(puts)
         fields = self.index.fields if self.index is not None else None
@@ -248,7 +279,8 @@ class InferScaleStore(BaseStore):
         with self._writing.hold(_address(*address) for address in puts):
             found = self._lookup(addressed)
             at = now()
-            everything: dict[str, list[dict]] = {}  # scope -> its items, shared by the batch's list ops
+            everything: dict = {}  # the batch's shared reads: scope -> its items; "scopes": the registry
+            searched: dict[str, list[dict]] = {}  # a search's key -> its hits
             results: list[Result] = []
             for op in ops:
                 if isinstance(op, GetOp):
@@ -258,7 +290,10 @@ class InferScaleStore(BaseStore):
                         refreshed[(op.namespace, op.key)] = memory
                     results.append(_item(memory))
                 elif isinstance(op, SearchOp):
-                    hits = self._search(op, at)
+                    asked = _search_key(op)  # a joined batch often repeats a search: run each once
+                    if asked not in searched:
+                        searched[asked] = self._search(op, at, everything)
+                    hits = searched[asked]
                     if self._refreshes(op):
                         refreshed.update(((tuple(h["metadata"]["langgraph"]["namespace"]),
                                            h["metadata"]["langgraph"]["key"]), h) for h in hits)
@@ -267,19 +302,9 @@ class InferScaleStore(BaseStore):
                     results.append(self._list_namespaces(op, everything, at))
                 else:
                     results.append(None)
-            undo: list[Callable[[], None]] = []
-            try:
-                for address, op in puts.items():
-                    undo.append(self._write(op, found.get(address), texts.get(address), prepared.get(address)))
-            except BaseException:
-                self._undo(undo)
-                raise
+            self._write_all(puts, found, texts, prepared)
         self._refresh({a: m for a, m in refreshed.items() if a not in puts and "lg_ttl_minutes" in m["metadata"]})
         return results
-
-    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
-        """:meth:`batch` in a worker thread (the event loop keeps running)."""
-        return await asyncio.to_thread(self.batch, list(ops))
 
     def _check(self, op: Op) -> None:
         if not isinstance(op, (GetOp, SearchOp, ListNamespacesOp, PutOp)):
@@ -340,14 +365,19 @@ class InferScaleStore(BaseStore):
                 found[(tuple(stored["namespace"]), stored["key"])] = memory
         return found
 
-    def _scopes_under(self, prefix: tuple[str, ...]) -> list[dict]:
-        """The scopes that may hold namespaces starting with ``prefix`` (``*`` matches any label)."""
+    def _scopes_under(self, prefix: tuple[str, ...], reads: dict | None = None) -> list[dict]:
+        """The scopes that may hold namespaces starting with ``prefix`` (``*`` matches any label);
+        the registry is read once per batch (``reads``: the batch's shared reads)."""
         head = prefix[0] if prefix else "*"
         if head in SCOPE_HEADS and len(prefix) >= 2 and prefix[1] != "*":
             return [self.scope_of(prefix)]
         if head not in SCOPE_HEADS and head != "*":
             return [dict(self.default_scope)]
-        return self._all_scopes()
+        if reads is None:
+            return self._all_scopes()
+        if "scopes" not in reads:
+            reads["scopes"] = self._all_scopes()
+        return reads["scopes"]
 
     def _all_scopes(self) -> list[dict]:
         found = self.backend.list(self.registry_scope, None)
@@ -355,7 +385,7 @@ class InferScaleStore(BaseStore):
         self._registered.update(_scope_key(s) for s in scopes)
         return sorted(scopes, key=_scope_key)
 
-    def _search(self, op: SearchOp, at: float) -> list[dict]:
+    def _search(self, op: SearchOp, at: float, reads: dict | None = None) -> list[dict]:
         """The memories of the search's items, in order (a ranked one with its ``score``). A
         query ranks the indexed items (best first) and pages over them; when a page has
         room left, the items put with ``index=False`` fill it, oldest first and unscored
@@ -369,7 +399,7 @@ class InferScaleStore(BaseStore):
         except _MatchesNothing:  # a NaN compared: no value equals or orders against it
             return []
         wanted = op.offset + op.limit
-        scopes = self._scopes_under(op.namespace_prefix)
+        scopes = self._scopes_under(op.namespace_prefix, reads)
         if not op.query:
             return [{**h, "score": None} for h in self._listing(scopes, filters)[op.offset:wanted]]
         if self.index is not None:
@@ -395,7 +425,7 @@ class InferScaleStore(BaseStore):
                          at: float) -> list[tuple[str, ...]]:
         prefix = next((c.path for c in op.match_conditions or () if c.match_type == "prefix"), ())
         namespaces = set()
-        for scope in self._scopes_under(tuple(prefix)):
+        for scope in self._scopes_under(tuple(prefix), everything):
             key = _scope_key(scope)
             if key not in everything:
                 everything[key] = self.backend.list(scope, {"lg_item": "*", "NOT": [_expired_by(at)]})
@@ -427,29 +457,50 @@ class InferScaleStore(BaseStore):
             raise type(exc)(f"{'/'.join(op.namespace)}/{op.key}: {exc} (nothing of this batch was written)") from None
         return metadata
 
-    def _write(self, op: PutOp, stored: dict | None, text: str | None,
-               metadata: dict | None) -> Callable[[], None]:
-        """Write one put; returns what takes it back (the item as it was: a put that replaced an
-        expired item, unswept, takes back to no item)."""
-        scope = self.scope_of(op.namespace)
-        if op.value is None:
-            if stored is None:
-                return lambda: None
-            self.backend.delete(stored["id"], scope)
-            return lambda: self.backend.add(stored["memory"], scope, stored["metadata"])
-        assert metadata is not None
-        if stored is not None and _expired(stored, now()):  # expired, not yet swept: a new item replaces it
-            self.backend.delete(stored["id"], scope)
-            stored = None
-        if stored is None:
-            self._register(scope)
-        if "lg_ttl_minutes" in metadata:  # the expiry counts from the write, as SqliteStore's does, not from
-            metadata["expires_at"] = now() + metadata["lg_ttl_minutes"] * 60  # the batch's checks and lookups
-        if stored is not None:
-            self.backend.update(stored["id"], text, metadata, scope)
-            return lambda: self.backend.update(stored["id"], stored["memory"], stored["metadata"], scope)
-        added = self.backend.add(text, scope, metadata)
-        return lambda: self.backend.delete(added["id"], scope)
+    def _write_all(self, puts: dict[tuple, PutOp], found: dict, texts: dict, prepared: dict) -> None:
+        """Write a batch's puts: per scope, one delete of the items deleted (or expired and put
+        again, unswept), one update of the items replaced and one add of the new ones, in that
+        order. When a write fails, the writes before it are taken back (:meth:`_undo`) and the
+        error is raised: a batch is written whole or not at all."""
+        by_scope: dict[str, dict] = {}
+        at = now()
+        for address, op in puts.items():
+            scope = self.scope_of(op.namespace)
+            plan = by_scope.setdefault(_scope_key(scope), {"scope": scope, "delete": [], "update": [], "add": []})
+            stored = found.get(address)
+            if stored is not None and (op.value is None or _expired(stored, at)):
+                plan["delete"].append(stored)  # expired, not yet swept: a new item replaces it
+                stored = None
+            if op.value is None:
+                continue
+            metadata = prepared[address]
+            if "lg_ttl_minutes" in metadata:  # the expiry counts from the write, as SqliteStore's does, not from
+                metadata["expires_at"] = now() + metadata["lg_ttl_minutes"] * 60  # the batch's checks and lookups
+            if stored is not None:
+                plan["update"].append((stored, texts[address], metadata))
+            else:
+                plan["add"].append((texts[address], metadata))
+        undo: list[Callable[[], None]] = []
+        try:
+            for plan in by_scope.values():
+                scope = plan["scope"]
+                if plan["delete"]:
+                    deleted = plan["delete"]
+                    self.backend.delete_many([m["id"] for m in deleted], scope)
+                    undo.append(lambda d=deleted, s=scope: self.backend.add_many(
+                        [m["memory"] for m in d], [m["metadata"] for m in d], s))
+                if plan["update"]:
+                    changed = plan["update"]
+                    self.backend.update_many([(m["id"], text, meta) for m, text, meta in changed], scope)
+                    undo.append(lambda c=changed, s=scope: self.backend.update_many(
+                        [(m["id"], m["memory"], m["metadata"]) for m, _, _ in c], s))
+                if plan["add"]:
+                    self._register(scope)
+                    added = self.backend.add_many([t for t, _ in plan["add"]], [m for _, m in plan["add"]], scope)
+                    undo.append(lambda a=added, s=scope: self.backend.delete_many([m["id"] for m in a], s))
+        except BaseException:
+            self._undo(undo)
+            raise
 
     def _undo(self, undo: list[Callable[[], None]]) -> None:
         """Take back a batch's writes, newest first, after one failed (the server refused a text
@@ -488,12 +539,16 @@ class InferScaleStore(BaseStore):
         with self._writing.hold(_address(*address) for address in read):
             current = self._lookup(list(read))
             at = now()
+            by_scope: dict[str, tuple[dict, list]] = {}
             for address, memory in current.items():
                 meta = memory["metadata"]
                 if memory["id"] != read[address]["id"] or _expired(memory, at) or "lg_ttl_minutes" not in meta:
                     continue
-                self.backend.update_metadata(memory["id"], {"expires_at": at + meta["lg_ttl_minutes"] * 60},
-                                             _memory_scope(memory))
+                scope = _memory_scope(memory)
+                by_scope.setdefault(_scope_key(scope), (scope, []))[1].append(
+                    (memory["id"], {"expires_at": at + meta["lg_ttl_minutes"] * 60}))
+            for scope, patches in by_scope.values():  # one metadata-only write a scope
+                self.backend.update_metadata_many(patches, scope)
 
     def sweep_ttl(self) -> int:
         """Delete the items whose TTL has expired; returns how many were deleted. Each scope
@@ -612,12 +667,6 @@ class _Local:
     def add(self, text: str, scope: dict, metadata: dict, dedupe: bool = False) -> dict:
         return self.memory.add(text, metadata=metadata, infer=False, dedupe=dedupe, **scope)["results"][0]
 
-    def update(self, memory_id: str, text: str, metadata: dict, scope: dict) -> None:
-        self.memory.update(memory_id, text, metadata=metadata, dedupe=False, **scope)
-
-    def delete(self, memory_id: str, scope: dict) -> None:
-        self.memory.delete(memory_id, **scope)
-
     def delete_if_present(self, memory_id: str, scope: dict) -> int:
         """1 when deleted, 0 when it was gone (another process deleted it)."""
         try:
@@ -626,8 +675,27 @@ class _Local:
             return 0
         return 1
 
+    def add_many(self, texts: list[str], metadatas: list[dict], scope: dict) -> list[dict]:
+        """One memory per text, each with its metadata, in one write (one embedding call, one
+        Chroma add, one history transaction); returns ``[{"id", "memory", "event"}]``."""
+        messages = [{"role": "user", "content": text} for text in texts]
+        return self.memory.add(messages, metadata=metadatas, infer=False, dedupe=False, **scope)["results"]
+
+    def update_many(self, changes: list[tuple[str, str, dict]], scope: dict) -> None:
+        """``(memory_id, text, metadata)`` changes in one write (:meth:`inferscale.Memory.batch_update`)."""
+        self.memory.batch_update([{"memory_id": i, "text": t, "metadata": m} for i, t, m in changes],
+                                 dedupe=False, **scope)
+
+    def delete_many(self, memory_ids: list[str], scope: dict) -> None:
+        """The memories ``memory_ids`` deleted in one write (:meth:`inferscale.Memory.batch_delete`)."""
+        self.memory.batch_delete([{"memory_id": i} for i in memory_ids], **scope)
+
     def update_metadata(self, memory_id: str, fields: dict, scope: dict) -> None:
         self.memory.update_metadata(memory_id, fields, **scope)
+
+    def update_metadata_many(self, patches: list[tuple[str, dict]], scope: dict) -> None:
+        """``(memory_id, fields)`` metadata-only patches in one write (``batch_update`` without texts)."""
+        self.memory.batch_update([{"memory_id": i, "metadata": f} for i, f in patches], **scope)
 
     def check(self, text: str, what: str) -> None:
         """What ``add`` refuses in a text, its length in this memory's tokens included."""
@@ -678,13 +746,6 @@ class _Http:
         body = {"messages": text, "metadata": metadata, "infer": False, "dedupe": dedupe, **scope}
         return self._call("POST", "/memories", json=body)["results"][0]
 
-    def update(self, memory_id: str, text: str, metadata: dict, scope: dict) -> None:
-        body = {"text": text, "metadata": metadata, "dedupe": False}
-        self._call("PUT", f"/memories/{memory_id}", params=scope, json=body)
-
-    def delete(self, memory_id: str, scope: dict) -> None:
-        self._call("DELETE", f"/memories/{memory_id}", params=scope)
-
     def delete_if_present(self, memory_id: str, scope: dict) -> int:
         """1 when deleted, 0 when the server says it was gone (404)."""
         try:
@@ -693,9 +754,37 @@ class _Http:
             return 0
         return 1
 
+    def add_many(self, texts: list[str], metadatas: list[dict], scope: dict) -> list[dict]:
+        """``POST /memories`` with a message and a metadata object per text, at most
+        :data:`HTTP_BATCH` a request."""
+        out = []
+        for start in range(0, len(texts), HTTP_BATCH):
+            body = {"messages": [{"role": "user", "content": t} for t in texts[start:start + HTTP_BATCH]],
+                    "metadata": metadatas[start:start + HTTP_BATCH], "infer": False, "dedupe": False, **scope}
+            out += self._call("POST", "/memories", json=body)["results"]
+        return out
+
+    def update_many(self, changes: list[tuple[str, str, dict]], scope: dict) -> None:
+        """``PUT /memories/batch``, at most :data:`HTTP_BATCH` changes a request."""
+        for start in range(0, len(changes), HTTP_BATCH):
+            memories = [{"memory_id": i, "text": t, "metadata": m} for i, t, m in changes[start:start + HTTP_BATCH]]
+            self._call("PUT", "/memories/batch", json={"memories": memories, "dedupe": False, **scope})
+
+    def delete_many(self, memory_ids: list[str], scope: dict) -> None:
+        """``DELETE /memories/batch``, at most :data:`HTTP_BATCH` ids a request."""
+        for start in range(0, len(memory_ids), HTTP_BATCH):
+            memories = [{"memory_id": i} for i in memory_ids[start:start + HTTP_BATCH]]
+            self._call("DELETE", "/memories/batch", json={"memories": memories, **scope})
+
     def update_metadata(self, memory_id: str, fields: dict, scope: dict) -> None:
         """``PUT /memories/{id}`` without ``text``: a metadata-only update."""
         self._call("PUT", f"/memories/{memory_id}", params=scope, json={"metadata": fields})
+
+    def update_metadata_many(self, patches: list[tuple[str, dict]], scope: dict) -> None:
+        """``PUT /memories/batch`` with entries without ``text``, at most :data:`HTTP_BATCH` a request."""
+        for start in range(0, len(patches), HTTP_BATCH):
+            memories = [{"memory_id": i, "metadata": f} for i, f in patches[start:start + HTTP_BATCH]]
+            self._call("PUT", "/memories/batch", json={"memories": memories, **scope})
 
     def check(self, text: str, what: str) -> None:
         """What ``add`` refuses in a text that can be told here (not valid Unicode, empty); the
@@ -726,10 +815,9 @@ class _Http:
         return self._call("POST", "/search", json=body)["results"][:limit]
 
     def list(self, scope: dict, filters: dict | None) -> list[dict]:
-        """Every match (at most 10,000), in any order: ``GET /memories`` takes no filters, so a
-        search with a placeholder query reads them all, expired ones too, as ``get_all`` does
-        (the callers sort)."""
-        return self.search(_ANY_QUERY, scope, filters, MAX_RESULTS, show_expired=True)
+        """Every match (at most 10,000), oldest first, expired ones too: ``POST /memories/list``
+        (``get_all`` with filters; nothing embedded)."""
+        return self._call("POST", "/memories/list", json={"filters": filters, "limit": MAX_RESULTS, **scope})["results"]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -807,8 +895,9 @@ def _ttl_config(ttl: Any) -> TTLConfig | None:
     for key in ("default_ttl", "sweep_interval_minutes"):
         if ttl.get(key) is not None:
             _minutes(f"ttl[{key!r}]", ttl[key])
-    if "refresh_on_read" in ttl and not isinstance(ttl["refresh_on_read"], bool):
-        raise TypeError(f"ttl['refresh_on_read'] must be True or False, got {ttl['refresh_on_read']!r}")
+    for key in ("refresh_on_read", "omit_expired"):
+        if key in ttl and not isinstance(ttl[key], bool):
+            raise TypeError(f"ttl[{key!r}] must be True or False, got {ttl[key]!r}")
     return TTLConfig(**ttl)
 
 
@@ -830,6 +919,11 @@ def _is_scope_id(label: str) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def _search_key(op: SearchOp) -> str:
+    """What a search asks, as a string: two searches of one batch with the same key have the same hits."""
+    return json.dumps([op.namespace_prefix, op.filter, op.query, op.limit, op.offset], sort_keys=True, default=repr)
 
 
 def _address(namespace: tuple[str, ...], key: str) -> str:

@@ -3,7 +3,8 @@
 The tests ship in the sdists of the releases we test against (``langgraph-checkpoint``'s
 ``tests/test_store.py``, written against ``InMemoryStore``; ``langgraph-checkpoint-sqlite``'s
 ``tests/test_store.py``, ``tests/test_async_store.py`` and ``tests/test_ttl.py``, against
-``SqliteStore`` and ``AsyncSqliteStore``). ``scripts/install.sh`` downloads and unpacks them into
+``SqliteStore`` and ``AsyncSqliteStore``; ``langgraph-checkpoint-postgres``'s ``tests/test_store.py``
+and ``tests/test_async_store.py``, against ``PostgresStore`` and ``AsyncPostgresStore``). ``scripts/install.sh`` downloads and unpacks them into
 ``.venv/langgraph-suites/`` (``LANGGRAPH_SUITES_DIR`` names another folder). Each
 harness (``integration_tests/test_langgraph_own_*.py``) loads one module with :func:`load`,
 which swaps the store class the module names for one that makes an ``InferScaleStore``
@@ -19,12 +20,14 @@ loopback port (``[http]``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import importlib
 import itertools
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -38,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[3]
 SUITES = Path(os.environ.get("LANGGRAPH_SUITES_DIR", ROOT / ".venv" / "langgraph-suites"))
 CHECKPOINT = "langgraph_checkpoint-4.3.2"
 SQLITE = "langgraph_checkpoint_sqlite-3.1.2"
+POSTGRES = "langgraph_checkpoint_postgres-3.2.0"
 
 #: the loopback front's API key
 KEY = "lg-suite-key"
@@ -103,6 +107,62 @@ class AsyncSqliteStoreShim:
         yield AsyncSuiteStore(index=index, ttl=ttl)
 
 
+class PostgresStoreShim:
+    """``PostgresStore.from_conn_string(conn_string, *, pipeline=..., pool_config=..., index=...,
+    ttl=...)`` yields a :class:`SuiteStore` with that ``index`` (a ``PostgresIndexConfig``, as
+    given) and ``ttl``; the connection string, pipeline mode and pool are PostgreSQL's
+    connection settings, which an ``InferScaleStore`` over a memory has no use for."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def from_conn_string(conn_string: str, *, pipeline: bool = False, pool_config: dict | None = None,
+                         index: dict | None = None, ttl: dict | None = None):
+        yield SuiteStore(index=index, ttl=ttl)
+
+
+class AsyncPostgresStoreShim:
+    """``AsyncPostgresStore.from_conn_string(...)`` (``async with``) yields an :class:`AsyncSuiteStore`."""
+
+    @staticmethod
+    @contextlib.asynccontextmanager
+    async def from_conn_string(conn_string: str, *, pipeline: bool = False, pool_config: dict | None = None,
+                               index: dict | None = None, ttl: dict | None = None):
+        yield AsyncSuiteStore(index=index, ttl=ttl)
+
+
+def expire_now(store: InferScaleStore, ns: tuple[str, ...], key: str) -> None:
+    """The Postgres suites' ``_expire_now``: the item's expiry a minute in the past, the item
+    kept (unswept): its memory's ``expires_at``, set with a metadata-only update (their
+    ``UPDATE store SET expires_at = NOW() - INTERVAL '1 minute'``)."""
+    memory = store._lookup([(ns, key)])[(ns, key)]
+    store.backend.update_metadata(memory["id"], {"expires_at": time.time() - 60}, store.scope_of(ns))
+
+
+def row_exists(store: InferScaleStore, ns: tuple[str, ...], key: str) -> bool:
+    """The Postgres suites' ``_row_exists``: whether the item's memory is stored, expired or not."""
+    return (ns, key) in store._lookup([(ns, key)])
+
+
+def stored_expires_at(store: InferScaleStore, ns: tuple[str, ...], key: str) -> float:
+    """The Postgres suites' ``_stored_expires_at``: the item's stored expiry (epoch seconds)."""
+    return store._lookup([(ns, key)])[(ns, key)]["metadata"]["expires_at"]
+
+
+async def aexpire_now(store: InferScaleStore, ns: tuple[str, ...], key: str) -> None:
+    """:func:`expire_now`, awaited (``_aexpire_now``)."""
+    await asyncio.to_thread(expire_now, store, ns, key)
+
+
+async def arow_exists(store: InferScaleStore, ns: tuple[str, ...], key: str) -> bool:
+    """:func:`row_exists`, awaited (``_arow_exists``)."""
+    return await asyncio.to_thread(row_exists, store, ns, key)
+
+
+async def astored_expires_at(store: InferScaleStore, ns: tuple[str, ...], key: str) -> float:
+    """:func:`stored_expires_at`, awaited (``_astored_expires_at``)."""
+    return await asyncio.to_thread(stored_expires_at, store, ns, key)
+
+
 @functools.cache
 def load(sdist: str, module: str) -> ModuleType:
     """``tests/<module>.py`` of the unpacked ``sdist``, its store class swapped for InferScale's.
@@ -125,7 +185,8 @@ def load(sdist: str, module: str) -> ModuleType:
             del sys.modules[k]
         sys.modules.update(saved)
     for name, shim in (("InMemoryStore", SuiteStore), ("SqliteStore", SqliteStoreShim),
-                       ("AsyncSqliteStore", AsyncSqliteStoreShim)):
+                       ("AsyncSqliteStore", AsyncSqliteStoreShim), ("PostgresStore", PostgresStoreShim),
+                       ("AsyncPostgresStore", AsyncPostgresStoreShim)):
         if hasattr(loaded, name):
             setattr(loaded, name, shim)
     return loaded

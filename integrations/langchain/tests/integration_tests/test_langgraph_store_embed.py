@@ -107,7 +107,11 @@ def test_a_bad_config_or_embedder_is_refused_and_writes_nothing(make_store, memo
     for config, error, words in [
         ({"dims": 384, "embed": good, "fields": ["body"], "metric": "dot"}, ValueError, "unknown keys ['metric']"),
         ({"dims": "384", "embed": good}, ValueError, "positive int"),
-        ({"dims": 384, "embed": good, "distance_type": "l2"}, ValueError, "ranks by cosine"),
+        ({"dims": 384, "embed": good, "distance_type": "hamming"}, ValueError, "must be one of ['cosine', "
+                                                                                 "'inner_product', 'l2']"),
+        ({"dims": 384, "embed": good, "ann_index_config": {"vector_type": "bit"}}, ValueError, "'vector', 'halfvec'"),
+        ({"dims": 384, "embed": good, "ann_index_config": {"kind": "hnsw", "mm": 16}}, ValueError, "unknown keys ['mm']"),
+        ({"dims": 384, "embed": good, "ann_index_config": "hnsw"}, TypeError, "must be a dict"),
         ({"dims": 384}, ValueError, "index['embed'] is required"),
         ({"dims": 384, "embed": good, "fields": [""]}, TypeError, "list of field paths"),
         ("body", TypeError, "IndexConfig"),
