@@ -14,7 +14,7 @@ import contextlib
 import pytest
 
 from langgraph_suites import (  # noqa: F401 (fixtures)
-    POSTGRES, expire_now, fresh_memory, load, row_exists, stored_expires_at, suite_front, suite_memory,
+    POSTGRES, POSTGRES_DESELECTED, POSTGRES_DESELECTED_PARAMS, POSTGRES_XFAIL, expire_now, fresh_memory, load, row_exists, stored_expires_at, suite_front, suite_memory,
     suite_members, transport,
 )
 
@@ -58,24 +58,12 @@ module._expire_now, module._row_exists, module._stored_expires_at = expire_now, 
 
 #: tests of ``PostgresStore``'s own code, not of a store's behaviour: name -> reason
 DESELECTED: dict[str, str] = {
+    **POSTGRES_DESELECTED,
     "test_nonnull_migrations": "reads PostgresStore.MIGRATIONS (its SQL schema)",
     "test_escape_like_literal": "tests PostgresStore's SQL LIKE escaping helper; no store",
     "test_namespace_match_pattern": "tests PostgresStore's SQL namespace-pattern helper; no store",
-    "test_omit_expired_search_pagination": "reorders rows by rewriting their updated_at through PostgresStore's "
-                                           "SQL, then expects its updated_at-descending listing; InferScaleStore "
-                                           "lists by creation, oldest first, as InMemoryStore does",
 }
 #: parameters whose tests repeat others on InferScaleStore: parameter id -> reason
-DESELECTED_PARAMS = {
-    "pipe": "the same test with PostgresStore's connection in pipeline mode: on InferScaleStore, the [default] "
-            "run again",
-    "pool": "the same test over a PostgreSQL connection pool: on InferScaleStore, the [default] run again",
-    **{f"halfvec_{d}": "the vector_store test with half-precision vectors (ann_index_config's vector_type "
-                       "'halfvec'): InferScaleStore keeps float32 vectors, so the [vector_...] run again"
-       for d in ("l2", "inner_product", "cosine")},
-}
+DESELECTED_PARAMS = POSTGRES_DESELECTED_PARAMS
 #: tests of features InferScaleStore lacks: name -> the missing feature
-XFAIL: dict[str, str] = {
-    "test_omit_expired_disabled_preserves_expired_rows": "ttl={'omit_expired': False}: InferScaleStore never "
-        "returns an expired item, swept or not (PostgresStore's omit_expired=True; docs/decisions.md)",
-}
+XFAIL: dict[str, str] = POSTGRES_XFAIL

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 
 from langgraph_suites import (  # noqa: F401 (fixtures)
-    POSTGRES, aexpire_now, arow_exists, astored_expires_at, fresh_memory, load, suite_front, suite_memory,
+    POSTGRES, POSTGRES_DESELECTED, POSTGRES_DESELECTED_PARAMS, POSTGRES_XFAIL, aexpire_now, arow_exists, astored_expires_at, fresh_memory, load, suite_front, suite_memory,
     suite_members, transport,
 )
 
@@ -49,26 +49,14 @@ module._aexpire_now, module._arow_exists, module._astored_expires_at = aexpire_n
 
 #: tests of ``AsyncPostgresStore``'s own code, not of a store's behaviour: name -> reason
 DESELECTED: dict[str, str] = {
+    **POSTGRES_DESELECTED,
     "test_no_running_loop": "expects AsyncPostgresStore's sync methods to refuse the event loop's thread "
                             "(InvalidStateError); InferScaleStore serves sync and async calls alike "
                             "(docs/decisions.md)",
     "test_abatch_uses_single_pool_checkout": "counts PostgresStore's connection-pool checkouts "
                                              "(langgraph.store.postgres._ainternal); no pool here",
-    "test_omit_expired_search_pagination": "reorders rows by rewriting their updated_at through PostgresStore's "
-                                           "SQL, then expects its updated_at-descending listing; InferScaleStore "
-                                           "lists by creation, oldest first, as InMemoryStore does",
 }
 #: parameters whose tests repeat others on InferScaleStore: parameter id -> reason
-DESELECTED_PARAMS = {
-    "pipe": "the same test with PostgresStore's connection in pipeline mode: on InferScaleStore, the [default] "
-            "run again",
-    "pool": "the same test over a PostgreSQL connection pool: on InferScaleStore, the [default] run again",
-    **{f"halfvec_{d}": "the vector_store test with half-precision vectors (ann_index_config's vector_type "
-                       "'halfvec'): InferScaleStore keeps float32 vectors, so the [vector_...] run again"
-       for d in ("l2", "inner_product", "cosine")},
-}
+DESELECTED_PARAMS = POSTGRES_DESELECTED_PARAMS
 #: tests of features InferScaleStore lacks: name -> the missing feature
-XFAIL: dict[str, str] = {
-    "test_omit_expired_disabled_preserves_expired_rows": "ttl={'omit_expired': False}: InferScaleStore never "
-        "returns an expired item, swept or not (PostgresStore's omit_expired=True; docs/decisions.md)",
-}
+XFAIL: dict[str, str] = POSTGRES_XFAIL
