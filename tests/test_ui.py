@@ -114,7 +114,8 @@ def shot(pg, name: str) -> None:
 
 
 def test_without_the_key_the_page_loads_empty_and_every_data_route_is_401(served, page):
-    page.wait_for_selector("#status:has-text('missing')")  # the page asked, and was told
+    page.wait_for_selector("#status:has-text('this server needs its API key')")  # the page asked, and was told
+    assert page.is_visible("#welcome-key") and not page.is_visible("#welcome-connected")
     assert page.locator("#scopes li").count() == 0
     r = httpx.get(served.url + "/ui")
     assert r.status_code == 200 and "connect-src 'self'" in r.headers["content-security-policy"]
@@ -234,14 +235,63 @@ def test_a_chats_report_shows_which_memories_came_as_kv_and_which_as_text(served
     assert chats[0]["kv_tokens"] == 0 and chats[0]["prefilled_tokens"] > whole["prefilled_tokens"]  # memories too
 
 
-def test_the_pool_shows_bytes_against_budgets_and_a_plot(page):
+def test_connected_the_welcome_says_to_pick_a_scope_and_a_wrong_key_asks_again(page):
     connect(page)
+    expect(page.locator("#welcome-connected")).to_be_visible()  # not "enter the key" once connected
+    assert not page.is_visible("#welcome-key")
+    page.fill("#key", "wrong")
+    page.click("#connect")
+    page.wait_for_selector("#status:has-text('refused this API key')")
+    assert page.is_visible("#welcome-key") and not page.is_visible("#welcome-connected")
+
+
+def test_the_pool_shows_bytes_against_budgets_and_a_plot_never_a_broken_image(page):
+    connect(page)
+    # every animation frame from the click on: the plot is hidden until it has loaded, never broken
+    page.evaluate("""() => { window.__broken = 0; window.__stop = false;
+        const img = document.getElementById('pool-plot');
+        const check = () => { if (!img.hidden && !(img.complete && img.naturalWidth > 0)) window.__broken++;
+                              if (!window.__stop) requestAnimationFrame(check); };
+        requestAnimationFrame(check); }""")
     page.click("#show-pool")
-    page.wait_for_function("document.getElementById('pool-plot').naturalWidth > 0")
+    page.wait_for_function("document.getElementById('pool-plot').naturalWidth > 0 && "
+                           "!document.getElementById('pool-plot').hidden")
+    assert page.evaluate("() => { window.__stop = true; return window.__broken; }") == 0
+    assert not page.is_visible("#pool-plot-wait")
     tiers = page.inner_text("#pool-tiers")
     assert "disk" in tiers and "no limit" in tiers  # the disk tier has no budget here
-    assert "Memories served as KV" in page.inner_text("#pool-served")
+    served = page.inner_text("#pool-served")
+    assert "Since this worker started, in the chats of every scope" in served and "Chats tab" in served
     shot(page, "pool")
+
+
+def test_the_favicon_is_served_without_the_key(served, page):
+    for path in ("/favicon.ico", "/ui/favicon.svg"):
+        r = httpx.get(served.url + path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("image/svg+xml"), path
+        assert r.content.startswith(b"<svg")
+    icon = page.evaluate("() => document.querySelector(\"link[rel='icon']\").href")
+    assert icon.endswith("/ui/favicon.svg")
+
+
+def test_the_pool_plot_shows_equal_tiers_and_an_evictions_axis_from_zero():
+    """Every memory on the device and on disk (equal lines): the device line is drawn over the
+    disk line and thinner, so both show; with no evictions the axis starts at 0 with whole
+    numbers and says so."""
+    from inferscale.server.pool_history import PoolHistory
+
+    stats = {"device_bytes": 0, "disk_bytes": 0}
+    history = PoolHistory(lambda: dict(stats), {"device": None, "host": None, "disk": None})
+    for n in range(4):
+        stats.update(device_bytes=n * 2**20, disk_bytes=n * 2**20)
+        history.sample()
+    held, _, evicted = history.figure(history.samples()).axes
+    lines = {line.get_label(): line for line in held.get_lines()}
+    assert lines["device"].get_zorder() > lines["disk"].get_zorder()
+    assert lines["device"].get_linewidth() < lines["disk"].get_linewidth()
+    assert evicted.get_ylim()[0] == 0 and all(float(t).is_integer() for t in evicted.get_yticks())
+    assert "no evictions" in [t.get_text() for t in evicted.texts]
+    assert b"no evictions" in history.plot_svg()
 
 
 def test_a_scope_id_that_is_not_ascii_shows_its_code_points(served, page):

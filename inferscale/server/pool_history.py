@@ -88,19 +88,34 @@ class PoolHistory:
             return self._plotted[1]
 
     def _draw(self, rows: list[dict]) -> bytes:
+        fig = self.figure(rows)
+        out = io.BytesIO()
+        fig.savefig(out, format="svg")
+        return out.getvalue()
+
+    def figure(self, rows: list[dict]):
+        """The plot of ``rows`` (samples, oldest first) as a matplotlib ``Figure`` of three axes:
+        MiB held per tier (device drawn over host over disk, each line thinner than the one
+        under it, so equal lines all show), the % of memories served as KV per interval, and
+        evictions per interval (whole numbers from 0; "no evictions" when there were none)."""
         from matplotlib.figure import Figure  # no pyplot: its global state is not for threads
+        from matplotlib.ticker import MaxNLocator
 
         t0 = rows[-1]["t"] if rows else time.time()
         x = [(r["t"] - t0) / 60 for r in rows]
         fig = Figure(figsize=(8, 6.4))
         held, share, evicted = fig.subplots(3, 1, sharex=True)
         top = max((r[f"{t}_bytes"] for r in rows for t in ("device", "host", "disk")), default=0) / 2**20
-        for tier, colour in (("device", "#1565c0"), ("host", "#6a1b9a"), ("disk", "#2e7d32")):
+        # drawn disk first and device last, each thinner than the one under it: equal lines (every
+        # memory on both tiers) show as a line with a border, not one hiding the other
+        for tier, colour, width, z in (("disk", "#2e7d32", 5.0, 2), ("host", "#6a1b9a", 3.2, 3),
+                                       ("device", "#1565c0", 1.6, 4)):
             budget = (self.budgets.get(tier) or 0) / 2**20
             if not budget and not any(r[f"{tier}_bytes"] for r in rows) and tier == "host":
                 continue  # no host tier (a CPU device)
             label = tier if not budget else f"{tier} (budget {budget:,.0f} MiB)"
-            held.plot(x, [r[f"{tier}_bytes"] / 2**20 for r in rows], marker=".", color=colour, label=label)
+            held.plot(x, [r[f"{tier}_bytes"] / 2**20 for r in rows], marker=".", color=colour, label=label,
+                      linewidth=width, zorder=z)
             if budget and budget <= 4 * max(top, 1e-9):  # a budget far above what is held stays in the legend
                 held.axhline(budget, color=colour, linestyle="--", linewidth=1)
         held.set(ylabel="MiB held", title="KV pool of this worker")
@@ -112,11 +127,14 @@ class PoolHistory:
                    color="#2e7d32")
         share.set(ylabel="% served as KV", ylim=(-5, 105))
         width = 0.8 * min((b - a for a, b in zip(x, x[1:])), default=0.1)
-        evicted.bar(x[1:], [b["evictions"] - a["evictions"] for a, b in pairs], width=width, color="#c62828")
-        evicted.set(ylabel="evictions", xlabel="minutes before the last sample")
+        counts = [b["evictions"] - a["evictions"] for a, b in pairs]
+        evicted.bar(x[1:], counts, width=width, color="#c62828")
+        evicted.set(ylabel="evictions", xlabel="minutes before the last sample", ylim=(0, max(counts, default=0) + 1))
+        evicted.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts: whole numbers, from 0
+        if not any(counts):
+            evicted.text(0.5, 0.5, "no evictions", transform=evicted.transAxes, ha="center", va="center",
+                         color="#777777")
         for ax in (held, share, evicted):
             ax.grid(alpha=0.3)
         fig.tight_layout()
-        out = io.BytesIO()
-        fig.savefig(out, format="svg")
-        return out.getvalue()
+        return fig

@@ -34,7 +34,9 @@ from inferscale.server.pool_history import PoolHistory
 from inferscale.server.query import StrictQueryRoute
 
 _STATIC = {"/ui": ("index.html", "text/html; charset=utf-8"), "/ui/app.js": ("app.js", "text/javascript"),
-           "/ui/style.css": ("style.css", "text/css")}
+           "/ui/style.css": ("style.css", "text/css"), "/ui/favicon.svg": ("favicon.svg", "image/svg+xml"),
+           # browsers ask every origin for /favicon.ico: the same icon, not a 404 in their console
+           "/favicon.ico": ("favicon.svg", "image/svg+xml")}
 #: the page's files: answered without the key (they hold no data)
 UI_PATHS = frozenset(_STATIC)
 #: the page's own headers: scripts, styles, images and requests from this origin only

@@ -30,7 +30,12 @@ async function api(method, path, body) {
   if (body !== undefined) headers["Content-Type"] = "application/json";
   const response = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body),
                                        credentials: "omit", cache: "no-store" });
-  if (response.status === 401) { say("wrong or missing API key"); throw new Error("401"); }
+  if (response.status === 401) {
+    connected(false);
+    say(state.key ? "the server refused this API key: enter its --api-key and press Connect"
+                  : "this server needs its API key: enter it and press Connect");
+    throw new Error("401");
+  }
   const data = response.headers.get("content-type")?.includes("json") ? await response.json() : await response.blob();
   if (!response.ok) {
     const message = data?.error?.message || data?.detail || response.statusText;
@@ -74,6 +79,13 @@ function show(section) {
   for (const id of ["welcome", "scope-view", "pool-view"]) $(id).hidden = id !== section;
 }
 
+// the welcome says what to do next: enter the key, or (connected) pick a scope
+function connected(yes) {
+  state.connected = yes;
+  $("welcome-key").hidden = yes;
+  $("welcome-connected").hidden = !yes;
+}
+
 // ------------------------------------------------------------------ scopes
 
 async function loadScopes() {
@@ -97,6 +109,7 @@ async function loadScopes() {
     if (state.scope && scopeLabel(state.scope) === label) button.classList.add("selected");
     list.append(el("li", {}, button));
   }
+  connected(true);
   say(`${data.scopes.length} scope${data.scopes.length === 1 ? "" : "s"}`);
 }
 
@@ -294,12 +307,18 @@ async function showPool() {
     el("td", { class: "num" }, s[`served_${t}`]), el("td", { class: "num" }, s[`${t}_evictions`]))));
   const kv = ["device", "host", "disk", "redis"].reduce((n, t) => n + (s[`served_${t}`] || 0), 0);
   const total = kv + s.served_text;
-  $("pool-served").textContent = `Memories served as KV: ${kv}, as text: ${s.served_text}` +
-    (total ? ` (${(100 * kv / total).toFixed(0)}% as KV); captured from text: ${s.served_captured}.` : ".");
-  const plot = await api("GET", "/ui/api/pool.svg");
+  $("pool-served").textContent = `Since this worker started, in the chats of every scope it answered: ` +
+    `memories served as KV ${kv}, as text ${s.served_text}` +
+    (total ? ` (${(100 * kv / total).toFixed(0)}% as KV); captured from text: ${s.served_captured}.` : ".") +
+    " A scope's Chats tab shows each of its chats' memories, KV or text.";
   const img = $("pool-plot");
+  const wait = $("pool-plot-wait");
+  if (!img.src) { img.hidden = true; wait.hidden = false; }  // no broken image while the first plot is drawn
+  const plot = await api("GET", "/ui/api/pool.svg");
+  const url = URL.createObjectURL(plot);
+  img.addEventListener("load", () => { wait.hidden = true; img.hidden = false; }, { once: true });
   if (img.src) URL.revokeObjectURL(img.src);
-  img.src = URL.createObjectURL(plot);
+  img.src = url;
 }
 
 // ------------------------------------------------------------------ start
@@ -311,7 +330,7 @@ async function connect(event) {
   try {
     await loadScopes();
     if (!state.scope) show("welcome");
-  } catch (error) { /* said already */ }
+  } catch (error) { /* said already (a 401 asks for the key) */ }
 }
 
 document.addEventListener("DOMContentLoaded", () => {
