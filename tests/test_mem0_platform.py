@@ -116,6 +116,26 @@ def test_memory_client_makes_every_call_scoped(front, memory):
     assert [m["memory"] for m in memory.get_all(agent_id="m-helper")["results"]] == ["Answer in French."]
 
 
+def test_batch_update_and_batch_delete_of_memory_client_write_each_scope_in_one_write(front, memory):
+    """Mem0's ``client.batch_update`` / ``client.batch_delete`` (``PUT`` / ``DELETE /v1/batch/``)
+    over memories of two users: texts and metadata replaced, a metadata-only entry keeping the
+    text; then both deleted."""
+    a = memory.add("I row on Sundays.", user_id="m-batch-a", infer=False, metadata={"topic": "sport"})
+    b = memory.add("I knit scarves.", user_id="m-batch-b", infer=False, metadata={"topic": "craft", "old": 1})
+    ida, idb = a["results"][0]["id"], b["results"][0]["id"]
+    out = mem0(front, f"""
+        out["update"] = client.batch_update([{{"memory_id": {ida!r}, "text": "I row on Saturdays."}},
+                                             {{"memory_id": {idb!r}, "metadata": {{"topic": "hobby"}}}}])
+        out["a"], out["b"] = client.get({ida!r}), client.get({idb!r})
+        out["delete"] = client.batch_delete([{{"memory_id": {ida!r}}}, {{"memory_id": {idb!r}}}])
+    """)
+    assert out["update"]["message"] == "Successfully updated 2 memories"
+    assert (out["a"]["memory"], out["a"]["metadata"]) == ("I row on Saturdays.", {"topic": "sport"})
+    assert (out["b"]["memory"], out["b"]["metadata"]) == ("I knit scarves.", {"topic": "hobby"})
+    assert out["delete"]["message"] == "Successfully deleted 2 memories"
+    assert memory.count(user_id="m-batch-a") == 0 and memory.count(user_id="m-batch-b") == 0
+
+
 def test_a_metadata_only_update_replaces_the_metadata_and_keeps_text_and_kv(front, memory):
     """``PUT /v1/memories/{id}/`` with metadata alone (Mem0's ``client.update(id, metadata=...)``):
     the metadata is replaced, the text, ``updated_at`` and embedding stay (nothing re-embedded,
@@ -186,7 +206,13 @@ BAD = [
     ("PUT", "/v1/memories/0123456789abcdef0123456789abcdef/", {"text": "x"}, "not found"),
     ("GET", "/v1/memories/0123456789abcdef0123456789abcdef/history/", None, "not found"),
     ("DELETE", "/v2/entities/app/shop/", None, "no apps"),
-    ("PUT", "/v1/batch/", {"memories": []}, "no route PUT /v1/batch/"),
+    ("PUT", "/v1/batch/", {"memories": []}, "at least 1"),
+    ("PUT", "/v1/batch/", {"memories": [{"memory_id": "{kept}", "text": "x"},
+                                        {"memory_id": "0123456789abcdef0123456789abcdef", "text": "y"}]}, "not found"),
+    ("PUT", "/v1/batch/", {"memories": [{"memory_id": "{kept}"}]}, "text and/or metadata"),
+    ("DELETE", "/v1/batch/", {"memories": [{"memory_id": "{kept}"},
+                                           {"memory_id": "0123456789abcdef0123456789abcdef"}]}, "not found"),
+    ("POST", "/v1/feedback/", {"memory_id": "x", "feedback": "POSITIVE"}, "no route"),
     ("POST", "/v1/exports/", {"schema": "{}"}, "no route"),
     ("GET", "/v1/event/3c90c3cc-0d44-4b50-8888-8dd25736052a/", None, "synchronously"),
     # what a hostile or careless client sends (the breaker's list, 2026-12-04)
@@ -217,6 +243,7 @@ BAD = [
 def test_unsupported_routes_and_fields_are_a_clear_4xx_that_changes_nothing(front, memory, method, path, body, says):
     kept = memory.add("I keep this.", user_id="b", infer=False)["results"][0]["id"]
     before, scopes = memory.get_all(user_id="b")["results"], memory.scopes()
+    body = _json.loads(_json.dumps(body).replace("{kept}", kept))
     r = http(front, method, path.replace("{kept}", kept), json=body)
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     assert says in r.json()["detail"], r.json()["detail"]

@@ -28,8 +28,12 @@ How Mem0's model maps onto InferScale's (docs/server.md, "Mem0's own client"):
   ``True`` as in Mem0: the served LLM extracts facts; ``infer=False`` stores each message.
 - ``threshold`` is a cosine similarity; ``keyword_search=True`` is InferScale's hybrid
   ranking (cosine and BM25 fused); ``fields`` keeps those keys of each result.
+- ``batch_update`` / ``batch_delete`` (``PUT`` / ``DELETE /v1/batch/``) write each scope's
+  memories in one write (:meth:`inferscale.Memory.batch_update`); every id is looked up
+  before anything is written (an unknown one: 404, nothing changed); memories of several
+  scopes are one write per scope. A metadata-only entry replaces the metadata, as ``update`` does.
 - Every other field and route Mem0 has (categories, expiration dates, graph, reranking,
-  projects, exports, webhooks, batch, feedback) answers a 400 or 404 naming it: never a
+  projects, exports, webhooks, feedback) answers a 400 or 404 naming it: never a
   silent no-op. Errors carry Mem0's ``detail`` beside InferScale's ``error`` object.
 
 The bodies, the reading of scopes and filters, and the item shape are
@@ -48,7 +52,8 @@ from fastapi.responses import RedirectResponse
 from starlette.routing import Match
 
 from inferscale.server.deps import MemoryDep
-from inferscale.server.mem0_requests import (DOCS, ORG_ID, PROJECT_ID, SCOPE_KEYS, SUPPORTED, AddBody, ListBody,
+from inferscale.server.mem0_requests import (DOCS, ORG_ID, PROJECT_ID, SCOPE_KEYS, SUPPORTED, AddBody,
+                                             BatchDeleteBody, BatchUpdateBody, ListBody,
                                              Mem0Body, Mem0QueryRoute, SearchBody, UpdateBody, check_query,
                                              platform_item, query_scope, split_filters)
 from inferscale.types import MemoryNotFoundError
@@ -170,6 +175,40 @@ def router() -> APIRouter:
         else:
             memory.update(memory_id, body.text, metadata=body.metadata, **scope)
         return platform_item(memory.get(memory_id, **scope))
+
+    @r.put("/v1/batch/", summary="Mem0: update up to 1,000 memories (batch_update)")
+    def batch_update(body: BatchUpdateBody, request: Request, memory: MemoryDep) -> dict:
+        check_query(request)
+        entries: dict[str, tuple[dict, list[dict]]] = {}
+        for e in body.memories:  # every memory found, in its scope, before anything is written
+            if e.text is None and e.metadata is None:
+                raise ValueError(f"memory {e.memory_id}: give text and/or metadata to update")
+            scope = memory.owner_of(e.memory_id)
+            current = memory.get(e.memory_id, **scope).get("metadata") or {}
+            if e.text is not None:
+                entry = {"memory_id": e.memory_id, "text": e.text,
+                         **({"metadata": e.metadata} if e.metadata is not None else {})}
+            else:  # metadata alone: replaced, as update() does, through a patch that keeps the text and KV
+                patch = {**{k: None for k in current if k not in e.metadata}, **e.metadata}
+                if not patch:
+                    continue  # {} over {}: nothing changes
+                entry = {"memory_id": e.memory_id, "metadata": patch}
+            entries.setdefault(json.dumps(scope, sort_keys=True), (scope, []))[1].append(entry)
+        for scope, batch in entries.values():
+            memory.batch_update(batch, **scope)
+        return {"message": f"Successfully updated {len(body.memories)} memories"}
+
+    @r.delete("/v1/batch/", summary="Mem0: delete up to 1,000 memories (batch_delete)")
+    def batch_delete(body: BatchDeleteBody, request: Request, memory: MemoryDep) -> dict:
+        check_query(request)
+        by_scope: dict[str, tuple[dict, list[dict]]] = {}
+        for e in body.memories:  # every memory found, in its scope, before anything is deleted
+            scope = memory.owner_of(e.memory_id)
+            memory.get(e.memory_id, **scope)
+            by_scope.setdefault(json.dumps(scope, sort_keys=True), (scope, []))[1].append({"memory_id": e.memory_id})
+        for scope, batch in by_scope.values():
+            memory.batch_delete(batch, **scope)
+        return {"message": f"Successfully deleted {len(body.memories)} memories"}
 
     @r.delete("/v1/memories/{memory_id}/", summary="Mem0: delete a memory")
     def delete(memory_id: str, request: Request, memory: MemoryDep, delete_linked: bool = False) -> dict:

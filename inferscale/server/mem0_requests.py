@@ -109,6 +109,30 @@ class UpdateBody(BaseModel):
     metadata: dict[str, Any] | None = None
 
 
+class BatchUpdateEntry(UpdateBody):
+    memory_id: str
+
+
+class BatchDeleteEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    memory_id: str
+
+
+class BatchUpdateBody(BaseModel):
+    """``PUT /v1/batch/`` (``client.batch_update``): at most 1,000 memories, as Mem0's platform takes."""
+    model_config = ConfigDict(extra="forbid")
+
+    memories: list[BatchUpdateEntry] = Field(min_length=1, max_length=1000)
+
+
+class BatchDeleteBody(BaseModel):
+    """``DELETE /v1/batch/`` (``client.batch_delete``): at most 1,000 memories."""
+    model_config = ConfigDict(extra="forbid")
+
+    memories: list[BatchDeleteEntry] = Field(min_length=1, max_length=1000)
+
+
 def split_filters(body: Mem0Body) -> tuple[dict[str, str], dict | None]:
     """The scope and the metadata filters of a Mem0 body: entity ids from the top level, from
     ``filters`` or from the dicts of a top-level ``AND`` list in it (a clause that mixes an
