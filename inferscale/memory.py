@@ -29,7 +29,7 @@ from inferscale.runtime.lifecycle import close_at_exit
 from inferscale.reopening import Reopenable
 from inferscale.store.records import Scope
 from inferscale.store.turns import Turn
-from inferscale.types import FactInput, SearchResults, write_results
+from inferscale.types import FactInput, SearchResults, require_text, write_results
 
 
 class Memory(Answering, Inspection, Reopenable):
@@ -166,8 +166,11 @@ class Memory(Answering, Inspection, Reopenable):
             raise ValueError("dedupe=False stores each message as given, so it needs infer=False (with infer=True "
                              "the reconciler decides what is new): pass infer=False, or leave dedupe=True")
         scope = Scope.of(user_id, agent_id, run_id)
-        for m in metas or [meta]:
-            scope.check_metadata(m)  # before the turns are logged
+        for i, m in enumerate(metas or [meta]):  # before the turns are logged
+            try:
+                scope.check_metadata(m)
+            except ValueError as exc:
+                raise ValueError(f"metadata[{i}]: {exc}" if metas else str(exc)) from None
         c = self.components
         if infer:
             c.requests.check_prompt_chars([t.content for t in turns])  # before anything is tokenized
@@ -294,23 +297,29 @@ class Memory(Answering, Inspection, Reopenable):
         scope = self._scope(user_id, agent_id, run_id)
         check_bool("dedupe", dedupe)
         items = args.batch_items("batch_update", memories, ("memory_id",), ("text", "metadata"))
-        for i, item in enumerate(items):
-            check_id("memory_id", item["memory_id"])
-            if "text" not in item and not isinstance(item.get("metadata"), dict):
-                raise ValueError(f"batch_update: entry {i} has neither 'text' nor 'metadata': give the new text, or "
-                                 "the metadata fields to set")
-        changes = [(c["memory_id"], c["text"], None if c.get("metadata") is None else args.check_metadata(c["metadata"]))
-                   for c in items if "text" in c]
-        patches = [(c["memory_id"], args.check_metadata_patch(c["metadata"])) for c in items if "text" not in c]
-        ids = [c["memory_id"] for c in items]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"memory {next(i for i in ids if ids.count(i) > 1)!r} is changed twice in one batch: "
-                             "give each memory once")
         facts = self.components.facts
-        if patches:
-            facts.get_many(scope, [p[0] for p in patches])  # every id found before anything is written
-        records = {r.id: r for r in facts.update_many(scope, changes, dedupe=dedupe)} if changes else {}
-        records.update((r.id, r) for r in facts.update_metadata_many(scope, patches))
+        changes, patches = [], []
+        for i, item in enumerate(items):  # every entry checked, and named when refused, before anything is written
+            what = f"batch_update entry {i}"
+            try:
+                check_id("memory_id", item["memory_id"])
+                if "text" not in item and not isinstance(item.get("metadata"), dict):
+                    raise ValueError("it has neither 'text' nor 'metadata': give the new text, or the metadata "
+                                     "fields to set")
+                if "text" in item:
+                    require_text(item["text"], "its text")
+                    facts.check_length(item["text"], "its text")
+                    metadata = None if item.get("metadata") is None else args.check_metadata(item["metadata"])
+                    scope.check_metadata(metadata)
+                    changes.append((item["memory_id"], item["text"], metadata))
+                else:
+                    fields = args.check_metadata_patch(item["metadata"])
+                    scope.check_metadata(fields)
+                    patches.append((item["memory_id"], fields))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{what}: {exc}") from None
+        records = {r.id: r for r in facts.update_many(scope, changes, patches, dedupe=dedupe)}
+        ids = [c["memory_id"] for c in items]
         return {"message": f"{len(items)} memories updated successfully!",
                 "results": [{"id": i, "memory": records[i].text} for i in ids]}
 

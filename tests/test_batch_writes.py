@@ -123,6 +123,11 @@ def test_a_batch_update_invalidates_and_queues_the_kv_of_each_memory(tmp_path):
     ("batch_update", [{"memory_id": "X", "text": "a", "metadata": {"v": float("nan")}}], ValueError, "NaN"),
     ("batch_update", [{"memory_id": "X", "text": "a"}, {"memory_id": "gone", "text": "b"}], MemoryNotFoundError,
      "'gone' not found"),
+    ("batch_update", [{"memory_id": "X", "text": "a"}, {"memory_id": "Y", "metadata": {"user_id": "bob"}}],
+     ValueError, "batch_update entry 1: "),  # a patch refused after a text change: the change is not written
+    ("batch_update", [{"memory_id": "X", "text": None}], TypeError, "batch_update entry 0: its text must be a string"),
+    ("batch_update", [{"memory_id": "X", "text": "a"}, {"memory_id": "Y", "text": "b", "metadata": {"created_at": 1}}],
+     ValueError, "batch_update entry 1: "),
     ("batch_delete", [{"memory_id": "X"}, {"memory_id": "gone"}], MemoryNotFoundError, "'gone' not found"),
     ("batch_delete", ["X"], TypeError, "must be a dict"),
     ("add", None, ValueError, "2 entries for 3 messages"),
@@ -140,6 +145,34 @@ def test_bad_input_is_refused_and_changes_nothing(memory, method, body, error, w
             getattr(memory, method)(body, user_id="bw-bad")
     assert _state(memory, "bw-bad") == before
     memory.delete_all(user_id="bw-bad")
+
+
+def test_a_text_change_and_a_patch_racing_a_delete_write_both_or_neither(memory):
+    """A batch_update of one text and one memory's metadata, while another thread deletes the
+    second: either the delete comes first (the update is refused whole) or after (both written)."""
+    import threading
+
+    for round_ in range(6):
+        ids = [a["id"] for a in memory.add([{"role": "user", "content": f"Race {round_} {t}."} for t in "ab"],
+                                           user_id="bw-race", infer=False)["results"]]
+        errors = []
+
+        def update():
+            try:
+                memory.batch_update([{"memory_id": ids[0], "text": f"Race {round_} a, changed."},
+                                     {"memory_id": ids[1], "metadata": {"p": 1}}], user_id="bw-race")
+            except MemoryNotFoundError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=update),
+                   threading.Thread(target=lambda: memory.batch_delete([{"memory_id": ids[1]}], user_id="bw-race"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        text = memory.get(ids[0], user_id="bw-race")["memory"]
+        assert text == (f"Race {round_} a." if errors else f"Race {round_} a, changed."), (errors, text)
+        memory.delete_all(user_id="bw-race")
 
 
 def test_another_scopes_memory_is_not_found_and_stays(memory):

@@ -187,12 +187,20 @@ class FactService:
         """
         return self.update_many(scope, [(memory_id, text, metadata)], dedupe=dedupe, what="data")[0]
 
-    def update_many(self, scope: Scope, changes: Sequence[tuple[str, str, dict | None]], dedupe: bool = True,
+    def update_many(self, scope: Scope, changes: Sequence[tuple[str, str, dict | None]] = (),
+                    patches: Sequence[tuple[str, dict]] = (), dedupe: bool = True,
                     what: str = "memory") -> list[FactRecord]:
-        """Replace memories' texts (and metadata, where given): ``changes`` are
-        ``(memory_id, text, metadata or None)``. Everything is checked before anything is
-        written; then the texts are embedded in one call, written to Chroma in one update,
-        recorded in the history in one transaction, and their KV invalidated and queued at once.
+        """Replace memories' texts (and metadata, where given), and patch other memories'
+        metadata, in one write: ``changes`` are ``(memory_id, text, metadata or None)``;
+        ``patches`` are ``(memory_id, fields)``, already checked
+        (:func:`inferscale.arguments.check_metadata_patch`): each field set, or removed when
+        ``None``, keeping the memory's other fields, text, embedding, KV and ``updated_at``.
+        Everything is checked and every memory looked up before anything is written, all under
+        the scope's lock (shared by every process over the database, so two patches of one
+        memory never lose each other's fields); then the new texts are embedded in one call and
+        written to Chroma in one update, the patches in one metadata update, every event
+        recorded in the history in one transaction (a patch is an ``UPDATE`` whose text is
+        unchanged), and the changed texts' KV invalidated and queued at once.
 
         Args:
             dedupe: ``True``: refuse a new text another memory of the scope holds (or that
@@ -200,30 +208,33 @@ class FactService:
             what: how an error names a change (``"memory"``: ``"memory 3's text"``).
 
         Returns:
-            The memories as now stored, in the order of ``changes``.
+            The memories as now stored: the ``changes``' in their order, then the ``patches``'.
 
         Raises:
             MemoryNotFoundError: an id is not a memory of ``scope`` (nothing is written).
-            ValueError: an empty or too long text, a memory changed twice, or (``dedupe``) a
-                text another memory holds (nothing is written).
+            ValueError: an empty or too long text, metadata naming another scope, a memory
+                given twice, or (``dedupe``) a text another memory holds (nothing is written).
         """
         for i, (memory_id, text, metadata) in enumerate(changes):
             name = what if len(changes) == 1 else f"{what} {i}'s text"
             require_text(text, name)
             self.check_length(text, name)
             scope.check_metadata(metadata)
-        ids = [c[0] for c in changes]
+        for _, fields in patches:
+            scope.check_metadata(fields)
+        ids = [c[0] for c in changes] + [p[0] for p in patches]
         if len(set(ids)) != len(ids):
             twice = next(i for i in ids if ids.count(i) > 1)
             raise ValueError(f"memory {twice!r} is changed twice in one batch: give each memory once")
         with self._lock, self.history.scope_lock(scope.key):
             self.index.refresh(scope.key)
             olds = self.get_many(scope, ids)
+            changed, patched = olds[:len(changes)], olds[len(changes):]
             hashes = [text_hash(text) for _, text, _ in changes]
             if dedupe:
                 holders = self.index.find_hashes(scope.key, hashes)
                 claimed: dict[str, str] = {}
-                for old, (memory_id, _, _), h in zip(olds, changes, hashes):
+                for old, (memory_id, _, _), h in zip(changed, changes, hashes):
                     other = holders.get(h) if h != old.hash else None
                     if other is not None and other != memory_id and other not in ids:
                         raise ValueError(f"memory {other} of this scope already holds this text (given to "
@@ -234,65 +245,37 @@ class FactService:
             stamps = _stamps(len(changes))
             news = [replace(old, text=text, hash=h, updated_at=stamp,
                             metadata=old.metadata if metadata is None else stored_metadata(metadata))
-                    for old, (_, text, metadata), h, stamp in zip(olds, changes, hashes, stamps)]
+                    for old, (_, text, metadata), h, stamp in zip(changed, changes, hashes, stamps)]
+            merged = []
+            for old, (_, fields) in zip(patched, patches):
+                kept = {k: v for k, v in old.metadata.items() if k not in fields}
+                kept.update({k: v for k, v in fields.items() if v is not None})
+                merged.append(replace(old, metadata=stored_metadata(kept)))  # as deep as the stored or given
             if news:
                 emb = self.embedder.encode([r.text for r in news])
                 self.store.update(news, emb.numpy())
                 self.index.add(scope.key, news, emb)  # replaces the rows of these ids
-                for memory_id in ids:
-                    self.kv.invalidate(memory_id)
-                self.index.advance(scope.key, *self.history.record(
-                    scope.key, [(r.id, "UPDATE", old.text, r.text) for old, r in zip(olds, news)]))
+                for r in news:
+                    self.kv.invalidate(r.id)
+            if merged:
+                self.store.update_metadata(merged)
+                self.index.replace_records(scope.key, merged)
+            events = [(r.id, "UPDATE", old.text, r.text) for old, r in zip(changed, news)] + \
+                     [(r.id, "UPDATE", r.text, r.text) for r in merged]
+            if events:
+                self.index.advance(scope.key, *self.history.record(scope.key, events))
         if news and self.precompute_kv:
             self.kv.schedule(scope.key, news, self.default_w)
-        return news
+        return news + merged
 
     def update_metadata(self, scope: Scope, memory_id: str, fields: dict) -> FactRecord:
         """Set (or, given as ``None``, remove) top-level metadata ``fields`` of a memory:
-        :meth:`update_metadata_many` with one patch.
+        :meth:`update_many` with one patch.
 
         Raises:
             MemoryNotFoundError: no such memory in ``scope``.
         """
-        return self.update_metadata_many(scope, [(memory_id, fields)])[0]
-
-    def update_metadata_many(self, scope: Scope, patches: Sequence[tuple[str, dict]]) -> list[FactRecord]:
-        """Set (or, given as ``None``, remove) top-level metadata fields of memories, keeping
-        their other fields, texts, embeddings, KV and ``updated_at``: ``patches`` are
-        ``(memory_id, fields)``, already checked (:func:`inferscale.arguments.check_metadata`).
-        Written to Chroma in one update and to the index without embedding anything or
-        invalidating KV. The patches are read and merged under the scope's lock (shared by
-        every process over the database), so two patches of one memory never lose each
-        other's fields; they are recorded in the history in one transaction, each an
-        ``UPDATE`` whose text is unchanged (other processes' index partitions catch up on it).
-
-        Returns:
-            The memories as now stored, in the order of ``patches``.
-
-        Raises:
-            MemoryNotFoundError: an id is not a memory of ``scope`` (nothing is written).
-            ValueError: a memory patched twice.
-        """
-        for _, fields in patches:
-            scope.check_metadata(fields)
-        ids = [memory_id for memory_id, _ in patches]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"memory {next(i for i in ids if ids.count(i) > 1)!r} is patched twice in one batch: "
-                             "give each memory once")
-        with self._lock, self.history.scope_lock(scope.key):
-            self.index.refresh(scope.key)
-            olds = self.get_many(scope, ids)
-            news = []
-            for old, (_, fields) in zip(olds, patches):
-                merged = {k: v for k, v in old.metadata.items() if k not in fields}
-                merged.update({k: v for k, v in fields.items() if v is not None})
-                news.append(replace(old, metadata=stored_metadata(merged)))  # as deep as the stored or given
-            if news:
-                self.store.update_metadata(news)
-                self.index.replace_records(scope.key, news)
-                self.index.advance(scope.key, *self.history.record(
-                    scope.key, [(r.id, "UPDATE", r.text, r.text) for r in news]))
-        return news
+        return self.update_many(scope, patches=[(memory_id, fields)])[0]
 
     def delete(self, scope: Scope, memory_ids: Sequence[str]) -> list[FactRecord]:
         """Delete memories of ``scope`` (one Chroma delete, one history transaction); returns

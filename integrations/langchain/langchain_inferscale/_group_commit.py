@@ -41,6 +41,7 @@ class GroupCommit:
         self._lock = threading.Lock()
         self._queue: list[tuple[list, concurrent.futures.Future]] = []
         self._leading = False
+        self._leader: int | None = None  # the leading thread's ident, while one leads
         self._joined_last = False  # the last run joined several callers: concurrency was seen
 
     def submit(self, ops: Sequence[Any]) -> tuple[concurrent.futures.Future, bool]:
@@ -55,6 +56,7 @@ class GroupCommit:
 
     def lead(self) -> None:
         """Run what is queued, joined, until the queue is empty (then the next caller leads)."""
+        self._leader = threading.get_ident()
         try:
             while True:
                 if self._joined_last:
@@ -65,14 +67,20 @@ class GroupCommit:
                         groups.append(self._queue.pop(0))
                         taken += len(groups[-1][0])
                     if not groups:
-                        self._leading = False
+                        self._leading, self._leader = False, None
                         return
                 self._joined_last = len(groups) > 1
                 self._run_groups(groups)
         except BaseException:  # never left leading with nobody running the queue
             with self._lock:
-                self._leading = False
+                self._leading, self._leader = False, None
             raise
+
+    def lead_in_thread(self) -> None:
+        """:meth:`lead` in a thread of its own (a coroutine's lead): never in a pool that the
+        callers waiting for it may fill (the event loop's default executor running sync
+        calls of the same store would wait for a leader queued behind them)."""
+        threading.Thread(target=self.lead, name="inferscale-store-batches", daemon=True).start()
 
     def _run_groups(self, groups: list[tuple[list, concurrent.futures.Future]]) -> None:
         # a caller that gave up (its coroutine cancelled) is dropped before the run, not after
@@ -102,6 +110,8 @@ class GroupCommit:
         Raises:
             Whatever the run of this caller's own ops raises.
         """
+        if self._leader == threading.get_ident():  # called from a run (an embedder that reads the store):
+            return self._run(list(ops))             # run now, or the leader would wait for itself
         future, lead = self.submit(ops)
         if lead:
             self.lead()

@@ -37,7 +37,8 @@ INDEX_KEYS = ("dims", "embed", "fields", "text_fields", "distance_type", "ann_in
 #: ``base.py``, ``_get_vector_type_ops`` and its score expressions)
 DISTANCES = ("cosine", "inner_product", "l2")
 #: ``ann_index_config``'s keys (``ANNIndexConfig``, ``HNSWConfig``, ``IVFFlatConfig``) and its vector types
-ANN_KEYS = ("kind", "vector_type", "m", "ef_construction", "nlist")
+ANN_KEYS = ("kind", "vector_type", "m", "ef_construction", "lists", "nlist")
+ANN_KINDS = ("hnsw", "ivfflat", "flat")
 ANN_VECTOR_TYPES = ("vector", "halfvec")
 
 
@@ -83,6 +84,16 @@ class StoreIndex:
             if ann.get("vector_type", "vector") not in ANN_VECTOR_TYPES:
                 raise ValueError(f"index['ann_index_config']['vector_type'] must be one of {list(ANN_VECTOR_TYPES)}, "
                                  f"got {ann.get('vector_type')!r}")
+            if str(ann.get("kind", "hnsw")) not in ANN_KINDS:
+                raise ValueError(f"index['ann_index_config']['kind'] must be one of {list(ANN_KINDS)}, got "
+                                 f"{ann.get('kind')!r}")
+            for key in ("m", "ef_construction", "lists", "nlist"):  # integers, as PostgresStore reads them
+                if key in ann:
+                    try:
+                        int(ann[key])
+                    except (TypeError, ValueError):
+                        raise ValueError(f"index['ann_index_config'][{key!r}] must be an integer, got "
+                                         f"{ann[key]!r:.40}") from None
         fields = config.get("fields") or config.get("text_fields") or ["$"]
         if isinstance(fields, str):  # SqliteStore takes one path as a string
             fields = [fields]
@@ -158,11 +169,13 @@ class StoreIndex:
         """The score of each row of ``block`` (``[m, dims]``) against the query ``q``
         (``[dims]``), by :attr:`distance`: cosine similarity (0 for a zero vector), inner
         product, or minus the L2 distance (higher is closer in all three)."""
+        block, q = block.astype(np.float64), q.astype(np.float64)  # float32 products of large vectors overflow
         if self.distance == "inner_product":
-            return block.astype(np.float64) @ q
+            return block @ q
         if self.distance == "l2":
-            return -np.linalg.norm(block.astype(np.float64) - q, axis=1)
-        norms = np.linalg.norm(block, axis=1) * (np.linalg.norm(q) or 1.0)
+            return -np.linalg.norm(block - q, axis=1)
+        q = q / (np.linalg.norm(q) or 1.0)
+        norms = np.linalg.norm(block, axis=1)
         return block @ q / np.where(norms > 0, norms, 1.0)
 
     def _matrix(self, vectors: Any, count: int, what: str) -> np.ndarray:

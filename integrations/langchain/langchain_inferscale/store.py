@@ -258,7 +258,7 @@ class InferScaleStore(BaseStore):
             self._check(op)
         future, lead = self._joined.submit(ops)
         if lead:
-            await asyncio.to_thread(self._joined.lead)
+            self._joined.lead_in_thread()
         return await asyncio.wrap_future(future)
 
     def _batch(self, ops: list[Op]) -> list[Result]:
@@ -272,7 +272,14 @@ class InferScaleStore(BaseStore):
         # every put's memory is built and checked before any is written: a batch is refused whole
         prepared = {address: self._prepare(op, texts[address], vectors.get(address)) for address, op in puts.items()
                     if op.value is not None}
-        self.backend.check_all({"/".join(ns) + f"/{key}": texts[(ns, key)] for ns, key in prepared})
+        # a put that a later put of its key replaces is checked too: its caller (in a joined batch,
+        # another caller) is told it was bad, as it would be alone
+        shadowed = [(op, self.text_of(op.value, op.index or fields)) for op in ops if isinstance(op, PutOp)
+                    and op.value is not None and puts[(op.namespace, op.key)] is not op]
+        for op, text in shadowed:
+            self._prepare(op, text, None)
+        self.backend.check_all({**{"/".join(op.namespace) + f"/{op.key} (replaced)": text for op, text in shadowed},
+                                **{"/".join(ns) + f"/{key}": texts[(ns, key)] for ns, key in prepared}})
         refreshed: dict[tuple, dict] = {}  # address -> the memory read, for the reads that refresh its expiry
         # one key's writes, from any thread of this process, run one at a time: each looks the
         # item up and writes it before the next looks (two puts of a key leave one item)
@@ -481,22 +488,22 @@ class InferScaleStore(BaseStore):
             else:
                 plan["add"].append((texts[address], metadata))
         undo: list[Callable[[], None]] = []
+        size = self.backend.write_size  # items a write carries (over HTTP, a request's worth)
         try:
             for plan in by_scope.values():
                 scope = plan["scope"]
-                if plan["delete"]:
-                    deleted = plan["delete"]
+                for deleted in _chunks(plan["delete"], size):  # each write's undo is kept as soon as it lands
                     self.backend.delete_many([m["id"] for m in deleted], scope)
                     undo.append(lambda d=deleted, s=scope: self.backend.add_many(
                         [m["memory"] for m in d], [m["metadata"] for m in d], s))
-                if plan["update"]:
-                    changed = plan["update"]
+                for changed in _chunks(plan["update"], size):
                     self.backend.update_many([(m["id"], text, meta) for m, text, meta in changed], scope)
                     undo.append(lambda c=changed, s=scope: self.backend.update_many(
                         [(m["id"], m["memory"], m["metadata"]) for m, _, _ in c], s))
                 if plan["add"]:
                     self._register(scope)
-                    added = self.backend.add_many([t for t, _ in plan["add"]], [m for _, m in plan["add"]], scope)
+                for new in _chunks(plan["add"], size):
+                    added = self.backend.add_many([t for t, _ in new], [m for _, m in new], scope)
                     undo.append(lambda a=added, s=scope: self.backend.delete_many([m["id"] for m in a], s))
         except BaseException:
             self._undo(undo)
@@ -661,6 +668,9 @@ class InferScaleStore(BaseStore):
 class _Local:
     """The store's calls on an in-process :class:`~inferscale.Memory`."""
 
+    #: items one write carries: all of a batch's (one embedding call, one Chroma write)
+    write_size: int | None = None
+
     def __init__(self, memory: Memory) -> None:
         self.memory = memory
 
@@ -715,6 +725,9 @@ class _Local:
 class _Http:
     """The same calls on ``inferscale serve``'s memory routes."""
 
+    #: items one write request carries (:data:`HTTP_BATCH`)
+    write_size: int | None = HTTP_BATCH
+
     def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be the server's base URL, e.g. 'http://127.0.0.1:8000', got {url!r}")
@@ -755,26 +768,20 @@ class _Http:
         return 1
 
     def add_many(self, texts: list[str], metadatas: list[dict], scope: dict) -> list[dict]:
-        """``POST /memories`` with a message and a metadata object per text, at most
-        :data:`HTTP_BATCH` a request."""
-        out = []
-        for start in range(0, len(texts), HTTP_BATCH):
-            body = {"messages": [{"role": "user", "content": t} for t in texts[start:start + HTTP_BATCH]],
-                    "metadata": metadatas[start:start + HTTP_BATCH], "infer": False, "dedupe": False, **scope}
-            out += self._call("POST", "/memories", json=body)["results"]
-        return out
+        """``POST /memories`` with a message and a metadata object per text (the store sends at
+        most :attr:`write_size` a request)."""
+        body = {"messages": [{"role": "user", "content": t} for t in texts], "metadata": metadatas, "infer": False,
+                "dedupe": False, **scope}
+        return self._call("POST", "/memories", json=body)["results"]
 
     def update_many(self, changes: list[tuple[str, str, dict]], scope: dict) -> None:
-        """``PUT /memories/batch``, at most :data:`HTTP_BATCH` changes a request."""
-        for start in range(0, len(changes), HTTP_BATCH):
-            memories = [{"memory_id": i, "text": t, "metadata": m} for i, t, m in changes[start:start + HTTP_BATCH]]
-            self._call("PUT", "/memories/batch", json={"memories": memories, "dedupe": False, **scope})
+        """``PUT /memories/batch``."""
+        memories = [{"memory_id": i, "text": t, "metadata": m} for i, t, m in changes]
+        self._call("PUT", "/memories/batch", json={"memories": memories, "dedupe": False, **scope})
 
     def delete_many(self, memory_ids: list[str], scope: dict) -> None:
-        """``DELETE /memories/batch``, at most :data:`HTTP_BATCH` ids a request."""
-        for start in range(0, len(memory_ids), HTTP_BATCH):
-            memories = [{"memory_id": i} for i in memory_ids[start:start + HTTP_BATCH]]
-            self._call("DELETE", "/memories/batch", json={"memories": memories, **scope})
+        """``DELETE /memories/batch``."""
+        self._call("DELETE", "/memories/batch", json={"memories": [{"memory_id": i} for i in memory_ids], **scope})
 
     def update_metadata(self, memory_id: str, fields: dict, scope: dict) -> None:
         """``PUT /memories/{id}`` without ``text``: a metadata-only update."""
@@ -919,6 +926,13 @@ def _is_scope_id(label: str) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def _chunks(items: list, size: int | None) -> Iterator[list]:
+    """``items`` in lists of at most ``size`` (all in one list when ``size`` is ``None``); none when empty."""
+    step = size or max(len(items), 1)
+    for start in range(0, len(items), step):
+        yield items[start:start + step]
 
 
 def _search_key(op: SearchOp) -> str:

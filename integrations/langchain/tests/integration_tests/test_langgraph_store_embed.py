@@ -112,6 +112,9 @@ def test_a_bad_config_or_embedder_is_refused_and_writes_nothing(make_store, memo
         ({"dims": 384, "embed": good, "ann_index_config": {"vector_type": "bit"}}, ValueError, "'vector', 'halfvec'"),
         ({"dims": 384, "embed": good, "ann_index_config": {"kind": "hnsw", "mm": 16}}, ValueError, "unknown keys ['mm']"),
         ({"dims": 384, "embed": good, "ann_index_config": "hnsw"}, TypeError, "must be a dict"),
+        ({"dims": 384, "embed": good, "ann_index_config": {"kind": "bogus"}}, ValueError, "'hnsw', 'ivfflat', 'flat'"),
+        ({"dims": 384, "embed": good, "ann_index_config": {"kind": "hnsw", "m": "x"}}, ValueError,
+         "['m'] must be an integer"),
         ({"dims": 384}, ValueError, "index['embed'] is required"),
         ({"dims": 384, "embed": good, "fields": [""]}, TypeError, "list of field paths"),
         ("body", TypeError, "IndexConfig"),
@@ -202,3 +205,18 @@ def test_bad_limits_depths_ttls_and_values_are_refused_by_name_before_anything_r
             call()
         assert words in str(caught.value), str(caught.value)
     assert store.search(("users", "gil")) == []
+
+
+def test_scores_stay_finite_for_vectors_float32_cannot_multiply():
+    """PostgresStore's three distances on vectors whose float32 products overflow (1e20 per
+    component): cosine 1 for parallel vectors, the inner product and L2 as float64 give them."""
+    import numpy as np
+    from langchain_inferscale._store_index import StoreIndex
+
+    block = np.full((1, 3), 1e20, dtype=np.float32)
+    q = np.full(3, 2e20, dtype=np.float32)
+    for distance, expected in (("cosine", 1.0), ("inner_product", 3 * 2e40), ("l2", -np.sqrt(3) * 1e20)):
+        index = StoreIndex({"dims": 3, "embed": lambda texts: [[1.0] * 3 for _ in texts], "distance_type": distance,
+                            "ann_index_config": {"kind": "ivfflat", "lists": 100}})
+        score = float(index.scores(block, q)[0])
+        assert np.isfinite(score) and score == pytest.approx(expected, rel=1e-5), (distance, score)

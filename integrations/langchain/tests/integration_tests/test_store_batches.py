@@ -115,3 +115,66 @@ def test_a_failing_caller_gets_its_own_error_and_the_others_land(store):
     assert isinstance(results[10], ValueError) and "max_fact_tokens" in str(results[10])
     assert [r for i, r in enumerate(results) if i != 10] == [None] * 20
     assert store.get(ns, "bad") is None and len(store.search(ns, limit=100)) == 20
+
+
+def test_a_coroutine_and_a_full_executor_of_sync_callers_all_finish(store):
+    """Sync puts filling the event loop's default executor (as LangGraph runs sync nodes) and an
+    ``aput`` at the same time: the coroutine's lead runs in a thread of its own, not queued
+    behind the callers waiting for it."""
+    import os
+    import threading
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        go = threading.Event()
+        workers = min(32, (os.cpu_count() or 1) + 4)  # the default executor's size
+
+        def sync_node(i):
+            go.wait()
+            store.put(("test", "mixed"), f"sync{i}", {"v": i})
+
+        syncs = [loop.run_in_executor(None, sync_node, i) for i in range(workers)]
+        await asyncio.sleep(0.2)
+        put = asyncio.create_task(store.aput(("test", "mixed"), "async", {"v": -1}))
+        await asyncio.sleep(0.2)
+        go.set()
+        await asyncio.wait_for(asyncio.gather(put, *syncs), 120)
+        return workers
+
+    workers = asyncio.run(main())
+    assert len(store.search(("test", "mixed"), limit=100)) == workers + 1
+
+
+def test_a_put_that_a_later_put_of_its_key_replaces_is_still_checked(store):
+    ns = ("test", "shadowed")
+    with pytest.raises(ValueError, match="max_fact_tokens"):
+        store.batch([PutOp(ns, "k", {"content": "word " * 200}), PutOp(ns, "k", {"content": "fine"})])
+    assert store.get(ns, "k") is None  # refused whole
+
+
+def test_an_embedder_that_reads_the_store_does_not_wait_for_itself(memory):
+    seen = []
+
+    def embed(texts):
+        seen.append(store.get(("users", "re"), "other"))  # runs inside the store's own batch
+        return [[1.0, 2.0, 3.0] for _ in texts]
+
+    store = InferScaleStore(memory, store_id=f"sb-{uuid.uuid4().hex[:8]}", index={"dims": 3, "embed": embed})
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(store.put, ("users", "re"), "k", {"content": "x"}).result(timeout=60)
+    assert seen == [None] and store.get(("users", "re"), "k").value == {"content": "x"}
+
+
+def test_over_http_a_batch_split_into_requests_is_taken_back_whole_when_one_fails(memory, loopback_front):
+    from inferscale.server.limits import FrontLimits
+
+    blob = "x" * (FrontLimits().max_body_bytes // 400)  # 500 of them: a request over the body limit (413)
+    with loopback_front(memory, KEY) as url:
+        store = InferScaleStore(url=url, api_key=KEY, store_id=f"sb-{uuid.uuid4().hex[:8]}")
+        ns = ("users", f"carol-{uuid.uuid4().hex[:6]}")
+        ops = [PutOp(ns, f"s{i}", {"content": f"small {i}"}) for i in range(1000)]
+        ops += [PutOp(ns, f"b{i}", {"content": "big", "blob": blob}) for i in range(500)]
+        with pytest.raises(ValueError):
+            store.batch(ops)
+        assert store.search(ns, limit=10) == []  # the first request's thousand items were taken back
+        assert memory.count(user_id=ns[1]) == 0
