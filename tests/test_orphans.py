@@ -51,6 +51,11 @@ def test_a_killed_script_leaves_no_process_of_its_tree(tmp_path, sig):
         assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
         proc.send_signal(sig)
         proc.wait(30)
+        assert proc.returncode == -sig  # a script's SIGTERM ends it as Python's default does: no handler of ours
+        if sig == signal.SIGTERM:  # and ends it cleanly: past our progress notices, one line and no traceback
+            stderr = proc.stderr.read().decode()
+            extra = [line for line in stderr.splitlines() if line.strip() and not line.startswith("inferscale: ")]
+            assert len(extra) <= 1 and all("is gone: stopping the engine" in line for line in extra), stderr
         deadline = time.monotonic() + 20
         while (alive := running(tree)) and time.monotonic() < deadline:
             time.sleep(0.5)
