@@ -116,6 +116,8 @@ CHECK_QUEUED_KV = """
     print(json.dumps(out))
 """
 
+RUNS = 3  # runs of each never-closing script, one user each
+
 
 @pytest.mark.parametrize("name,body", [("add_and_update", ADD_AND_UPDATE), ("twelve_adds", TWELVE_ADDS),
                                        ("opened_twice", OPENED_TWICE)])
@@ -123,7 +125,7 @@ def test_scripts_that_never_close_exit_0_with_nothing_on_stderr(tmp_path_factory
     data = tmp_path_factory.getbasetemp() / f"plain-{name}"
     script = data.parent / f"{name}.py"
     script.write_text(textwrap.dedent(body))
-    for i in range(3):  # the crashes were intermittent: 2 runs of 3, 1 of 2 (three runs of three scripts)
+    for i in range(RUNS):  # the crashes were intermittent: 2 runs of 3, 1 of 2 (three runs of three scripts)
         proc = run(script, str(data), f"user{i}", cwd=data.parent, timeout=600)
         assert (proc.returncode, proc.stderr) == (0, ""), f"run {i}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
         if name == "opened_twice":
@@ -135,11 +137,11 @@ def test_kv_left_queued_by_a_script_is_encoded_and_injected_by_the_next_process(
     if not data.is_dir():  # this test alone: write the store the way the script test does
         script = data.parent / "twelve_adds.py"
         script.write_text(textwrap.dedent(TWELVE_ADDS))
-        for i in range(5):
+        for i in range(RUNS):
             assert run(script, str(data), f"user{i}", cwd=data.parent, timeout=600).returncode == 0
     check = data.parent / "check_queued_kv.py"
     check.write_text(textwrap.dedent(CHECK_QUEUED_KV))
-    users = [f"user{i}" for i in range(5)]
+    users = [f"user{i}" for i in range(RUNS)]  # one per run of the script test
     proc = run(check, str(data), *users, cwd=data.parent)
     assert (proc.returncode, unasked(proc.stderr)) == (0, []), proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
