@@ -184,8 +184,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default; 0.0.0.0 for every interface)."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port of InferScale's HTTP API."),
     data_dir: Optional[Path] = typer.Option(None, help="Memory store (default: $INFERSCALE_DATA_DIR or ~/.local/share/inferscale)."),
-    vllm_url: Optional[List[str]] = typer.Option(None, help="Front a vLLM OpenAI server already running (docs/server.md) instead of starting one; repeat for replicas (a user's requests go to one of them)."),
-    replicas: int = typer.Option(1, min=1, max=64, help="vLLM servers to start (replicas of the model; each user is routed to one, with failover)."),
+    vllm_url: Optional[List[str]] = typer.Option(None, help="Front a vLLM OpenAI server already running (docs/server.md) instead of starting one; repeat for replicas (vLLM's router is started in front of them)."),
+    router_url: Optional[str] = typer.Option(None, help="Send every vLLM request to a vLLM router you run (vllm-router --policy consistent_hash; docs/deployment.md); --vllm-url then names its replicas for /ready and /metrics."),
+    replicas: int = typer.Option(1, min=1, max=64, help="vLLM servers to start, with vLLM's router in front of them (each user is routed to one replica while it lives)."),
     workers: int = typer.Option(1, min=1, max=64, help="Front processes on the port; more than 1 needs INFERSCALE_CHROMA_URL (docs/deployment.md)."),
     api_key: Optional[str] = typer.Option(None, envvar="INFERSCALE_API_KEY", help="Require 'Authorization: Bearer <key>' (or Mem0's 'Token <key>') on every route but /health and /ready (or set INFERSCALE_API_KEY)."),
     served_model_name: Optional[str] = typer.Option(None, help="The 'model' name clients send (default: the model's)."),
@@ -236,7 +237,8 @@ def serve(
                                       f"(--{field.replace('_', '-')})")
         _fail(message)
     try:
-        run_server(config, ServeOptions(host=host, port=port, vllm_urls=tuple(vllm_url or ()), replicas=replicas,
+        run_server(config, ServeOptions(host=host, port=port, vllm_urls=tuple(vllm_url or ()), router_url=router_url,
+                                        replicas=replicas,
                                         workers=workers, api_key=api_key or None,
                                         served_model_name=served_model_name, max_num_seqs=max_num_seqs,
                                         tool_call_parser=None if tool_call_parser == "none" else tool_call_parser,

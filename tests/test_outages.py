@@ -63,9 +63,9 @@ def test_outage_bookkeeping_logs_once_each_way(caplog):
 
 def _app(memory: Memory, unused_port: int) -> TestClient:
     from inferscale.server.app import create_app
-    from inferscale.server.upstream import Replicas
+    from inferscale.server.upstream import Upstream
 
-    return TestClient(create_app(memory, Replicas([f"http://127.0.0.1:{unused_port}"])), raise_server_exceptions=False)
+    return TestClient(create_app(memory, Upstream(f"http://127.0.0.1:{unused_port}")), raise_server_exceptions=False)
 
 
 def _until_ok(call, seconds: float = 120):

@@ -1,18 +1,22 @@
 """Beyond one process, on loopback: ``inferscale serve --workers 2 --replicas 2`` over a real
 Chroma server (``chroma run``) and a real PostgreSQL (Debian's), with the real SmolLM2 in
-two vLLM OpenAI servers.
+two vLLM OpenAI servers behind vLLM's router (``vllm-router``, which ``serve`` starts).
 
 16 users write and ask at once, every request on a new connection (so the two workers
 share them): each user adds a fact, searches for it at once (through whichever worker
 the kernel hands the connection to), then chats with memory. Phase one checks routing
 and visibility; phase two kills a worker and a vLLM replica while the users go on, and
-the users retry what failed. Afterwards: no acknowledged write lost, no duplicate, no
-answer with another user's memories. About 5 minutes here.
+the users retry what failed; then kills the router. Afterwards: no acknowledged write lost, no
+duplicate, no answer with another user's memories, and every failure the users saw was a 503
+with ``Retry-After`` (never a bare 500). Before that, the router is checked to pass every
+kind of request the front sends to the real vLLM as vLLM answers it directly. About 5
+minutes here.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import signal
@@ -46,6 +50,7 @@ class Client:
     def __init__(self, url: str, user: str) -> None:
         self.url, self.user = url, user
         self.retries = 0
+        self.failures: list[str] = []  # the 5xx answers seen: status and Retry-After
 
     def call(self, method: str, path: str, **kw) -> httpx.Response:
         deadline = time.monotonic() + RETRY_FOR_S
@@ -56,6 +61,7 @@ class Client:
                 if r.status_code < 500:
                     return r
                 error = f"{r.status_code}: {r.text[:200]}"
+                self.failures.append(f"{r.status_code} Retry-After {r.headers.get('retry-after')}")
             except httpx.TransportError as exc:
                 error = repr(exc)
             assert time.monotonic() < deadline, f"{self.user}: {method} {path} kept failing: {error}"
@@ -150,12 +156,58 @@ def check_limits_hold_in_every_worker(url: str) -> None:
     assert all(a.startswith(b"HTTP/1.1 401") and b"x-inferscale-worker" not in a for a, _ in keyless), keyless
 
 
-def replica_group(log: Path, index: int) -> int:
-    """The process group of vLLM replica ``index`` (from the port in the serve log)."""
-    (port,) = re.findall(rf"vLLM replica {index} for .* on http://127\.0\.0\.1:(\d+) ", log.read_text())
+def port_of(log: Path, what: str) -> int:
+    """The port of ``what`` (``"vLLM replica 0"``, ``"vLLM's router"``) in the serve log."""
+    (port,) = re.findall(rf"starting {re.escape(what)} .*? on http://127\.0\.0\.1:(\d+) ", log.read_text())
+    return int(port)
+
+
+def group_of(port: int) -> int:
+    """The process group of the server listening on ``port``."""
     out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
-    pid = int(re.search(r"pid=(\d+)", out).group(1))
-    return os.getpgid(pid)
+    return os.getpgid(int(re.search(r"pid=(\d+)", out).group(1)))
+
+
+def check_the_router_passes_what_the_front_sends(url: str, log: Path) -> None:
+    """vLLM's router re-serialises bodies (it adds defaults, drops ``content: null``): every kind
+    of request the front sends gets from the real vLLM through the router what it gets
+    directly (greedy, so the same text), and a chat's KV plan reaches the connector."""
+    headers = {"Authorization": f"Bearer {KEY}", "X-User-ID": "check"}
+    router = f"http://127.0.0.1:{port_of(log, 'vLLM' + chr(39) + 's router')}"
+    replica = f"http://127.0.0.1:{port_of(log, 'vLLM replica 0')}"
+    model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    tool = {"type": "function", "function": {"name": "weather", "description": "the weather in a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    chat = {"model": model, "max_tokens": 12, "temperature": 0, "messages": [
+        {"role": "system", "content": "You are brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}], "tools": [tool],
+        "cache_salt": "check", "priority": 0}
+    completion = {"model": model, "prompt": [1, 504, 3458, 314], "max_tokens": 8, "temperature": 0,
+                  "cache_salt": "check"}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        there = httpx.post(router + path, json=body, headers=headers, timeout=120)
+        here = httpx.post(replica + path, json=body, headers=headers, timeout=120)
+        assert there.status_code == here.status_code == 200, (path, there.text[:500], here.text[:500])
+        text = (lambda r: r.json()["choices"][0].get("message", {}).get("content") or r.json()["choices"][0].get("text"))
+        assert text(there) == text(here), (path, there.text[:500], here.text[:500])
+    streamed = {}
+    for name, base in (("router", router), ("replica", replica)):
+        with httpx.stream("POST", base + "/v1/chat/completions", json={**chat, "stream": True}, headers=headers,
+                          timeout=120) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            streamed[name] = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                                     for line in r.iter_lines() if line.startswith("data: {") and
+                                     json.loads(line[6:])["choices"])
+    assert streamed["router"] == streamed["replica"], streamed
+    # a chat with memory through the front: its KV plan crosses the router and is injected
+    c = httpx.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=300, json={
+        "user": USERS[0], "messages": [{"role": "user", "content": "Where is my spare key?"}], "max_tokens": 4,
+        "temperature": 0, "memory": {"k": 5, "wait_for_kv": True}})
+    assert c.status_code == 200, c.text
+    memory = c.json()["memory"]
+    assert memory["injected_tokens"] == memory["kv_tokens"] > 0 and memory["replica"] in (0, 1), memory
 
 
 def check_store(url: str, log: dict) -> None:
@@ -205,6 +257,7 @@ def test_two_workers_two_replicas_16_users_with_a_worker_and_a_replica_killed(de
     for replica in ("0", "1"):  # both replicas' connector counters, told apart by a label
         assert re.search(rf'^vllm:inferscale_verified_total{{[^}}]*replica="{replica}"', metrics, re.M), metrics[:2000]
     check_limits_hold_in_every_worker(url)
+    check_the_router_passes_what_the_front_sends(url, log_path)
     print(f"visibility: {len(log['visibility'])} add->search pairs, {len(cross)} across workers, "
           f"all found by the first search (delay 0 after the acknowledgement)")
 
@@ -217,7 +270,7 @@ def test_two_workers_two_replicas_16_users_with_a_worker_and_a_replica_killed(de
             time.sleep(0.2)
         worker = int(log2["chats"][-1][4])
         os.kill(worker, signal.SIGKILL)
-        group = replica_group(log_path, 0)
+        group = group_of(port_of(log_path, "vLLM replica 0"))
         os.killpg(group, signal.SIGKILL)
         killed.update(worker=worker, replica=0, at=time.monotonic())
 
@@ -235,3 +288,24 @@ def test_two_workers_two_replicas_16_users_with_a_worker_and_a_replica_killed(de
           f"{len(moved)} requests of replica 0's users answered by replica 1")
     text = log_path.read_text()
     assert "vLLM server 0" in text and "started it again" in text, text[-2000:]
+
+    # phase three: kill vLLM's router while the users go on; serve starts it again
+    log3: dict = {"acked": list(log2["acked"]), "visibility": [], "chats": []}
+    router_port = port_of(log_path, "vLLM" + chr(39) + "s router")
+
+    def kill_router() -> None:
+        while len(log3["chats"]) < 2:
+            time.sleep(0.2)
+        os.killpg(group_of(router_port), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_router)
+    killer.start()
+    clients3 = run_users(url, range(5, 7), log3)
+    killer.join()
+    check_store(url, log3)
+    assert len(log3["chats"]) == len(USERS) * 2, "a user's round did not finish"
+    failures = [f for c in clients + clients3 for f in c.failures]
+    assert all(f.startswith("503 Retry-After ") for f in failures), failures  # never a bare 500
+    assert "vLLM's router on" in log_path.read_text() and log_path.read_text().count("started it again") >= 2
+    print(f"killed the router: {sum(c.retries for c in clients3)} retried requests; every failure seen was a "
+          f"503 with Retry-After ({len(failures)} in phases two and three)")

@@ -23,7 +23,7 @@ The tiers (:class:`Tiers`), as :mod:`inferscale.kv.pool` keeps them
     is ``D_device = device``, ``D_host = D_device + host``, ``D_disk = max(D_host, disk)``,
     ``D_redis = max(D_disk, redis)`` (fleet totals), and a reference served at stack
     depth d comes from the first tier with ``D_t >= d``. Machines partition users
-    (rendezvous hashing by scope); with many users per machine each machine's LRU has
+    (consistent hashing by scope, vLLM's router); with many users per machine each machine's LRU has
     the same characteristic time as one LRU of the fleet's total (Che et al. 2002, the
     sum of the machines' equations), so local tiers are summed over machines. Redis's
     own eviction (``allkeys-lfu``) keeps frequent keys better than LRU: LRU is the

@@ -41,6 +41,9 @@ from inferscale.kv.quant import QuantizedKV, QuantizedRun, dequantize_many
 from inferscale.kv.rope import RopeRotator
 
 PARAMS_KEY = "inferscale"
+#: the replica index a server reports (:func:`report_params`), and where it reads it
+REPLICA_KEY = "inferscale_replica"
+REPLICA_ENV = "INFERSCALE_REPLICA"
 REPORT_KEY = "inferscale_injected_tokens"
 
 
@@ -164,9 +167,32 @@ def _count(value: Any) -> int:
     return value
 
 
-def report_params(injected_tokens: int) -> dict:
-    """What the connector returns from ``request_finished``: ``{"inferscale_injected_tokens": n}``."""
-    return {REPORT_KEY: int(injected_tokens)}
+def report_params(injected_tokens: int | None, replica: int | None = None) -> dict | None:
+    """What the connector returns from ``request_finished``: ``{"inferscale_injected_tokens": n}``
+    for a request that carried InferScale's params, and ``{"inferscale_replica": i}`` from a
+    server that knows its replica index (:data:`REPLICA_ENV`); ``None`` when neither."""
+    out: dict = {}
+    if injected_tokens is not None:
+        out[REPORT_KEY] = int(injected_tokens)
+    if replica is not None:
+        out[REPLICA_KEY] = replica
+    return out or None
+
+
+def replica_index(environ: Any = None) -> int | None:
+    """This vLLM server's replica index, from :data:`REPLICA_ENV` (``inferscale serve`` sets it
+    for the servers it starts; ``None`` when unset or not a non-negative integer)."""
+    import os
+
+    value = (os.environ if environ is None else environ).get(REPLICA_ENV, "")
+    return int(value) if value.isdigit() else None
+
+
+def reported_replica(returned_params: Any) -> int | None:
+    """The replica index a finished request's ``kv_transfer_params`` name (``None`` when absent)."""
+    if isinstance(returned_params, dict) and type(returned_params.get(REPLICA_KEY)) is int:
+        return returned_params[REPLICA_KEY]
+    return None
 
 
 def injected_tokens(returned_params: Any) -> int:

@@ -86,12 +86,12 @@ class LocalAnswers:
 
 
 class Upstream(Protocol):
-    """What :class:`UpstreamAnswers` needs of the front's replicas (:class:`inferscale.server.upstream.Replicas`)."""
+    """What :class:`UpstreamAnswers` needs of the front's replicas (:class:`inferscale.server.upstream.Upstream`)."""
 
     async def model_name(self) -> str: ...
 
-    async def send(self, key: str, method: str, path: str, *, json: dict | None = None,
-                   stream: bool = False) -> tuple[Any, Any]: ...
+    async def send(self, scope_key: str | None, method: str, path: str, *, json: dict | None = None,
+                   stream: bool = False) -> Any: ...
 
 
 class _BlockMemory(Protocol):
@@ -111,7 +111,7 @@ class UpstreamAnswers:
 
     Args:
         memory: the front's :class:`inferscale.Memory` (its data dir is the replicas' KV pool).
-        upstream: the front's :class:`~inferscale.server.upstream.Replicas`.
+        upstream: the front's :class:`~inferscale.server.upstream.Upstream`.
     """
 
     def __init__(self, memory: _BlockMemory, upstream: Upstream) -> None:
@@ -134,7 +134,7 @@ class UpstreamAnswers:
         body = forward_body({"messages": turn, "max_tokens": max_tokens, "temperature": 0.0}, block, turn, max_tokens)
         with self.memory.pinned_kv(block.plan.keys if block.plan is not None else ()):  # no eviction in flight
             body["model"] = await self.upstream.model_name()
-            _, response = await self.upstream.send(scope.key, "POST", "/v1/chat/completions", json=body)
+            response = await self.upstream.send(scope.key, "POST", "/v1/chat/completions", json=body)
         if response.status_code != 200:
             raise ToolError(f"vLLM's server answered {response.status_code}: {response.text[:500]}")
         OUTAGES.ok("vllm")

@@ -16,9 +16,10 @@ Routes:
     its data routes under ``/ui/api/`` do: :mod:`inferscale.server.ui`)
 
 Every response to a client that sent the key (or every response, where no key is set) carries
-``X-InferScale-Worker`` (the front process's pid); chat and
-completion responses carry ``X-InferScale-Replica`` (the index of the vLLM replica that
-answered: a scope's requests go to one replica, :mod:`inferscale.server.upstream`).
+``X-InferScale-Worker`` (the front process's pid); a whole (not streamed) chat with memory
+carries ``X-InferScale-Replica``, the index of the vLLM replica that answered, as its
+connector reports it (vLLM's router sends a scope's requests to one replica:
+:mod:`inferscale.server.upstream`).
 
 Errors are JSON ``{"error": {"message", "type", "code"}, "detail"}`` (OpenAI's shape, and Mem0's
 ``detail`` holding the same message): 400 for bad
@@ -49,7 +50,7 @@ from inferscale.server.errors import BugsAnswered, install_error_handlers, insta
 from inferscale.server.limits import AUTHORIZED, FrontLimits, RequestGate
 from inferscale.server.metrics import FrontMetrics
 from inferscale.server.pool_history import PoolHistory
-from inferscale.server.upstream import Replicas
+from inferscale.server.upstream import Upstream
 
 #: routes answered without an API key (liveness probes carry no data)
 _OPEN_PATHS = frozenset({"/health", "/ready"})  # a load balancer's probe sends no key
@@ -66,7 +67,7 @@ def relative_location(location: str) -> str:
     return (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
 
-def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None,
+def create_app(memory: Memory, upstream: Upstream, *, api_key: str | None = None,
                on_close: Callable[[], None] | None = None, limits: FrontLimits | None = None) -> FastAPI:
     """The front's FastAPI app: its state (the memory, the replicas, the counters), the key
     and size checks, the error handlers, and the routers (:mod:`~inferscale.server.openai_routes`,
@@ -89,18 +90,12 @@ def create_app(memory: Memory, upstream: Replicas, *, api_key: str | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        # with several replicas, a hung one is passed over (with one there is nowhere else to go)
-        watch = asyncio.create_task(upstream.watch()) if len(upstream) > 1 else None
         sampler = asyncio.create_task(history.run())  # the pool over time, for the page at /ui
         async with mcp.running():  # MCP's session manager lives as long as the app
             yield
         sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sampler
-        if watch is not None:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
         await upstream.aclose()
         if on_close is not None:
             await run_in_threadpool(on_close)

@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 
 from inferscale.memory import Memory
 from inferscale.server.metrics import FrontMetrics
-from inferscale.server.upstream import Replicas
+from inferscale.server.upstream import Upstream
 
 
 def front_memory(request: Request) -> Memory:
@@ -17,8 +17,8 @@ def front_memory(request: Request) -> Memory:
     return request.app.state.memory
 
 
-def front_upstream(request: Request) -> Replicas:
-    """vLLM's OpenAI server(s), routed by scope."""
+def front_upstream(request: Request) -> Upstream:
+    """vLLM's OpenAI server, or vLLM's router in front of the replicas."""
     return request.app.state.upstream
 
 
@@ -28,5 +28,5 @@ def front_metrics(request: Request) -> FrontMetrics:
 
 
 MemoryDep = Annotated[Memory, Depends(front_memory)]
-UpstreamDep = Annotated[Replicas, Depends(front_upstream)]
+UpstreamDep = Annotated[Upstream, Depends(front_upstream)]
 MetricsDep = Annotated[FrontMetrics, Depends(front_metrics)]

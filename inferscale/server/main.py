@@ -3,14 +3,16 @@
 Order of start-up, each step failing with a clear message before the next: the front's
 port is free; the model resolves; ``replicas`` vLLM servers start (each its own process
 group, our connector, prefix caching on, one shared KV pool folder) and answer
-``/health`` (or, with ``vllm_urls``, servers already running do); the front serves with
+``/health`` (or, with ``vllm_urls``, servers already running do); with several, vLLM's
+router starts in front of them (:mod:`inferscale.server.router_process`; or, with
+``router_url``, one already running routes); the front serves with
 uvicorn: in this process over one :class:`inferscale.Memory` (``workers=1``), or as
 ``workers`` uvicorn worker processes sharing the port, each with its own ``Memory``
 over the same store (:mod:`inferscale.server.worker`; that needs Chroma as a server,
 since the embedded store is one process's). A vLLM server this command started that
-exits is started again on its port; uvicorn starts a worker that dies again. Ctrl-C or
-SIGTERM stops the front, closes the memory (queued KV encodes stay queued for the next
-start) and stops the vLLM servers this command started.
+or router this command started that exits is started again on its port; uvicorn starts a
+worker that dies again. Ctrl-C or SIGTERM stops the front, closes the memory (queued KV
+encodes stay queued for the next start) and stops the servers this command started.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from inferscale.config import MemoryConfig
+from inferscale.kv.injection import REPLICA_ENV
 from inferscale.server.limits import FrontLimits
 
 logger = logging.getLogger(__name__)
@@ -35,7 +38,9 @@ class ServeOptions:
     Attributes:
         host, port: where the front listens (loopback by default).
         vllm_urls: running vLLM servers to front instead of starting them (replicas of
-            one model, routed by scope; give every front the same list in the same order).
+            one model; with several, vLLM's router is started in front of them).
+        router_url: a running vLLM router to send every request to (``vllm_urls`` then
+            name the replicas behind it, for ``/ready`` and ``/metrics``; optional).
         replicas: how many vLLM servers to start when ``vllm_urls`` is empty.
         workers: front processes (uvicorn workers on one port); more than one needs
             ``chroma_url`` (docs/deployment.md).
@@ -52,6 +57,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     vllm_urls: tuple[str, ...] = ()
+    router_url: str | None = None
     replicas: int = 1
     workers: int = 1
     api_key: str | None = None
@@ -63,14 +69,22 @@ class ServeOptions:
 
     def check(self, config: MemoryConfig) -> None:
         """Raises:
-            ValueError: ``workers`` or ``replicas`` below 1, ``replicas`` with ``vllm_urls``,
-                several workers over the embedded Chroma store, a tool-call parser vLLM
-                does not have, or a vLLM cache too small for one request of ``max_model_len``.
+            ValueError: ``workers`` or ``replicas`` below 1, ``replicas`` with ``vllm_urls``
+                or ``router_url``, a ``router_url`` that is not an HTTP URL, several
+                workers over the embedded Chroma store, a tool-call parser vLLM does not
+                have, or a vLLM cache too small for one request of ``max_model_len``.
+            inferscale.server.router_process.RouterStartError: several servers to route
+                and vllm-router is not installed.
         """
         if self.workers < 1 or self.replicas < 1:
             raise ValueError(f"--workers and --replicas must be at least 1, got {self.workers} and {self.replicas}")
         if self.vllm_urls and self.replicas != 1:
             raise ValueError("--replicas starts vLLM servers; with --vllm-url give each running server's URL instead")
+        if self.router_url is not None and self.replicas != 1:
+            raise ValueError("--replicas starts vLLM servers and a router; with --router-url the router you run "
+                             "routes to the servers you run (name them with --vllm-url for /ready and /metrics)")
+        if self.router_url is not None and not self.router_url.startswith(("http://", "https://")):
+            raise ValueError(f"--router-url must be an http:// or https:// URL, got {self.router_url!r}")
         urls = [u.rstrip("/") for u in self.vllm_urls]
         twice = sorted({u for u in urls if urls.count(u) > 1})
         if twice:
@@ -79,13 +93,17 @@ class ServeOptions:
             raise ValueError(f"--workers {self.workers} needs Chroma as a server: the embedded store in the data dir "
                              "is one process's. Start `chroma run --path <dir> --port 8001` and set "
                              "INFERSCALE_CHROMA_URL=http://127.0.0.1:8001 (docs/deployment.md), or use --workers 1")
-        if not self.vllm_urls:  # the servers this starts must hold one request (vLLM says so only after a minute)
+        if self.router_url is None and (self.replicas > 1 or len(self.vllm_urls) > 1):
+            from inferscale.server.router_process import router_executable
+
+            router_executable()  # several servers are routed by vLLM's router: is it installed?
+        if not self.vllm_urls and self.router_url is None:  # the servers this starts must hold one request (vLLM says so only after a minute)
             from inferscale.models.kv_shape import check_kv_cache_fits
             from inferscale.models.resolve import resolve_llm
 
             check_kv_cache_fits(resolve_llm(config.llm), config.resolved_dtype, config.max_model_len,
                                 config.kv_cache_memory_bytes)
-        if self.tool_call_parser is not None and not self.vllm_urls:
+        if self.tool_call_parser is not None and not self.vllm_urls and self.router_url is None:
             from inferscale.serving.vllm_compat import tool_call_parsers  # imports vLLM: seconds
 
             if self.tool_call_parser not in tool_call_parsers():
@@ -166,14 +184,16 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
     from inferscale.memory import Memory
     from inferscale.models.resolve import resolve_llm
     from inferscale.server.limits import uvicorn_config
+    from inferscale.server.child_server import ChildServer, Supervisor
     from inferscale.server.upstream import HttpEngine
-    from inferscale.server.vllm_process import ReplicaSupervisor, VLLMProcess
+    from inferscale.server.router_process import RouterProcess
+    from inferscale.server.vllm_process import VLLMProcess
     from inferscale.server.worker import WORKER_ENV, WorkerSpec, open_front
     model_path = resolve_llm(config.llm)
     name = options.served_model_name or served_name(config, model_path)
     kv_dir = config.data_dir / "kv"
     # the store opens before vLLM starts, so its errors come first (and once, not once per worker)
-    engine = HttpEngine((), kv_dir, name, options.api_key)  # its servers are set once they answer
+    engine = HttpEngine(None, kv_dir, name, options.api_key)  # its server is set once it answers
     try:
         memory = Memory(config, engine=engine)
     except BaseException:
@@ -186,8 +206,8 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
     if options.workers > 1:
         memory.close()
         engine.close()
-    started: list[VLLMProcess] = []
-    supervisor: ReplicaSupervisor | None = None
+    started: list[tuple[str, ChildServer]] = []  # (what the supervisor calls it, the child)
+    supervisor: Supervisor | None = None
     front = None
 
     def stop(signum, frame):
@@ -195,34 +215,53 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        if not options.vllm_urls:
+        router_metrics: tuple[str, ...] = ()
+        if not options.vllm_urls and options.router_url is None:
             shares = _device_shares(options.replicas)
+            servers = []
             for i in range(options.replicas):
                 log = "vllm.log" if i == 0 else f"vllm-{i}.log"
-                started.append(VLLMProcess(
+                servers.append(VLLMProcess(
                     model_path, served_model_name=name, kv_dir=kv_dir, dtype=config.resolved_dtype,
                     max_model_len=config.max_model_len, kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                     device_budget_bytes=config.device_kv_budget_bytes, max_num_seqs=options.max_num_seqs,
                     api_key=options.api_key, tool_call_parser=options.tool_call_parser,
                     log_path=_fresh_log(config.data_dir / "logs" / log),
-                    environment={**shares[i], **({"INFERSCALE_KV_REDIS_URL": config.kv_redis_url}
-                                                 if config.kv_redis_url else {})}))
-            for i, vllm in enumerate(started):
-                what = "vLLM's OpenAI server" if len(started) == 1 else f"vLLM replica {i}"
+                    environment={**shares[i], REPLICA_ENV: str(i),
+                                 **({"INFERSCALE_KV_REDIS_URL": config.kv_redis_url} if config.kv_redis_url else {})}))
+            for i, vllm in enumerate(servers):
+                what = "vLLM's OpenAI server" if len(servers) == 1 else f"vLLM replica {i}"
                 say(f"starting {what} for {name} on {vllm.url} (log: {vllm.log_path}) ...")
                 vllm.start()
-            for vllm in started:
+                started.append((f"vLLM server {i}", vllm))
+            for vllm in servers:
                 vllm.wait_ready(options.vllm_start_timeout_s)
-            urls = tuple(v.url for v in started)
-            supervisor = ReplicaSupervisor(started, say)
-            supervisor.start()
+            replica_urls = tuple(v.url for v in servers)
         else:
-            urls = tuple(u.rstrip("/") for u in options.vllm_urls)
-            name = options.served_model_name or _running_model(urls, options.api_key)
-        spec = WorkerSpec(urls=urls, served_model_name=name, api_key=options.api_key, limits=options.limits)
+            replica_urls = tuple(u.rstrip("/") for u in options.vllm_urls)
+            asked = replica_urls or (options.router_url.rstrip("/"),)
+            name = options.served_model_name or _running_model(asked, options.api_key)
+        if options.router_url is not None:
+            url = options.router_url.rstrip("/")
+        elif len(replica_urls) > 1:
+            router = RouterProcess(replica_urls, log_path=_fresh_log(config.data_dir / "logs" / "router.log"),
+                                   startup_timeout_s=options.vllm_start_timeout_s)
+            say(f"starting vLLM's router over {len(replica_urls)} vLLM servers on {router.url} "
+                f"(log: {router.log_path}) ...")
+            router.start()
+            router.wait_ready(60.0)
+            started.append(("vLLM's router", router))
+            url, router_metrics = router.url, (router.metrics_url,)
+        else:
+            url = replica_urls[0]
+        if started:
+            supervisor = Supervisor(started, say)
+            supervisor.start()
+        spec = WorkerSpec(url=url, served_model_name=name, api_key=options.api_key, replica_urls=replica_urls,
+                          metrics_urls=router_metrics, limits=options.limits)
         where = f"http://{options.host}:{options.port}"
         if options.workers == 1:
-            engine.point_at(urls, name)
+            engine.point_at(url, name)
             front = open_front(config, spec, memory=memory, engine=engine)
             say(f"InferScale is serving {name} with memory from {config.data_dir} on {where} "
                 "(OpenAI API under /v1, docs at /docs)")
@@ -235,7 +274,8 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
             os.environ.update(config.environment())
             os.environ[WORKER_ENV] = spec.to_json()
             say(f"InferScale is serving {name} with memory from {config.data_dir} on {where} with "
-                f"{options.workers} workers and {len(urls)} vLLM server(s) (OpenAI API under /v1, docs at /docs)")
+                f"{options.workers} workers and {max(len(replica_urls), 1)} vLLM server(s) (OpenAI API under /v1, "
+                "docs at /docs)")
             _run_workers(options, sock)
     except (_Stop, KeyboardInterrupt):
         pass
@@ -250,8 +290,9 @@ def serve(config: MemoryConfig, options: ServeOptions, say: Callable[[str], None
         if supervisor is not None:
             supervisor.stop()
         if started:
-            say("stopping vLLM's server ..." if len(started) == 1 else f"stopping {len(started)} vLLM servers ...")
-            threads = [threading.Thread(target=v.stop) for v in started]
+            say("stopping vLLM's server ..." if len(started) == 1 else f"stopping {len(started)} servers "
+                "(vLLM's and its router) ...")
+            threads = [threading.Thread(target=child.stop) for _, child in started]
             for t in threads:
                 t.start()
             for t in threads:

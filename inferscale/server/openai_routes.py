@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from inferscale.kv.injection import cache_salt, injected_tokens
+from inferscale.kv.injection import cache_salt, injected_tokens, reported_replica
 from inferscale.memory import Memory
 from inferscale.server.bodies import PARSED_BODY, read_body
 from inferscale.server.chat import (
@@ -38,7 +38,7 @@ from inferscale.server.chat_report import ChatReport
 from inferscale.server.errors import upstream_error
 from inferscale.server.deps import MemoryDep, MetricsDep, UpstreamDep
 from inferscale.server.metrics import FrontMetrics
-from inferscale.server.upstream import Replicas
+from inferscale.server.upstream import Upstream
 from inferscale.server.query import StrictQueryRoute
 
 
@@ -48,7 +48,7 @@ def router() -> APIRouter:
 
     @r.get("/v1/models", summary="vLLM's models")
     async def models(upstream: UpstreamDep) -> Response:
-        _, resp = await upstream.send("", "GET", "/v1/models")
+        resp = await upstream.send(None, "GET", "/v1/models")
         if resp.status_code != 200:
             return upstream_error(resp.status_code, resp.content)
         listing = resp.json()
@@ -158,7 +158,7 @@ async def _until_disconnected(request: Request, work):
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
 
-async def _forward(upstream: Replicas, key: str, path: str, body: dict, plan: ChatPlan | None,
+async def _forward(upstream: Upstream, key: str, path: str, body: dict, plan: ChatPlan | None,
                    metrics: FrontMetrics, pins: ContextManager | None = None, report: ChatReport | None = None
                    ) -> Response:
     """Send ``body`` to routing key ``key``'s vLLM replica; a streamed answer is relayed as it
@@ -180,32 +180,33 @@ async def _forward(upstream: Replicas, key: str, path: str, body: dict, plan: Ch
     return response
 
 
-async def _send(upstream: Replicas, key: str, path: str, body: dict, plan: ChatPlan | None,
+async def _send(upstream: Upstream, key: str, path: str, body: dict, plan: ChatPlan | None,
                 metrics: FrontMetrics, stack: ExitStack, report: ChatReport | None = None) -> Response:
     """:func:`_forward`'s work; a streamed answer closes ``stack`` when its relay ends."""
     stream = bool(body.get("stream"))
-    replica, r = await upstream.send(key, "POST", path, json=body, stream=stream)
-    headers = {"x-inferscale-replica": str(replica.index)}
-    if plan is not None:
-        headers.update(plan.headers())
+    r = await upstream.send(key, "POST", path, json=body, stream=stream)
+    headers = plan.headers() if plan is not None else {}
     if not stream:
         if r.status_code != 200 or plan is None:
             if report is not None:
-                await report.write(r.status_code, replica.index)
-            if r.status_code >= 400:  # vLLM's error, with the front's detail
+                await report.write(r.status_code, None)
+            if r.status_code >= 400:  # vLLM's error (or its router's), with the front's detail
                 answer = upstream_error(r.status_code, r.content)
                 answer.headers.update(headers)
                 return answer
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
                             headers=headers)
         out = r.json()
-        injected = injected_tokens(out.pop("kv_transfer_params", None))
+        returned = out.pop("kv_transfer_params", None)
+        injected, replica = injected_tokens(returned), reported_replica(returned)
         metrics.injected.inc(injected)
-        out["memory"] = {**plan.report(injected), "replica": replica.index}
+        out["memory"] = {**plan.report(injected), "replica": replica}
+        if replica is not None:  # the replica that answered, as its connector says (inferscale serve's replicas)
+            headers["x-inferscale-replica"] = str(replica)
         written = None
         if report is not None:  # written after the answer is sent: the client does not wait for it
             report.usage(out.get("usage") or {})
-            report.finish(200, replica.index, injected)
+            report.finish(200, replica, injected)
             written = BackgroundTask(report.write)
         return JSONResponse(out, headers={**headers, "x-inferscale-injected-tokens": str(injected)},
                             background=written)
@@ -214,7 +215,7 @@ async def _send(upstream: Replicas, key: str, path: str, body: dict, plan: ChatP
         content = await resp.aread()
         await resp.aclose()
         if report is not None:
-            await report.write(resp.status_code, replica.index)
+            await report.write(resp.status_code, None)
         if resp.status_code >= 400:
             answer = upstream_error(resp.status_code, content)
             answer.headers.update(headers)
@@ -229,7 +230,7 @@ async def _send(upstream: Replicas, key: str, path: str, body: dict, plan: ChatP
                 report.stream_line(line)
             if first and line.startswith("data: {"):
                 chunk = json.loads(line[len("data: "):])
-                chunk["memory"] = {**plan.report(None), "replica": replica.index}
+                chunk["memory"] = {**plan.report(None), "replica": None}  # a stream does not say
                 line, first = "data: " + json.dumps(chunk), False
             yield line + "\n"
 
@@ -237,7 +238,7 @@ async def _send(upstream: Replicas, key: str, path: str, body: dict, plan: ChatP
         await resp.aclose()
         stack.close()
         if report is not None:  # after the last byte: the client does not wait for it
-            await report.write(200, replica.index)
+            await report.write(200, None)
 
     return Relay(relay(), finish, media_type="text/event-stream", headers=headers)
 

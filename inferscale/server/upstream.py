@@ -1,21 +1,18 @@
-"""The vLLM OpenAI servers behind ``inferscale serve``, as seen from the front.
+"""vLLM's OpenAI server(s) behind ``inferscale serve``, as seen from the front.
 
-One front may sit in front of several vLLM replicas (``inferscale serve --replicas N``,
-or ``--vllm-url`` given more than once). :class:`Replicas` routes each request by a
-stable hash of its memory scope (rendezvous hashing over the replicas' indexes), so a
-user's requests all reach one replica and find its KV in that replica's device tier and
-prefix cache; when that replica does not answer, the request goes to the scope's next
-replica in the same order (failover), and the dead one is tried again after
-``retry_after_s``; a replica that hangs is found by probing its ``/health``
-(:meth:`Replicas.watch`, run by the front when it has several replicas). Every front process computes the same order, so routing needs no
-shared state. :class:`HttpEngine` gives :class:`inferscale.Memory` the one engine method
-it needs in a server, ``generate`` (fact extraction for ``add(infer=True)``), through
-``/v1/completions`` with token-id prompts, taking the replicas in turn and skipping one
-that does not answer.
-
-Rendezvous hashing: D. G. Thaler and C. V. Ravishankar, "Using name-based mappings to
-increase hit rates", IEEE/ACM Transactions on Networking 6(1), 1998: a replica leaving
-moves only the scopes it served.
+The front talks to one URL: a vLLM server, or vLLM's router in front of several replicas
+(``inferscale serve --replicas N`` starts one, :mod:`inferscale.server.router_process`;
+``--router-url`` names one you run). Routing is the router's: every request that names a
+memory scope carries the scope's routing key in ``X-User-ID`` (:func:`routing_key`: a hash
+of the scope's prefix-cache salt, so user ids stay out of the router's logs), which its
+``consistent_hash`` policy maps to one replica while it lives; the router's health check
+moves a dead replica's scopes and brings them back. The front does only what the router
+cannot know: a request cut off before the first byte of its answer (the router restarting,
+a connection reset) is sent once more; past that, the error is a 503 with ``Retry-After``
+(:mod:`inferscale.server.errors`). :class:`Upstream` is the front's async client;
+:class:`HttpEngine` gives :class:`inferscale.Memory` the engine method it needs in a
+server, ``generate`` (KV encodes and fact extraction), through ``/v1/completions`` with
+token-id prompts, routed the same way.
 """
 
 from __future__ import annotations
@@ -30,25 +27,24 @@ from typing import Sequence
 
 import httpx
 
+from inferscale.kv.injection import cache_salt
+
 logger = logging.getLogger(__name__)
 
 #: Seconds to wait for vLLM: connecting, and between two bytes of a response (a long
 #: prefill under load can take a while before the first byte).
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0
-#: Seconds a replica that did not answer is passed over before it is tried again.
-RETRY_AFTER_S = 5.0
-#: The health watch (:meth:`Replicas.watch`): seconds between two probes of a replica's
-#: ``/health``, the seconds a probe may take, and the failed probes in a row after which
-#: a replica that accepts connections but does not answer (hung, not dead) is passed over.
-PROBE_INTERVAL_S = 2.0
-PROBE_TIMEOUT_S = 5.0
-PROBE_FAILURES = 2
-#: Failures that mean the replica is down or went down under the request: connection
-#: refused or reset, or the connection closed before a response came. A chat request has
-#: no side effect in vLLM, so it is sent again to the next replica.
-REPLICA_DOWN_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                       httpx.WriteError)
+#: Seconds before a request cut off before its answer's first byte is sent once more.
+RESEND_AFTER_S = 1.0
+#: Failures before the first byte of an answer: connection refused or reset, or closed
+#: before a response came. Chat and completion requests have no side effect in vLLM, so
+#: such a request is sent once more.
+UPSTREAM_DOWN_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+                        httpx.WriteError)
+#: The header vLLM's router's ``consistent_hash`` policy hashes (it reads ``X-Session-ID``
+#: first, then this one; the front sends only this one).
+ROUTE_HEADER = "X-User-ID"
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -56,164 +52,114 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def rendezvous_order(key: str, n: int) -> list[int]:
-    """Replica indexes ``0..n-1`` in ``key``'s preference order (highest random weight first).
+def routing_key(salt: str) -> str:
+    """The routing key of the scope whose text-request prefix-cache salt is ``salt``
+    (:func:`inferscale.kv.injection.cache_salt` of the scope key and no plan): 16 hex
+    characters of BLAKE2b. A chat and the scope's KV encodes carry the same key, so they
+    reach the same replica; the same in every process and on every machine."""
+    return hashlib.blake2b(salt.encode(), digest_size=8).hexdigest()
 
-    The weight of replica ``i`` is the first 8 bytes of ``blake2b(f"{i}:{key}")``: the same
-    in every process and on every machine (Python's ``hash`` is salted per process).
+
+def route_headers(scope_key: str | None) -> dict[str, str]:
+    """The routing header of a request for ``scope_key`` (none for a request of no scope)."""
+    return {ROUTE_HEADER: routing_key(cache_salt(scope_key, None))} if scope_key else {}
+
+
+async def _probe(client: httpx.AsyncClient, url: str, timeout_s: float = 5.0) -> bool:
+    try:
+        return (await client.get(f"{url}/health", timeout=timeout_s)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Upstream:
+    """The front's client of vLLM: one URL (a vLLM server or vLLM's router).
+
+    Args:
+        url: where requests go (``http://host:port``, no ``/v1``).
+        api_key: sent as a bearer token when given (vLLM's router passes it on).
+        served_model_name: filled in as ``model`` when a request has none (default: the
+            first of ``/v1/models``, asked when needed).
+        replica_urls: the vLLM servers behind ``url`` when known (``/ready`` probes each
+            and ``/metrics`` merges theirs); default: ``url`` alone.
+        metrics_urls: more Prometheus endpoints whose samples ``/metrics`` shows (the router's).
     """
-    def weight(i: int) -> int:
-        return int.from_bytes(hashlib.blake2b(f"{i}:{key}".encode(), digest_size=8).digest(), "big")
 
-    return sorted(range(n), key=weight, reverse=True)
-
-
-class Replica:
-    """One vLLM OpenAI server: its index, URL (``http://host:port``, no ``/v1``) and client."""
-
-    def __init__(self, index: int, url: str, api_key: str | None) -> None:
-        self.index = index
+    def __init__(self, url: str, api_key: str | None = None, served_model_name: str | None = None,
+                 replica_urls: Sequence[str] = (), metrics_urls: Sequence[str] = ()) -> None:
         self.url = url.rstrip("/")
+        self.replica_urls = [u.rstrip("/") for u in replica_urls] or [self.url]
+        self.metrics_urls = list(metrics_urls)
         timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(base_url=self.url, headers=auth_headers(api_key), timeout=timeout, limits=limits)
-        self.down_until = 0.0
-        self.failovers = 0
-        self.failed_probes = 0  # in a row, by the health watch
-
-    def up(self) -> bool:
-        """Whether the replica is tried first (it answered last time, or its pause is over)."""
-        return time.monotonic() >= self.down_until
-
-
-class Replicas:
-    """vLLM's OpenAI servers behind the front, routed by scope.
-
-    Args:
-        urls: the servers (``http://host:port``), at least one; a server's index in this
-            list is its name in the routing hash, so give every front the same list.
-        api_key: sent as a bearer token when given.
-        served_model_name: filled in as ``model`` when a request has none (default: the
-            first of ``/v1/models``, asked when needed).
-        retry_after_s: seconds a replica that did not answer is passed over.
-
-    Raises:
-        ValueError: ``urls`` is empty.
-    """
-
-    def __init__(self, urls: Sequence[str], api_key: str | None = None, served_model_name: str | None = None,
-                 retry_after_s: float = RETRY_AFTER_S) -> None:
-        if not urls:
-            raise ValueError("the front needs at least one vLLM server URL")
-        self.replicas = [Replica(i, u, api_key) for i, u in enumerate(urls)]
-        self.retry_after_s = retry_after_s
         self._model = served_model_name
+        self.resent = 0
 
-    def __len__(self) -> int:
-        return len(self.replicas)
-
-    def order(self, key: str) -> list[Replica]:
-        """The replicas to try for routing key ``key`` (a scope key): its rendezvous order,
-        with replicas that recently failed moved to the end (still tried, last)."""
-        ranked = [self.replicas[i] for i in rendezvous_order(key, len(self.replicas))]
-        return [r for r in ranked if r.up()] + [r for r in ranked if not r.up()]
-
-    async def send(self, key: str, method: str, path: str, *, json: dict | None = None,
-                   stream: bool = False) -> tuple[Replica, httpx.Response]:
-        """Send a request to ``key``'s replica, failing over to the next one that answers.
+    async def send(self, scope_key: str | None, method: str, path: str, *, json: dict | None = None,
+                   stream: bool = False) -> httpx.Response:
+        """Send a request for ``scope_key``'s replica (``None``: any); one cut off before its
+        answer's first byte is sent once more, ``RESEND_AFTER_S`` later.
 
         Returns:
-            The replica that answered and its response (open when ``stream``: the caller
-            reads and closes it).
+            The response (open when ``stream``: the caller reads and closes it).
 
         Raises:
-            httpx.HTTPError: no replica answered (the last one's error).
+            httpx.HTTPError: no answer the second time either.
         """
-        error: httpx.HTTPError | None = None
-        for replica in self.order(key):
+        headers = route_headers(scope_key)
+        for attempt in (1, 2):
             try:
-                request = replica.client.build_request(method, path, json=json)
-                response = await replica.client.send(request, stream=stream)
-            except REPLICA_DOWN_ERRORS as exc:
-                replica.down_until = time.monotonic() + self.retry_after_s
-                replica.failovers += 1
-                error = exc
-                continue
-            replica.down_until = 0.0
-            return replica, response
-        assert error is not None
-        raise error
-
-    async def probe(self, timeout_s: float = PROBE_TIMEOUT_S, failures: int = PROBE_FAILURES) -> list[bool]:
-        """Probe every replica's ``/health`` once, at the same time; a replica whose last
-        ``failures`` probes failed (no answer within ``timeout_s`` seconds, or not 200) is
-        passed over for ``retry_after_s``, like one that refused a connection. A replica
-        that answers is counted healthy again (its pause is lifted).
-
-        Returns:
-            Whether each replica answered (in index order).
-        """
-        async def one(replica: Replica) -> bool:
-            try:
-                ok = (await replica.client.get("/health", timeout=timeout_s)).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok:
-                replica.failed_probes, replica.down_until = 0, 0.0
-            else:
-                replica.failed_probes += 1
-                if replica.failed_probes >= failures:
-                    replica.down_until = time.monotonic() + max(self.retry_after_s, PROBE_INTERVAL_S + timeout_s)
-            return ok
-
-        return list(await asyncio.gather(*(one(r) for r in self.replicas)))
-
-    async def watch(self, interval_s: float = PROBE_INTERVAL_S, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-        """Probe the replicas every ``interval_s`` seconds until cancelled (:meth:`probe`):
-        a replica that hangs (its port open, its server not answering) stops getting new
-        requests within about ``PROBE_FAILURES * (interval_s + timeout_s)`` seconds,
-        instead of each request waiting out ``READ_TIMEOUT_S``. Requests already sent to it
-        are not moved (a streamed answer cannot be resent)."""
-        while True:
-            await self.probe(timeout_s)
-            await asyncio.sleep(interval_s)
+                request = self.client.build_request(method, path, json=json, headers=headers)
+                return await self.client.send(request, stream=stream)
+            except UPSTREAM_DOWN_ERRORS:
+                if attempt == 2:
+                    raise
+                self.resent += 1
+                await asyncio.sleep(RESEND_AFTER_S)
+        raise AssertionError("unreachable")
 
     async def model_name(self) -> str:
         """The served model's name (asked of ``/v1/models`` once)."""
         if self._model is None:
-            _, r = await self.send("", "GET", "/v1/models")
+            r = await self.send(None, "GET", "/v1/models")
             r.raise_for_status()
             self._model = r.json()["data"][0]["id"]
         return self._model
 
     async def health(self) -> list[bool]:
-        """Whether each replica answers ``/health`` with 200 (in index order)."""
-        out = []
-        for replica in self.replicas:
-            try:
-                out.append((await replica.client.get("/health", timeout=5.0)).status_code == 200)
-            except httpx.HTTPError:
-                out.append(False)
-        return out
+        """Whether each replica answers ``/health`` with 200 (in :attr:`replica_urls` order),
+        probed at the same time."""
+        return list(await asyncio.gather(*(_probe(self.client, u) for u in self.replica_urls)))
 
     async def metrics(self) -> bytes:
         """The replicas' Prometheus metrics: one replica's as it gave them; several merged into
-        one exposition with a ``replica`` label (its index) on every sample."""
+        one exposition with a ``replica`` label (its index) on every sample; then those of
+        :attr:`metrics_urls` (vLLM's router's) as they come."""
         texts: list[tuple[int, str]] = []
-        for replica in self.replicas:
-            try:
-                r = await replica.client.get("/metrics", timeout=10.0)
-            except httpx.HTTPError:
-                continue
-            if r.status_code == 200:
-                texts.append((replica.index, r.text))
-        if len(self.replicas) == 1:
-            return texts[0][1].encode() if texts else b""
-        return merge_metrics(texts)
+        for index, url in enumerate(self.replica_urls):
+            text = await self._get_text(f"{url}/metrics")
+            if text is not None:
+                texts.append((index, text))
+        if len(self.replica_urls) == 1:
+            out = texts[0][1].encode() if texts else b""
+        else:
+            out = merge_metrics(texts)
+        for url in self.metrics_urls:
+            text = await self._get_text(url)
+            if text:
+                out += text.encode() if text.endswith("\n") else (text + "\n").encode()
+        return out
+
+    async def _get_text(self, url: str) -> str | None:
+        try:
+            r = await self.client.get(url, timeout=10.0)
+        except httpx.HTTPError:
+            return None
+        return r.text if r.status_code == 200 else None
 
     async def aclose(self) -> None:
-        for replica in self.replicas:
-            await replica.client.aclose()
+        await self.client.aclose()
 
 
 def merge_metrics(texts: Sequence[tuple[int, str]]) -> bytes:
@@ -250,31 +196,31 @@ class HttpEngine:
     """The engine face :class:`inferscale.Memory` uses, over vLLM's ``/v1/completions``.
 
     Args:
-        urls: vLLM's servers (``http://host:port``; one, or the replicas, tried in turn
-            when one does not answer). kv_dir: the KV pool folder their connector reads
-            (must be the memory's ``<data_dir>/kv``). api_key: bearer token.
+        url: vLLM's server or router (``http://host:port``; ``None`` until :meth:`point_at`).
+        kv_dir: the KV pool folder the servers' connector reads (must be the memory's
+            ``<data_dir>/kv``). api_key: bearer token.
         served_model_name: the ``model`` of the requests.
     """
 
-    def __init__(self, urls: str | Sequence[str], kv_dir: Path, served_model_name: str,
-                 api_key: str | None = None) -> None:
+    def __init__(self, url: str | None, kv_dir: Path, served_model_name: str, api_key: str | None = None) -> None:
         self.kv_dir = Path(kv_dir)
         self.model = served_model_name
-        self.urls = [urls] if isinstance(urls, str) else list(urls)
-        self._next = 0
+        self.url = url.rstrip("/") if url else None
         self._priority = True  # until a server refuses a priority (not started with priority scheduling)
         self._client = httpx.Client(headers=auth_headers(api_key),
                                     timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
 
-    def point_at(self, urls: Sequence[str], served_model_name: str) -> None:
-        """Use these servers and model name from now on (``inferscale serve`` opens the memory
-        before its vLLM servers answer)."""
-        self.urls, self.model = list(urls), served_model_name
+    def point_at(self, url: str, served_model_name: str) -> None:
+        """Use this server (or router) and model name from now on (``inferscale serve`` opens
+        the memory before its vLLM servers answer)."""
+        self.url, self.model = url.rstrip("/"), served_model_name
 
     def generate(self, prompt_token_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
                  kv_transfer_params: dict | None = None, cache_salt: str | None = None, priority: int = 0,
                  **_: object) -> Completion:
-        """Complete a token-id prompt (on the replicas in turn, skipping one that does not answer).
+        """Complete a token-id prompt; with a ``cache_salt`` (a scope's), routed to the scope's
+        replica (:func:`routing_key`). One cut off before its answer's first byte is sent
+        once more, ``RESEND_AFTER_S`` later.
 
         Args:
             kv_transfer_params: for the connector (a KV encode's capture, :mod:`inferscale.kv.engine_encoder`).
@@ -284,37 +230,41 @@ class HttpEngine:
                 again without it, and later ones go without it (logged once).
 
         Raises:
-            RuntimeError: vLLM answered with an error (its message included).
-            httpx.HTTPError: no replica answered.
+            RuntimeError: vLLM answered with an error (its message included), or no URL is set.
+            httpx.HTTPError: no answer the second time either.
         """
+        if self.url is None:
+            raise RuntimeError("the memory's vLLM server is not set yet (HttpEngine.point_at)")
         body = {"model": self.model, "prompt": list(prompt_token_ids), "max_tokens": max_tokens,
                 "temperature": temperature}
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
+        headers = {}
         if cache_salt:
             body["cache_salt"] = cache_salt
+            headers[ROUTE_HEADER] = routing_key(cache_salt)
         if priority and self._priority:
             body["priority"] = priority
-        start, self._next = self._next, (self._next + 1) % len(self.urls)
-        error: httpx.HTTPError | None = None
-        for i in range(len(self.urls)):
-            url = self.urls[(start + i) % len(self.urls)].rstrip("/")
+        r = self._post(body, headers)
+        if r.status_code == 400 and "priority" in body and "riority scheduling" in r.text:
+            logger.warning("vLLM at %s has no priority scheduling: KV encodes compete with requests; start "
+                           "it with --scheduling-policy priority (docs/server.md)", self.url)
+            self._priority = False
+            del body["priority"]
+            r = self._post(body, headers)
+        if r.status_code != 200:
+            raise RuntimeError(f"vLLM's /v1/completions answered {r.status_code}: {r.text[:500]}")
+        return Completion(r.json()["choices"][0]["text"])
+
+    def _post(self, body: dict, headers: dict[str, str]) -> httpx.Response:
+        for attempt in (1, 2):
             try:
-                r = self._client.post(f"{url}/v1/completions", json=body)
-                if r.status_code == 400 and "priority" in body and "riority scheduling" in r.text:
-                    logger.warning("vLLM at %s has no priority scheduling: KV encodes compete with requests; start "
-                                   "it with --scheduling-policy priority (docs/server.md)", url)
-                    self._priority = False
-                    del body["priority"]
-                    r = self._client.post(f"{url}/v1/completions", json=body)
-            except REPLICA_DOWN_ERRORS as exc:
-                error = exc
-                continue
-            if r.status_code != 200:
-                raise RuntimeError(f"vLLM's /v1/completions answered {r.status_code}: {r.text[:500]}")
-            return Completion(r.json()["choices"][0]["text"])
-        assert error is not None
-        raise error
+                return self._client.post(f"{self.url}/v1/completions", json=body, headers=headers)
+            except UPSTREAM_DOWN_ERRORS:
+                if attempt == 2:
+                    raise
+                time.sleep(RESEND_AFTER_S)
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self._client.close()

@@ -30,24 +30,30 @@ class WorkerSpec:
     """What a front process needs besides the memory settings.
 
     Attributes:
-        urls: the vLLM servers (``http://host:port``), in routing order.
+        url: where its vLLM requests go (``http://host:port``): a vLLM server, or vLLM's
+            router in front of the replicas.
         served_model_name: the ``model`` name. api_key: the clients' and vLLM's key.
+        replica_urls: the vLLM servers behind ``url`` when known (``/ready``, ``/metrics``).
+        metrics_urls: more Prometheus endpoints for ``/metrics`` (the router's).
         limits: what the front reads of a request, and how long it waits (:class:`FrontLimits`).
     """
 
-    urls: tuple[str, ...]
+    url: str
     served_model_name: str
     api_key: str | None = None
+    replica_urls: tuple[str, ...] = ()
+    metrics_urls: tuple[str, ...] = ()
     limits: FrontLimits = field(default_factory=FrontLimits)
 
     def to_json(self) -> str:
-        return json.dumps({"urls": list(self.urls), "served_model_name": self.served_model_name,
-                           "api_key": self.api_key, "limits": asdict(self.limits)})
+        return json.dumps({**asdict(self), "replica_urls": list(self.replica_urls),
+                           "metrics_urls": list(self.metrics_urls)})
 
     @classmethod
     def from_json(cls, text: str) -> "WorkerSpec":
         d = json.loads(text)
-        return cls(tuple(d["urls"]), d["served_model_name"], d.get("api_key"), FrontLimits(**d.get("limits", {})))
+        return cls(d["url"], d["served_model_name"], d.get("api_key"), tuple(d.get("replica_urls", ())),
+                   tuple(d.get("metrics_urls", ())), FrontLimits(**d.get("limits", {})))
 
 
 @dataclass
@@ -71,13 +77,14 @@ def open_front(config: MemoryConfig, spec: WorkerSpec, memory: Any = None, engin
     ``config``'s store, with an :class:`~inferscale.server.upstream.HttpEngine` as ``engine``)."""
     from inferscale.memory import Memory
     from inferscale.server.app import create_app
-    from inferscale.server.upstream import HttpEngine, Replicas
+    from inferscale.server.upstream import HttpEngine, Upstream
 
     if memory is None:
-        engine = HttpEngine(spec.urls, config.data_dir / "kv", spec.served_model_name, spec.api_key)
+        engine = HttpEngine(spec.url, config.data_dir / "kv", spec.served_model_name, spec.api_key)
         memory = Memory(config, engine=engine)
     front = Front(None, memory, engine)
-    front.app = create_app(memory, Replicas(spec.urls, spec.api_key, spec.served_model_name),
+    upstream = Upstream(spec.url, spec.api_key, spec.served_model_name, spec.replica_urls, spec.metrics_urls)
+    front.app = create_app(memory, upstream,
                            api_key=spec.api_key, on_close=front.close, limits=spec.limits)
     return front
 

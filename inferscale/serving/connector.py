@@ -63,6 +63,7 @@ from inferscale.kv.injection import (
     LayerWriter,
     MissingKVError,
     blocks_to_recompute,
+    replica_index,
     report_params,
     slot_mapping,
     stage,
@@ -159,6 +160,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._pending: dict[str, tuple[InjectionPlan, int]] = {}
         self._to_load: dict[str, tuple[InjectionPlan, int]] = {}
         self._injected: dict[str, int] = {}
+        self._replica = replica_index()  # reported with each finished request (inferscale serve's replicas)
         # token ids of segments seen on disk: a key names immutable content, so it is never
         # re-read; one deleted since is caught at load time and recomputed
         # (get_block_ids_with_load_errors)
@@ -304,7 +306,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._to_load.pop(request.request_id, None)
         self._capturing.pop(request.request_id, None)
         injected = self._injected.pop(request.request_id, None)
-        return False, None if injected is None else report_params(injected)
+        return False, report_params(injected, self._replica)
 
     # ---------------- worker side ----------------
 
