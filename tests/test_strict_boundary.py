@@ -177,3 +177,25 @@ def test_a_mistyped_environment_variable_is_a_warning_naming_the_nearest(tmp_pat
     monkeypatch.setenv("INFERSCALE_TOP_K", "-2")
     with pytest.raises(ValueError, match=r"^top_k: .*got '-2' \(from the environment variable INFERSCALE_TOP_K\)$"):
         Memory(data_dir=tmp_path / "t")
+
+
+def test_the_variables_inferscale_serve_reads_are_no_unknown_setting(monkeypatch):
+    """``inferscale serve``'s own variables (its key and request limits, the replica index it
+    gives its vLLM servers) are read by the CLI, not by ``MemoryConfig``: setting them, as
+    docs/server.md says, warns of nothing."""
+    import re
+    import warnings
+
+    from inferscale import cli
+    from inferscale.config import MemoryConfig, _warned
+    from inferscale.kv.injection import REPLICA_ENV
+
+    source = open(cli.__file__).read()
+    names = set(re.findall(r'envvar="(INFERSCALE_[A-Z_]+)"', source)) | {REPLICA_ENV}
+    assert {"INFERSCALE_HEADER_TIMEOUT_S", "INFERSCALE_API_KEY"} <= names
+    for name in names:
+        monkeypatch.setenv(name, "1")
+        _warned.discard(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MemoryConfig()

@@ -59,12 +59,13 @@ def router_executable() -> str:
 
 
 def router_command(executable: str, worker_urls: Sequence[str], *, host: str, port: int, metrics_port: int,
-                   startup_timeout_s: float) -> list[str]:
+                   startup_timeout_s: float, policy: str = "consistent_hash") -> list[str]:
     """vllm-router's argv for ``worker_urls`` (``http://host:port`` each), listening on
     ``host:port``, its Prometheus metrics on ``host:metrics_port``; it waits at most
-    ``startup_timeout_s`` seconds for the workers' first ``/health``."""
+    ``startup_timeout_s`` seconds for the workers' first ``/health``. ``policy`` other than
+    ``consistent_hash`` is for comparisons (``inferscale bench router``)."""
     return [executable, "--host", host, "--port", str(port), "--worker-urls", *worker_urls,
-            "--policy", "consistent_hash", "--log-level", "warning",
+            "--policy", policy, "--log-level", "warning",
             "--prometheus-host", host, "--prometheus-port", str(metrics_port),
             "--health-check-interval-secs", str(HEALTH_INTERVAL_S),
             "--health-check-timeout-secs", str(HEALTH_TIMEOUT_S),
@@ -84,6 +85,7 @@ class RouterProcess(ChildServer):
         port: its loopback port (default: a free one).
         log_path: its log (default: a temporary file).
         startup_timeout_s: most seconds it waits for the replicas' first ``/health``.
+        policy: vllm-router's routing policy (``random`` only to compare with).
 
     Attributes:
         metrics_url: its Prometheus metrics (``http://127.0.0.1:<port>/metrics``).
@@ -93,7 +95,7 @@ class RouterProcess(ChildServer):
     """
 
     def __init__(self, worker_urls: Sequence[str], *, port: int | None = None, log_path: Path | None = None,
-                 startup_timeout_s: float = 900.0) -> None:
+                 startup_timeout_s: float = 900.0, policy: str = "consistent_hash") -> None:
         if not worker_urls:
             raise RouterStartError("vLLM's router needs at least one vLLM server to route to")
         super().__init__("vLLM's router", port=port, log_path=log_path, log_prefix="inferscale-router-",
@@ -102,7 +104,7 @@ class RouterProcess(ChildServer):
         metrics_port = free_port(self.host)
         self.metrics_url = f"http://{self.host}:{metrics_port}/metrics"
         self.command = router_command(router_executable(), self.worker_urls, host=self.host, port=self.port,
-                                      metrics_port=metrics_port, startup_timeout_s=startup_timeout_s)
+                                      metrics_port=metrics_port, startup_timeout_s=startup_timeout_s, policy=policy)
 
     def child_environment(self) -> dict[str, str]:
         import os
