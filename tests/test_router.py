@@ -1,7 +1,7 @@
 """vLLM's router in front of the replicas (issue 55): the real ``vllm-router`` (PyPI), started
 as ``inferscale serve`` starts it (:class:`~inferscale.server.router_process.RouterProcess`),
 over loopback HTTP servers that stand in for vLLM (they answer ``/health`` and say who they
-are). The real vLLM behind it: tests/test_scale_out.py."""
+are). The real vLLM behind it: tests/test_fleet.py."""
 
 from __future__ import annotations
 

@@ -168,7 +168,10 @@ def openai_server_command(python: str, model_path: Path, *, served_model_name: s
            "--scheduling-policy", "priority",
            # structured outputs (json_schema, forced tool calls) without free whitespace between JSON
            # tokens: small models otherwise loop on newlines until max_tokens (seen with SmolLM2)
-           "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS)]
+           "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS),
+           # probes (vLLM's router asks /health every second, Prometheus /metrics) would fill
+           # the log with a line each; requests are still logged
+           "--disable-access-log-for-endpoints", "/health,/metrics"]
     if tool_call_parser:
         # "parameter": a forced or required tool call is constrained to the tool's argument
         # schema even when the client did not mark the tool strict (small models write
