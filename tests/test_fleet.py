@@ -17,7 +17,8 @@ workers, front B, a replica and the router while the users go on, retrying what 
 Phase three adds a third replica to the router at runtime. Afterwards: no acknowledged
 write lost, no text stored twice, no answer with another user's memories, every failure
 the users saw a 503 with ``Retry-After`` (never a bare 500 or 502), and the added replica
-took users with no front restarted. About 6 minutes here.
+took users with no front restarted; a SIGTERM then stops front A and everything it started.
+About 3 minutes here.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from inferscale.config import MemoryConfig
@@ -45,6 +47,8 @@ from inferscale.models.resolve import resolve_llm
 from inferscale.server.ports import free_port
 from inferscale.server.upstream import route_headers
 from inferscale.server.vllm_process import VLLMProcess
+
+from test_orphans import running
 
 pytestmark = pytest.mark.slow
 
@@ -419,6 +423,20 @@ def test_a_fleet_keeps_every_write_and_user_through_a_worker_a_front_a_replica_a
     assert answered[2] >= 3 and set(answered) <= {0, 1, 2}, answered
     users_on_2 = {u for u, r, *_ in log3["chats"] if r == 2}
     print(f"the replica added at runtime took {answered[2]} of 30 routing keys ({len(users_on_2)} of the 8 users)")
+
+    # the end: SIGTERM stops front A and all it started, its workers, replicas and router (issue 53)
+    tree = psutil.Process(a["proc"].pid).children(recursive=True)
+    names = [p.name() for p in tree]
+    assert sum("EngineCore" in n for n in names) == 2 and any("router" in n for n in names), names
+    said = len(a["log"].read_text())
+    a["proc"].send_signal(signal.SIGTERM)
+    assert a["proc"].wait(120) == 0, a["log"].read_text()[said:]
+    deadline = time.monotonic() + 20
+    while (alive := running(tree)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    after = a["log"].read_text()[said:]
+    assert "Traceback" not in after and "InferScale stopped" in after, after
 
 
 def served_model(log: Path) -> str:

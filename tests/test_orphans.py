@@ -83,9 +83,11 @@ def running(processes: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-def test_a_killed_notebook_kernel_leaves_no_process_of_its_tree(tmp_path):
+@pytest.mark.parametrize("how", ["restart", "SIGTERM"])
+def test_a_killed_notebook_kernel_leaves_no_process_of_its_tree(tmp_path, how):
     """A Jupyter kernel that used ``Memory.generate``, then ended as a kernel restart or a
-    closed notebook server ends it (``shutdown_kernel(now=True)``: SIGKILL)."""
+    closed notebook server ends it (``shutdown_kernel(now=True)``: SIGKILL), or by a SIGTERM
+    (a job scheduler, ``kill``): it exits, and its children with it."""
     from jupyter_client import KernelManager
 
     km = KernelManager(kernel_name="python3")
@@ -104,7 +106,12 @@ def test_a_killed_notebook_kernel_leaves_no_process_of_its_tree(tmp_path):
         tree = psutil.Process(km.provisioner.process.pid).children(recursive=True)
         names = [p.name() for p in tree]
         assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
-        km.shutdown_kernel(now=True)
+        if how == "restart":
+            km.shutdown_kernel(now=True)
+        else:
+            kernel = km.provisioner.process
+            km.signal_kernel(signal.SIGTERM)
+            kernel.wait(60)  # the kernel itself ends
         deadline = time.monotonic() + 20
         while (alive := running(tree)) and time.monotonic() < deadline:
             time.sleep(0.5)
