@@ -120,10 +120,10 @@ def front_on_loopback(memory, api_key: str | None = None):
     import uvicorn
 
     from inferscale.server.app import create_app
-    from inferscale.server.upstream import Replicas
+    from inferscale.server.upstream import Upstream
 
     port = free_port()
-    app = create_app(memory, Replicas([f"http://127.0.0.1:{free_port()}"]), api_key=api_key)
+    app = create_app(memory, Upstream(f"http://127.0.0.1:{free_port()}"), api_key=api_key)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
