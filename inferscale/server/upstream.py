@@ -192,6 +192,14 @@ class Completion:
     text: str
 
 
+def _is_vllm_error(r: httpx.Response) -> bool:
+    """Whether ``r`` is vLLM's own JSON error (``{"error": {...}}``), not a router's or proxy's text."""
+    try:
+        return isinstance(r.json().get("error"), dict)
+    except (ValueError, AttributeError):
+        return False
+
+
 class HttpEngine:
     """The engine face :class:`inferscale.Memory` uses, over vLLM's ``/v1/completions``.
 
@@ -257,13 +265,19 @@ class HttpEngine:
         return Completion(r.json()["choices"][0]["text"])
 
     def _post(self, body: dict, headers: dict[str, str]) -> httpx.Response:
+        """POST ``body``; sent once more, ``RESEND_AFTER_S`` later, when cut off before an
+        answer or answered with a 5xx that is not vLLM's own (its router's, a replica gone
+        under the request)."""
         for attempt in (1, 2):
             try:
-                return self._client.post(f"{self.url}/v1/completions", json=body, headers=headers)
+                r = self._client.post(f"{self.url}/v1/completions", json=body, headers=headers)
             except UPSTREAM_DOWN_ERRORS:
                 if attempt == 2:
                     raise
-                time.sleep(RESEND_AFTER_S)
+            else:
+                if attempt == 2 or r.status_code < 500 or _is_vllm_error(r):
+                    return r
+            time.sleep(RESEND_AFTER_S)
         raise AssertionError("unreachable")
 
     def close(self) -> None:
