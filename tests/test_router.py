@@ -219,7 +219,7 @@ def test_a_5xx_that_is_not_vllms_own_is_a_503_with_retry_after():
     assert upstream_error(400, b"plain").status_code == 400
 
 
-def test_the_memory_engine_routes_an_encode_by_its_scope_and_resends_once(workers, router, tmp_path):
+def test_the_memory_engine_routes_an_encode_by_its_scope(workers, router, tmp_path):
     engine = HttpEngine(router.url, tmp_path, "m")
     salt = cache_salt(SCOPES[3], None)
     try:
@@ -249,3 +249,37 @@ def test_metrics_of_several_replicas_are_merged_with_a_replica_label():
     assert merged.count("# TYPE vllm:inferscale_loads") == 1
     assert 'vllm:inferscale_loads_total{engine="0",replica="0"} 3.0' in merged
     assert 'vllm:inferscale_loads_total{engine="0",replica="1"} 5.0' in merged
+
+
+def test_the_memory_engine_sends_once_more_after_a_5xx_that_is_not_vllms_own(tmp_path):
+    """A replica gone under an encode: the router answers 500 in plain text, and the encode is
+    sent once more (the router has moved the scope by then); vLLM's own JSON 500 is not."""
+    answers: list[tuple[int, bytes]] = []
+
+    class Flaky(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            status, body = answers.pop(0)
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    engine = HttpEngine(f"http://127.0.0.1:{server.server_port}", tmp_path, "m")
+    ok = json.dumps({"choices": [{"text": "fine"}]}).encode()
+    try:
+        answers[:] = [(500, b"Request failed: error sending request for url"), (200, ok)]
+        assert engine.generate([1], max_tokens=1).text == "fine" and answers == []
+        answers[:] = [(500, json.dumps({"error": {"message": "engine dead"}}).encode()), (200, ok)]
+        with pytest.raises(RuntimeError, match="engine dead"):
+            engine.generate([1], max_tokens=1)
+        assert len(answers) == 1  # not sent again
+    finally:
+        engine.close()
+        server.shutdown()
+        server.server_close()
