@@ -60,16 +60,20 @@ def test_a_killed_script_leaves_no_process_of_its_tree(tmp_path, sig):
         while (alive := running(tree)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not alive, [(p.pid, p.name()) for p in alive]
-        # the spools they left in /dev/shm are dead ones: the next capture writer's start removes them
-        pids = {proc.pid, *(p.pid for p in tree)}
-        left = [p for p in SHM.glob(f"{SPOOL_PREFIX}*-*") if int(p.name[len(SPOOL_PREFIX):].split("-")[0]) in pids]
-        remove_dead_spools(SHM)
-        assert not [p for p in left if p.exists()]
+        assert_no_spool_left({proc.pid, *(p.pid for p in tree)})
     finally:
         if proc.poll() is None:
             proc.kill()
         for p in running(tree):  # a failed test's leftovers
             p.kill()
+
+
+def assert_no_spool_left(pids: set[int]) -> None:
+    """The spools processes ``pids`` left in /dev/shm are dead ones: the next capture writer's
+    start removes them (:func:`~inferscale.kv.capture_writer.remove_dead_spools`)."""
+    left = [p for p in SHM.glob(f"{SPOOL_PREFIX}*-*") if int(p.name[len(SPOOL_PREFIX):].split("-")[0]) in pids]
+    remove_dead_spools(SHM)
+    assert not [p for p in left if p.exists()]
 
 
 def running(processes: list[psutil.Process]) -> list[psutil.Process]:
@@ -103,7 +107,8 @@ def test_a_killed_notebook_kernel_leaves_no_process_of_its_tree(tmp_path, how):
         reply = kc.execute_interactive(code, timeout=900)
         assert reply["content"]["status"] == "ok", reply["content"]
         kc.stop_channels()
-        tree = psutil.Process(km.provisioner.process.pid).children(recursive=True)
+        kernel_pid = km.provisioner.process.pid
+        tree = psutil.Process(kernel_pid).children(recursive=True)
         names = [p.name() for p in tree]
         assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
         if how == "restart":
@@ -116,6 +121,7 @@ def test_a_killed_notebook_kernel_leaves_no_process_of_its_tree(tmp_path, how):
         while (alive := running(tree)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not alive, [(p.pid, p.name()) for p in alive]
+        assert_no_spool_left({kernel_pid, *(p.pid for p in tree)})
     finally:
         if km.is_alive():
             km.shutdown_kernel(now=True)
