@@ -88,18 +88,14 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
             memory.wait_for_kv()
         (store_dir / "logs").mkdir(parents=True, exist_ok=True)
     if todo:
-        config = MemoryConfig(data_dir=store_dir, dtype=dtype)
-        (vllm,) = _servers(store_dir, dtype, config.device_kv_budget_bytes, 1, max_num_seqs=max(levels))
+        (vllm,) = _servers(store_dir, dtype, None, 1, max_num_seqs=max(levels))
         router = RouterProcess([vllm.url], log_path=store_dir / "logs" / "bench-router.log")
         try:
             vllm.start()
             vllm.wait_ready()
             router.start()
             router.wait_ready(60)
-            engine = HttpEngine(vllm.url, store_dir / "kv", "bench")
-            with Memory(config, engine=engine) as memory:
-                bodies = _bodies(memory, plan[:max(levels)], k, max_tokens)
-            engine.close()
+            bodies = _bodies(store_dir, dtype, vllm.url, plan[:max(levels)], k, max_tokens)
             asyncio.run(_measure(router.url, vllm.url, bodies, todo, log))
         finally:
             router.stop()
@@ -114,19 +110,24 @@ def run(data: Path, out_dir: Path, store_dir: Path, *, levels: Sequence[int] = (
     return summary
 
 
-def _bodies(memory: Memory, plan, k: int, max_tokens: int) -> dict[str, list[tuple[str, dict]]]:
-    """Per user, ``(scope key, chat body)`` of each question, as the front builds them
-    (the body's ``kv_transfer_params`` name its planned segments)."""
+def _bodies(store_dir: Path, dtype: str, url: str, plan, k: int, max_tokens: int) -> dict[str, list[tuple[str, dict]]]:
+    """Per user, ``(scope key, chat body)`` of each question, as a front over ``store_dir``
+    with vLLM at ``url`` builds them (the body's ``kv_transfer_params`` name its planned segments)."""
     out = {}
-    for user_id, _conv, _facts, questions in tqdm(plan, desc="chat bodies (retrieval, KV plans)", unit="user"):
-        rows = []
-        for q in questions:
-            block = memory.memory_block(q, user_id=user_id, mode="inject", k=k)
-            body = forward_body({"model": "bench", "messages": [{"role": "user", "content": q}],
-                                 "max_tokens": max_tokens, "temperature": 0, "stream": True},
-                                block, [{"role": "user", "content": q}], max_tokens)
-            rows.append((json.dumps({"user_id": user_id}), body))
-        out[user_id] = rows
+    engine = HttpEngine(url, store_dir / "kv", "bench")
+    try:
+        with Memory(MemoryConfig(data_dir=store_dir, dtype=dtype), engine=engine) as memory:
+            for user_id, _conv, _facts, questions in tqdm(plan, desc="chat bodies (retrieval, KV plans)", unit="user"):
+                rows = []
+                for q in questions:
+                    block = memory.memory_block(q, user_id=user_id, mode="inject", k=k)
+                    body = forward_body({"model": "bench", "messages": [{"role": "user", "content": q}],
+                                         "max_tokens": max_tokens, "temperature": 0, "stream": True},
+                                        block, [{"role": "user", "content": q}], max_tokens)
+                    rows.append((json.dumps({"user_id": user_id}), body))
+                out[user_id] = rows
+    finally:
+        engine.close()
     return out
 
 
@@ -173,16 +174,18 @@ async def _measure(router_url: str, direct_url: str, bodies: dict, todo: Sequenc
                                    **{f"{arm}_ttft_s": [r[arm] for r in rows] for arm in ARMS}})
 
 
-def _servers(store_dir: Path, dtype: str, device_budget_bytes: int, n: int, max_num_seqs: int = 4) -> list:
+def _servers(store_dir: Path, dtype: str, device_budget_bytes: int | None, n: int, max_num_seqs: int = 4) -> list:
     """``n`` vLLM servers over ``store_dir``'s KV pool, each with ``device_budget_bytes`` of
-    device tier and its share of the cores."""
+    device tier (``None``: the configuration's) and its share of the cores."""
     from inferscale.models.resolve import resolve_llm
     from inferscale.server.vllm_process import VLLMProcess, cpu_shares
 
     config = MemoryConfig(data_dir=store_dir, dtype=dtype)
     return [VLLMProcess(resolve_llm(config.llm), served_model_name="bench", kv_dir=store_dir / "kv",
                         dtype=config.resolved_dtype, max_model_len=config.max_model_len,
-                        kv_cache_memory_bytes=config.kv_cache_memory_bytes, device_budget_bytes=device_budget_bytes,
+                        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                        device_budget_bytes=config.device_kv_budget_bytes if device_budget_bytes is None
+                        else device_budget_bytes,
                         max_num_seqs=max_num_seqs, log_path=store_dir / "logs" / f"bench-router-vllm-{i}.log",
                         environment={"VLLM_CPU_OMP_THREADS_BIND": share})
             for i, share in enumerate(cpu_shares(n))]
@@ -215,10 +218,7 @@ def _hotness(store_dir: Path, plan, policies: Sequence[str], log: ResultLog, *, 
             server.start()
         for server in servers:
             server.wait_ready()
-        engine = HttpEngine(servers[0].url, store_dir / "kv", "bench")
-        with Memory(MemoryConfig(data_dir=store_dir, dtype=dtype), engine=engine) as memory:
-            bodies = _bodies(memory, plan, k, max_tokens)
-        engine.close()
+        bodies = _bodies(store_dir, dtype, servers[0].url, plan, k, max_tokens)
         asked = [(u, i) for u in bodies for i in range(len(bodies[u]))]
         for policy in tqdm(policies, desc="routing policies", unit="policy"):
             for server in servers:  # cold device tiers for each arm
