@@ -15,6 +15,7 @@ import torch
 from inferscale.kv.capture_writer import CaptureWriter, portable_rope_config, store_capture
 from inferscale.kv.pool import KVPool, kv_key
 from inferscale.kv.rope import RopeRotator
+from inferscale.runtime.processes import pid_alive
 
 SHAPE = (3, 7, 2, 64)  # [layers, tokens, kv heads, head dim]
 
@@ -115,22 +116,11 @@ def test_a_parent_that_dies_leaves_no_writer_and_no_spool(tmp_path):
     assert done.returncode == 0, done.stderr
     pid, spool = done.stdout.split()
     deadline = time.monotonic() + 60
-    while _alive(int(pid)) or Path(spool).exists():
+    while pid_alive(int(pid)) or Path(spool).exists():
         assert time.monotonic() < deadline, "the writer outlived its parent, or left its spool"
         time.sleep(0.1)
     assert KVPool(tmp_path, "cpu", 0).contains(key("fact-z"))
     assert done.stderr == ""
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie (its parent gone, not reaped yet) is not running
-        return f.read().split(") ")[-1][0] != "Z"
 
 
 def test_a_writer_that_died_is_an_os_error_to_the_sender(tmp_path):
@@ -228,3 +218,32 @@ def test_a_new_writer_removes_the_spools_of_dead_processes(tmp_path):
     (gone / "1.kv").write_bytes(b"left")
     assert remove_dead_spools(tmp_path) == 1
     assert not gone.exists() and live.exists() and other.exists()
+
+
+def test_a_spool_whose_maker_is_a_zombie_is_removed(tmp_path):
+    """A SIGKILLed tree's pids stay zombies until their parent reaps them (a notebook kernel's
+    manager may take its time): such a maker is gone, and its spool goes with it."""
+    import subprocess
+    import sys
+    import time
+
+    from inferscale.kv.capture_writer import SPOOL_PREFIX, remove_dead_spools
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])  # never waited on until the end: a zombie
+    deadline = time.monotonic() + 60
+    while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[-1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child did not end"
+        time.sleep(0.05)
+    spool = tmp_path / f"{SPOOL_PREFIX}{child.pid}-abc123"
+    spool.mkdir()
+    try:
+        assert not pid_alive(child.pid)
+        assert remove_dead_spools(tmp_path) == 1 and not spool.exists()
+    finally:
+        child.wait()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert pid_alive(sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -107,7 +107,8 @@ def test_a_killed_notebook_kernel_leaves_no_process_of_its_tree(tmp_path, how):
         reply = kc.execute_interactive(code, timeout=900)
         assert reply["content"]["status"] == "ok", reply["content"]
         kc.stop_channels()
-        tree = psutil.Process(km.provisioner.process.pid).children(recursive=True)
+        kernel_pid = km.provisioner.process.pid
+        tree = psutil.Process(kernel_pid).children(recursive=True)
         names = [p.name() for p in tree]
         assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
         if how == "restart":
@@ -120,6 +121,7 @@ def test_a_killed_notebook_kernel_leaves_no_process_of_its_tree(tmp_path, how):
         while (alive := running(tree)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not alive, [(p.pid, p.name()) for p in alive]
+        assert_no_spool_left({kernel_pid, *(p.pid for p in tree)})  # its makers may be zombies still: gone
     finally:
         if km.is_alive():
             km.shutdown_kernel(now=True)

@@ -50,10 +50,10 @@ from typing import IO, Any, Callable, Sequence
 
 import torch
 
-from inferscale.kv.disk import _alive  # the pin files' liveness check: same machine, same rule
 from inferscale.kv.entry import FactKV, to_storage
 from inferscale.kv.pool import KVPool
 from inferscale.kv.rope import RopeRotator
+from inferscale.runtime.processes import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def remove_dead_spools(where: Path) -> int:
     removed = 0
     for path in where.glob(f"{SPOOL_PREFIX}*-*"):
         pid = path.name[len(SPOOL_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed += 1

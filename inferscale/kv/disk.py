@@ -44,11 +44,11 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from inferscale.kv.entry import StoredKV, from_tensors, to_tensors
+from inferscale.runtime.processes import pid_alive
 
 _SUFFIX = ".safetensors"
 #: an owner folder and an entry file, as :func:`inferscale.kv.pool.kv_key` names them: anything
@@ -431,7 +431,7 @@ class DiskTier:
         for f in files:
             try:
                 pid = int(f.name.split("-", 1)[0])
-                stale = wall - f.stat(follow_symlinks=False).st_mtime > STALE_PIN_S or not _alive(pid)
+                stale = wall - f.stat(follow_symlinks=False).st_mtime > STALE_PIN_S or not pid_alive(pid)
                 if stale:
                     os.unlink(f.path)
                     continue
@@ -452,19 +452,6 @@ def _newest_shared(entries: Sequence[tuple[float, int, str]]) -> set[str]:
     """The newest entry of each shared owner (a name starting with ``_``: the preamble) in
     :meth:`DiskTier.scan`'s order, lowest priority first: kept by every eviction."""
     return set({key.split("/")[0]: key for _, _, key in entries if key.startswith("_")}.values())
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (on this machine: pin files are per machine, as the folder is)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        return True
-    return True
 
 
 _pin_lock = threading.Lock()

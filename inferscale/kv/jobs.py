@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from inferscale.runtime.processes import pid_alive, start_ticks
 from inferscale.store.sqlite import ThreadConnections
 
 _SCHEMA = """
@@ -37,21 +38,10 @@ CREATE TABLE IF NOT EXISTS kv_jobs (
 _CLAIM_COLUMN = "claimed_by"
 
 
-def _start_ticks(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat``
-    field 22, proc(5)), or ``None`` when there is no such process or no ``/proc``."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[-1].split()[19]  # fields after "(comm)" start at field 3
-
-
 def process_owner(pid: int | None = None) -> str:
     """This process's name on a claim: ``host:pid:start`` (the start time tells a reused pid apart)."""
     pid = os.getpid() if pid is None else pid
-    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid) or '-'}"
+    return f"{socket.gethostname()}:{pid}:{start_ticks(pid) or '-'}"
 
 
 def owner_alive(owner: str) -> bool:
@@ -67,14 +57,8 @@ def owner_alive(owner: str) -> bool:
     if host != socket.gethostname():
         return True
     if start != "-":
-        return _start_ticks(pid) == start
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return start_ticks(pid) == start and pid_alive(pid)
+    return pid_alive(pid)
 
 
 @dataclass(frozen=True)
