@@ -152,6 +152,40 @@ def test_processes_sharing_a_queue_each_take_other_jobs_and_a_dead_ones_claims_a
     assert [j.fact_id for j in mine.take(10)] == ["f4", "f5", "f0", "g0"]  # the dead process's claim released
 
 
+def test_closing_ends_the_batch_under_way_and_gives_its_jobs_back(tmp_path):
+    """A close (``Memory.close``, or the exit after a Ctrl-C) does not wait for the batch under
+    way to land: the batch ends at its next wave or poll, its jobs stay queued, unclaimed, for
+    the next process; the close returns in well under its 60 s join."""
+    import threading
+    import time
+
+    from inferscale.kv.background import BackgroundEncoder
+    from inferscale.kv.jobs import KVJobQueue, process_owner
+
+    path = tmp_path / "kv_jobs.sqlite"
+    queue = KVJobQueue(path)
+    started = threading.Event()
+    encoder: BackgroundEncoder
+
+    def run_batch(jobs):  # as the engine encoder: waves, then a wait for KV that never lands
+        started.set()
+        while True:
+            encoder.yield_now()
+            time.sleep(0.02)
+
+    encoder = BackgroundEncoder(queue, run_batch, gather_s=0)
+    queue.add([(f"f{i}", "user:u", 0) for i in range(3)])
+    encoder.notify()
+    assert started.wait(30)
+    t0 = time.monotonic()
+    encoder.close()
+    assert time.monotonic() - t0 < 5
+    assert encoder.failures == 0 and queue.pending() == 3
+    other = KVJobQueue(path)
+    other.owner = process_owner(1)  # a live process (init): it may take them, so no claim is left
+    assert [j.fact_id for j in other.take(10)] == ["f0", "f1", "f2"]
+
+
 def _pending_after(mem, seconds: float) -> int:
     """The queue's pending encodes after ``seconds`` (polled, so the encoder is not asked to
     hurry: :meth:`Memory.wait_for_kv` would override its waiting for requests)."""

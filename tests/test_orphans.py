@@ -1,5 +1,5 @@
 """Nothing outlives its owner (issue 53, item 1, the script path): a plain script that used
-``Memory.generate`` and is then killed, with SIGKILL or SIGTERM, leaves no process of its tree
+``Memory.generate`` and is then killed, with SIGKILL, SIGTERM or a Ctrl-C, leaves no process of its tree
 behind (vLLM's engine core and worker, the capture writer, multiprocessing's resource tracker)
 20 s later. Before, all of them ran on as orphans: the engine core did not watch its parent
 (:mod:`inferscale.serving.orphans`)."""
@@ -36,12 +36,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["SIGKILL", "SIGTERM", "Ctrl-C"])
 def test_a_killed_script_leaves_no_process_of_its_tree(tmp_path, sig):
+    """SIGKILL and SIGTERM to the script alone; Ctrl-C as a terminal sends it, SIGINT to the
+    whole foreground process group (the script, vLLM's engine core and worker, the writer)."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "data")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, start_new_session=True)
     tree: list[psutil.Process] = []
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 600)
@@ -49,13 +51,19 @@ def test_a_killed_script_leaves_no_process_of_its_tree(tmp_path, sig):
         tree = psutil.Process(proc.pid).children(recursive=True)
         names = [p.name() for p in tree]
         assert any("EngineCore" in n for n in names) and any("Worker" in n for n in names), names
-        proc.send_signal(sig)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         proc.wait(30)
-        assert proc.returncode == -sig  # a script's SIGTERM ends it as Python's default does: no handler of ours
-        if sig == signal.SIGTERM:  # and ends it cleanly: past our progress notices, one line and no traceback
-            stderr = proc.stderr.read().decode()
-            extra = [line for line in stderr.splitlines() if line.strip() and not line.startswith("inferscale: ")]
+        assert proc.returncode == -sig  # ended as Python's default ends a script: no handler of ours
+        stderr = proc.stderr.read().decode()
+        extra = [line for line in stderr.splitlines() if line.strip() and not line.startswith("inferscale: ")]
+        if sig == signal.SIGTERM:  # and cleanly: past our progress notices, one line and no traceback
             assert len(extra) <= 1 and all("is gone: stopping the engine" in line for line in extra), stderr
+        if sig == signal.SIGINT:  # Python's KeyboardInterrupt in the script's own line, and nothing of vLLM's or ours
+            assert extra[0] == "Traceback (most recent call last):" and extra[-1] == "KeyboardInterrupt", stderr
+            assert len(extra) == 4 and "time.sleep(600)" in extra[2], stderr
         deadline = time.monotonic() + 20
         while (alive := running(tree)) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -89,9 +97,10 @@ def running(processes: list[psutil.Process]) -> list[psutil.Process]:
 
 @pytest.mark.parametrize("how", ["restart", "SIGTERM"])
 def test_a_killed_notebook_kernel_leaves_no_process_of_its_tree(tmp_path, how):
-    """A Jupyter kernel that used ``Memory.generate``, then ended as a kernel restart or a
-    closed notebook server ends it (``shutdown_kernel(now=True)``: SIGKILL), or by a SIGTERM
-    (a job scheduler, ``kill``): it exits, and its children with it."""
+    """A Jupyter kernel that used ``Memory.generate`` (and had a cell interrupted, after which
+    the engine still answers), then ended as a kernel restart or a closed notebook server ends
+    it (``shutdown_kernel(now=True)``: SIGKILL), or by a SIGTERM (a job scheduler, ``kill``): it
+    exits, and its children with it."""
     from jupyter_client import KernelManager
 
     km = KernelManager(kernel_name="python3")
@@ -105,6 +114,14 @@ def test_a_killed_notebook_kernel_leaves_no_process_of_its_tree(tmp_path, how):
                 "m.add('I keep bees on my roof.', user_id='alice')\n"
                 "m.generate('What do I keep?', user_id='alice', max_tokens=4)")
         reply = kc.execute_interactive(code, timeout=900)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        # the notebook's Interrupt (SIGINT to the kernel's process group) stops the cell, not the engine
+        kc.execute("import time; time.sleep(120)")
+        time.sleep(3)
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=60)
+        assert reply["content"].get("ename") == "KeyboardInterrupt", reply["content"]
+        reply = kc.execute_interactive("m.generate('What do I keep?', user_id='alice', max_tokens=4)", timeout=300)
         assert reply["content"]["status"] == "ok", reply["content"]
         kc.stop_channels()
         kernel_pid = km.provisioner.process.pid

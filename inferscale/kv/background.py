@@ -22,6 +22,11 @@ from inferscale.runtime.lifecycle import close_at_exit
 logger = logging.getLogger(__name__)
 
 
+
+class EncoderClosing(Exception):
+    """Raised inside a batch (by :meth:`BackgroundEncoder.yield_now`) when the encoder is
+    closing: the batch stops there and its jobs stay queued, unclaimed."""
+
 class BackgroundEncoder:
     """Drains a :class:`KVJobQueue` on a daemon thread.
 
@@ -141,9 +146,15 @@ class BackgroundEncoder:
 
     def yield_now(self) -> None:
         """Wait, as before a batch, while this process has a request in flight (unless someone
-        waits for the queue, or the encoder is closing): the engine encoder calls it between
-        its waves."""
+        waits for the queue): the engine encoder calls it between its waves and while its KV lands.
+
+        Raises:
+            EncoderClosing: the encoder is closing (a ``close()``, the interpreter's exit after
+                a Ctrl-C): the batch under way ends here, its jobs stay queued.
+        """
         self._yield_to_requests()
+        if self._closed:
+            raise EncoderClosing("the KV encoder is closing: this batch's jobs stay queued")
 
     def _yield_to_requests(self) -> None:
         """Wait while this process has a request in flight (not while :meth:`wait` waits, nor
@@ -178,6 +189,13 @@ class BackgroundEncoder:
         self._not_encoding_s = 0.0
         try:
             self._run_batch(jobs)
+        except EncoderClosing:  # given back, not failed: the next start (this process's or another's) takes them
+            self._count_batch(t0)
+            self.queue.release(jobs)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the thread must survive a bad batch; jobs stay queued
+            return self._failed(jobs, exc, t0)
+        else:
             self._count_batch(t0)
             self.queue.done(jobs)
             self.batches += 1
@@ -186,23 +204,27 @@ class BackgroundEncoder:
             self._outage = False
             OUTAGES.recheck()  # a dependency this batch needed may be back
             return True
-        except Exception as exc:  # noqa: BLE001 - the thread must survive a bad batch; jobs stay queued
-            self._count_batch(t0)
-            self.failures += 1
-            self.last_error = f"{jobs[0] if len(jobs) == 1 else f'{len(jobs)} jobs'}: {type(exc).__name__}: {exc}"
-            dependency = OUTAGES.dependency_of(exc)
-            self._outage = dependency is not None
-            if dependency is not None:
-                OUTAGES.failed(dependency, exc)
-                return False
-            logger.exception("KV encoding of %d job(s) failed", len(jobs))
-            if len(jobs) == 1:
-                n = self._attempts[jobs[0].job_id] = self._attempts.get(jobs[0].job_id, 0) + 1
-                if n >= self.max_attempts:
-                    logger.error("giving up on %s after %d attempts: %s", jobs[0], n, self.last_error)
-                    self.queue.done(jobs)
-                    self._attempts.pop(jobs[0].job_id, None)
+
+    def _failed(self, jobs: Sequence[KVJob], exc: Exception, t0: float) -> bool:
+        """Count a failed batch (called in its ``except``, so its traceback is logged); ``False``."""
+        from inferscale.runtime.outages import OUTAGES
+
+        self._count_batch(t0)
+        self.failures += 1
+        self.last_error = f"{jobs[0] if len(jobs) == 1 else f'{len(jobs)} jobs'}: {type(exc).__name__}: {exc}"
+        dependency = OUTAGES.dependency_of(exc)
+        self._outage = dependency is not None
+        if dependency is not None:
+            OUTAGES.failed(dependency, exc)
             return False
+        logger.exception("KV encoding of %d job(s) failed", len(jobs))
+        if len(jobs) == 1:
+            n = self._attempts[jobs[0].job_id] = self._attempts.get(jobs[0].job_id, 0) + 1
+            if n >= self.max_attempts:
+                logger.error("giving up on %s after %d attempts: %s", jobs[0], n, self.last_error)
+                self.queue.done(jobs)
+                self._attempts.pop(jobs[0].job_id, None)
+        return False
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until no job is queued; returns ``False`` if ``timeout`` (seconds) passed first,

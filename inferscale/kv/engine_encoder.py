@@ -122,8 +122,10 @@ class EngineEncoder:
         :data:`MAX_WAVE_TOKENS` prompt tokens, and wait until the pool holds each one's KV.
 
         Args:
-            pause: called before each wave (the background encoder's wait for this process's
-                requests in flight to end).
+            pause: called before each wave and while the KV lands (the background encoder's
+                wait for this process's requests in flight to end; it raises
+                :class:`~inferscale.kv.background.EncoderClosing` when the encoder is closing,
+                which ends the encode there).
 
         Raises:
             EncodeTimeout: the KV of some spans did not land within ``store_timeout_s``.
@@ -155,6 +157,8 @@ class EngineEncoder:
                 raise EncodeTimeout(f"the engine encoded {len(keys)} span(s) but the KV of {len(missing)} did not "
                                     f"reach the pool within {self.store_timeout_s:g} s (first: {missing[0]}): see "
                                     "vLLM's log for capture errors (vllm:inferscale_capture_errors_total)")
+            if pause is not None:
+                pause()
             time.sleep(0.02)
         self.pool.note_stored_elsewhere(keys)
         self.encoded += len(spans)

@@ -132,6 +132,12 @@ class KVJobQueue:
         with self._db.transaction() as conn:
             conn.executemany("DELETE FROM kv_jobs WHERE job_id = ?", [(j.job_id,) for j in jobs])
 
+    def release(self, jobs: Sequence[KVJob]) -> None:
+        """Give back this process's claims on ``jobs`` (they stay queued, for any process to take)."""
+        with self._db.transaction() as conn:
+            conn.executemany("UPDATE kv_jobs SET claimed_by = NULL WHERE job_id = ? AND claimed_by = ?",
+                             [(j.job_id, self.owner) for j in jobs])
+
     def drop_facts(self, fact_ids: Iterable[str]) -> None:
         """Remove every job of these facts (they were deleted)."""
         with self._db.transaction() as conn:

@@ -392,8 +392,9 @@ class KVManager:
         KV where the pool holds it (a storage-dtype switch costs no encode), else encoded.
 
         Args:
-            pause: with the engine encoding, called before each wave of encodes (the background
-                encoder's wait for this process's requests to end).
+            pause: with the engine encoding, called before each wave of encodes and while their KV
+                lands (the background encoder's wait for this process's requests to end; it may
+                raise :class:`~inferscale.kv.background.EncoderClosing`).
 
         Returns:
             How many spans were stored (encoded or quantized).

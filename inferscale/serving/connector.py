@@ -72,7 +72,7 @@ from inferscale.kv.injection import (
 from inferscale.kv.pool import KVPool
 from inferscale.kv.rope import RopeRotator
 from inferscale.serving.connector_stats import InjectionPromMetrics, InjectionStats
-from inferscale.serving.orphans import die_with_parent
+from inferscale.serving.orphans import die_with_parent, leave_interrupts_to_the_owner
 from inferscale.serving.step_gate import StepGate
 
 if TYPE_CHECKING:
@@ -148,6 +148,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         if role == KVConnectorRole.SCHEDULER:  # the engine-core process: it ends with whoever started it
             die_with_parent()
+        leave_interrupts_to_the_owner()  # a terminal's or a notebook's Ctrl-C is its owner's to act on
         if "kv_dir" not in extra:
             raise ValueError("InferScaleConnector needs kv_connector_extra_config={'kv_dir': <KV pool folder>}")
         self._block_size = vllm_config.cache_config.block_size

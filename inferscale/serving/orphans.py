@@ -11,6 +11,15 @@ thread; when the parent is gone, it sends the process SIGTERM, which vLLM's engi
 by shutting down its workers, and exits outright ``grace_s`` seconds later if that has not
 finished. A process that is not a ``multiprocessing`` child (the in-process engine of
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a process started some other way) is left alone.
+
+A Ctrl-C is the owner's, not the engine's (:func:`leave_interrupts_to_the_owner`). A terminal
+sends SIGINT to its whole foreground process group, and a notebook's "Interrupt" sends it to the
+kernel's group (jupyter_client's ``LocalProvisioner.send_signal``): vLLM's engine core and worker
+took it as a stop, so interrupting a cell killed the engine (the next cell got
+``EngineDeadError``) and a script's Ctrl-C printed two screens of their tracebacks. vLLM's own
+processes (``EngineCore*``, ``VllmWorker-*``, as vLLM names them) now ignore SIGINT: the owner
+decides, and its end reaches them as its ``close()`` (at exit too), its server's SIGTERM, or the
+watch above.
 """
 
 from __future__ import annotations
@@ -47,6 +56,27 @@ def die_with_parent(grace_s: float = GRACE_S) -> bool:
         _started = True
     threading.Thread(target=_watch, args=(parent.sentinel, parent.pid, grace_s), name="inferscale-parent-watch",
                      daemon=True).start()
+    return True
+
+
+#: the ``multiprocessing`` names vLLM gives its engine-core and worker processes
+# (vllm/v1/engine/utils.py, vllm/v1/executor/multiproc_executor.py)
+VLLM_PROCESS_PREFIXES = ("EngineCore", "VllmWorker-")
+
+
+def leave_interrupts_to_the_owner() -> bool:
+    """Ignore SIGINT in this process when it is one of vLLM's own (engine core or worker) and
+    this is its main thread (module docstring); a no-op anywhere else (an in-process engine
+    shares the user's process, whose Ctrl-C stays the user's).
+
+    Returns:
+        Whether SIGINT is now ignored here.
+    """
+    if not multiprocessing.current_process().name.startswith(VLLM_PROCESS_PREFIXES):
+        return False
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     return True
 
 
