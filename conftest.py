@@ -12,6 +12,24 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _a_data_dir_of_the_suites_own() -> None:
+    """Nothing the suite runs uses the user's data dir (``$INFERSCALE_DATA_DIR`` or
+    ``~/.local/share/inferscale``): a CLI run without ``--data-dir`` (``serve --workers 2``
+    in the option tests) took its ``serve.lock``, and a user's ``inferscale mcp`` on the
+    default folder was refused as "served" while the suite ran. Every process the suite
+    starts inherits this folder; it is removed at the end."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="inferscale-suite-data-")
+    os.environ["INFERSCALE_DATA_DIR"] = folder
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+_a_data_dir_of_the_suites_own()
+
 from pathlib import Path
 
 import pytest

@@ -277,12 +277,12 @@ class Answering:
             if self._closed:
                 raise RuntimeError(CLOSED)
             if self._engine is None:
-                from inferscale.serving.engine import Engine
-
                 self._check_engine_settings()
                 started = time.monotonic()
                 notice("starting vLLM's engine (%s, %s) for answers and KV: about 20-60 s on a CPU, "
                        "the first time a process asks", self.model_path.name, self.config.resolved_dtype)
+                from inferscale.serving.engine import Engine  # vLLM's import is part of the wait said above
+
                 self._engine = Engine(
                     self.model_path, dtype=self.config.resolved_dtype, kv_dir=self.kv_dir,
                     max_model_len=self.config.max_model_len, kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,

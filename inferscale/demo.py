@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from inferscale.config import default_data_dir
-from inferscale.datasets.locomo import LocomoSample, default_locomo_path, load_locomo, store_conversation, token_f1
+from inferscale.datasets.locomo import default_locomo_path, load_locomo, store_conversation, token_f1
 from inferscale.memory import Memory
 
 
@@ -46,13 +46,14 @@ def run_demo(
     if not picked:
         raise ValueError(f"sample {sample} has no questions of categories 1-4 to answer")
     user_id = f"locomo-{conv.sample_id}"
-    memory = Memory(data_dir=data_dir or default_data_dir() / "demo", dtype=dtype, context_window=context_window)
     console.print(f"[bold]LoCoMo {conv.sample_id}[/]: {len(conv.turns)} turns, {len(conv.facts)} facts, from {path}")
+    memory = Memory(data_dir=data_dir or default_data_dir() / "demo", dtype=dtype, context_window=context_window)
     added = store_conversation(memory, conv, user_id, progress="ingest (embed + Chroma)")
+    console.print(f"stored {added} new facts")
     memory.wait_for_kv(progress=True)  # the demo compares steady-state serving: every fact's KV encoded
-    console.print(f"stored {added} new facts; KV pool on disk: {memory.kv_footprint()['disk'] / 2**20:.1f} MiB")
+    console.print(f"KV pool on disk: {memory.kv_footprint()['disk'] / 2**20:.1f} MiB")
 
-    console.print("starting vLLM and warming up both modes...")
+    console.print("warming up both modes (the first requests pay one-off costs)...")
     for mode in ("inject", "text"):  # first requests pay one-off start-up costs
         memory.generate("What do you remember?", user_id=user_id, k=k, mode=mode, max_tokens=2)
 

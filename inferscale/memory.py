@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,7 +27,8 @@ from inferscale.components import Components, open_components, resolve_models
 from inferscale.config import MemoryConfig
 from inferscale.facts.extraction import (FactExtractor, LLMFactExtractor, Reconciler, SimilarityReconciler,
                                          extract_and_reconcile)
-from inferscale.runtime.lifecycle import close_at_exit
+from inferscale.runtime.lifecycle import close_at_exit, exiting
+from inferscale.runtime.progress import when_slow
 from inferscale.reopening import Reopenable
 from inferscale.store.records import Scope
 from inferscale.store.turns import Turn
@@ -59,12 +61,17 @@ class Memory(Answering, BatchWrites, Inspection, Reopenable):
     Example:
         >>> m = Memory(data_dir="./mem")
         >>> m.add("I am allergic to peanuts.", user_id="alice")
-        >>> m.generate("What should I avoid eating?", user_id="alice").text
+        >>> m.generate("What am I allergic to?", user_id="alice").text
     """
 
     def __init__(self, config: MemoryConfig | dict | None = None, *, engine=None,
                  extractor: FactExtractor | None = None, reconciler: Reconciler | None = None,
                  **overrides: Any) -> None:
+        with when_slow("opening the memory (the tokenizer, Chroma, the embedder: a few seconds)"):
+            self._open(config, engine, extractor, reconciler, overrides)
+
+    def _open(self, config: MemoryConfig | dict | None, engine: Any, extractor: FactExtractor | None,
+              reconciler: Reconciler | None, overrides: dict[str, Any]) -> None:
         if isinstance(config, dict):  # Mem0's Memory.from_config(dict) style
             config = MemoryConfig(**config)
         if config is not None and not isinstance(config, MemoryConfig):
@@ -372,7 +379,9 @@ class Memory(Answering, BatchWrites, Inspection, Reopenable):
         with self._engine_lock:
             self._closed = True
             if self._owns_engine and self._engine is not None:
-                self._engine.close()
+                with nullcontext() if exiting() else when_slow("stopping vLLM's engine (its worker ends: "
+                                                               "about 10 s on a CPU)"):
+                    self._engine.close()
                 self._engine = None
 
     def __enter__(self) -> "Memory":

@@ -142,7 +142,7 @@ def load_locomo(path: Path) -> list[LocomoSample]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no LoCoMo file at {path}: pass --data pointing at locomo10.json")
+        raise FileNotFoundError(f"no LoCoMo file at {path}: check the path (--data takes the path of LoCoMo's locomo10.json)")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -67,6 +67,12 @@ def close_at_exit(obj: Closeable, *, first: bool = False) -> None:
             _installed = True
 
 
+def exiting() -> bool:
+    """Whether the interpreter's exit has begun closing the registered objects (nothing may be
+    printed then: a notice of a slow close is for a ``close()`` a program calls itself)."""
+    return _done
+
+
 def close_all() -> None:
     """Close every registered object that is alive (first round, then the second; newest
     first in each). Called once at exit; a failure is logged and the others still close."""

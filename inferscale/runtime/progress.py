@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 #: The logger every notice goes through.
 LOGGER_NAME = "inferscale.progress"
+#: seconds a wait may last before it is said (issue 56: "every wait longer than two seconds")
+SLOW_S = 2.0
 
 
 class _StderrNow(logging.StreamHandler):
@@ -49,3 +54,16 @@ def _logger() -> logging.Logger:
 def notice(message: str, *args: object) -> None:
     """Write one notice line (``%``-style ``args``, as :mod:`logging` takes them)."""
     _logger().info(message, *args)
+
+
+@contextmanager
+def when_slow(message: str, *args: object, after_s: float = SLOW_S) -> Iterator[None]:
+    """Say ``message`` once if the block is still running ``after_s`` seconds after it began
+    (a daemon timer; nothing is said when it ends sooner)."""
+    timer = threading.Timer(after_s, notice, args=(message, *args))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
