@@ -24,7 +24,7 @@ from inferscale.server.errors import upstream_error
 from inferscale.server.main import ServeOptions
 from inferscale.server.ports import free_port
 from inferscale.server.router_process import RouterProcess
-from inferscale.server.upstream import ROUTE_HEADER, HttpEngine, Upstream, merge_metrics, route_headers, routing_key
+from inferscale.server.upstream import ROUTE_HEADER, HttpEngine, Upstream, merge_metrics, relayed_failure, route_headers, routing_key
 
 SCOPES = [f'{{"user_id": "user{i:03d}"}}' for i in range(60)]
 
@@ -217,6 +217,14 @@ def test_a_5xx_that_is_not_vllms_own_is_a_503_with_retry_after():
     vllms = upstream_error(500, json.dumps({"error": {"message": "engine dead", "type": "x", "code": 500}}).encode())
     assert vllms.status_code == 500  # vLLM's own error passes through as it said it
     assert upstream_error(400, b"plain").status_code == 400
+    fastapis = upstream_error(502, json.dumps({"detail": "Bad gateway"}).encode())
+    assert fastapis.status_code == 502  # FastAPI's shape is vLLM's server's own too
+    empty = upstream_error(502, b"")
+    assert empty.status_code == 503 and "no body" in json.loads(empty.body)["detail"]
+    # the engine client's resend reads the same rule
+    assert relayed_failure(500, b"upstream gone") and relayed_failure(502, b"") and relayed_failure(500, b'"text"')
+    assert not relayed_failure(500, json.dumps({"error": {"message": "x"}}).encode())
+    assert not relayed_failure(500, b'{"detail": "x"}') and not relayed_failure(404, b"gone")
 
 
 def test_the_memory_engine_routes_an_encode_by_its_scope(workers, router, tmp_path):

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferscale.runtime.outages import NAMES, OUTAGES, RETRY_AFTER_S
+from inferscale.server.upstream import relayed_failure
 from inferscale.types import MemoryNotFoundError, UnknownScopeError
 
 
@@ -34,6 +35,12 @@ def upstream_error(status: int, content: bytes) -> JSONResponse:
     ``{"error": {...}}`` kept, ``detail`` added with its message; a body that is not vLLM's
     JSON (a proxy's text, an empty body) becomes the message, and a 5xx of that kind (vLLM's
     router's, a replica having gone under the request) a 503 with ``Retry-After``."""
+    if relayed_failure(status, content):  # not vLLM's own answer: a replica went under the request
+        message = content.decode("utf-8", "replace").strip()[:500] or "no body"
+        response = error(503, f"vLLM's router or a proxy answered {status} ({message}); retry in "
+                              f"{RETRY_AFTER_S} s", "server_error")
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
     try:
         body = json.loads(content)
     except ValueError:
@@ -45,11 +52,6 @@ def upstream_error(status: int, content: bytes) -> JSONResponse:
         message = body["detail"] if isinstance(body["detail"], str) else json.dumps(body["detail"])
     else:
         message = content.decode("utf-8", "replace").strip()[:2000] or f"vLLM answered {status} with no body"
-        if status >= 500:  # not vLLM's own answer: its router's or a proxy's (a replica gone under the request)
-            response = error(503, f"vLLM's router or a proxy answered {status} ({message[:500]}); retry in "
-                                  f"{RETRY_AFTER_S} s", "server_error")
-            response.headers["Retry-After"] = str(RETRY_AFTER_S)
-            return response
     return error(status, f"vLLM: {message}", "server_error" if status >= 500 else "invalid_request_error")
 
 

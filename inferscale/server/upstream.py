@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -192,12 +193,19 @@ class Completion:
     text: str
 
 
-def _is_vllm_error(r: httpx.Response) -> bool:
-    """Whether ``r`` is vLLM's own JSON error (``{"error": {...}}``), not a router's or proxy's text."""
-    try:
-        return isinstance(r.json().get("error"), dict)
-    except (ValueError, AttributeError):
+def relayed_failure(status: int, content: bytes) -> bool:
+    """Whether an answer of HTTP ``status`` with body ``content`` is a 5xx that vLLM did not
+    write (neither its JSON ``{"error": {...}}`` nor FastAPI's ``{"detail": ...}``): vLLM's
+    router's or a proxy's text when a replica went down under the request. The one rule for
+    both uses: :class:`HttpEngine` sends such a request once more, and the front answers it
+    503 with ``Retry-After`` (:func:`inferscale.server.errors.upstream_error`)."""
+    if status < 500:
         return False
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return True
+    return not (isinstance(body, dict) and (isinstance(body.get("error"), dict) or "detail" in body))
 
 
 class HttpEngine:
@@ -275,7 +283,7 @@ class HttpEngine:
                 if attempt == 2:
                     raise
             else:
-                if attempt == 2 or r.status_code < 500 or _is_vllm_error(r):
+                if attempt == 2 or not relayed_failure(r.status_code, r.content):
                     return r
             time.sleep(RESEND_AFTER_S)
         raise AssertionError("unreachable")
