@@ -122,7 +122,8 @@ def bench_encode(
     data: Optional[Path] = typer.Option(None, help="locomo10.json (default: ../shared/data/locomo)."),
     out: Path = typer.Option(Path("results/encode"), help="Results folder (encode.json, encode.md); the run's "
                              "temporary stores are its encode-store-*/ subfolders, deleted at the end."),
-    facts: int = typer.Option(1000, min=1, help="Facts queued at once (twice: under questions, then alone)."),
+    facts: int = typer.Option(1000, min=1, help="Facts queued at once while the questions are timed."),
+    throughput_facts: int = typer.Option(200, min=1, help="Facts queued alone, for encodes per second."),
     questions: int = typer.Option(40, min=2, help="Questions timed with nothing queued, then with the queue."),
     dtype: str = typer.Option("auto", help="Model dtype (auto, float32, bfloat16)."),
     served: bool = typer.Option(True, "--served/--no-served", help="Also run both encoders through `inferscale "
@@ -138,7 +139,7 @@ def bench_encode(
     if not data.is_file():
         _fail(f"LoCoMo data not found at {data} (not a file): pass --data path/to/locomo10.json")
     try:
-        run(data, out, facts=facts, questions=questions, dtype=dtype, served=served)
+        run(data, out, facts=facts, questions=questions, dtype=dtype, served=served, throughput_facts=throughput_facts)
     except ValueError as exc:
         _fail(str(exc))
     console.print((out / "encode.md").read_text())

@@ -186,6 +186,37 @@ def test_closing_ends_the_batch_under_way_and_gives_its_jobs_back(tmp_path):
     assert [j.fact_id for j in other.take(10)] == ["f0", "f1", "f2"]
 
 
+def test_wait_idle_waits_for_the_batch_under_way_and_none_starts_after_a_pause(tmp_path):
+    """``pause`` then ``wait_idle`` (how ``bench encode`` stops the encoder between phases): the
+    batch under way finishes, no other starts, and the rest stays queued."""
+    import threading
+    import time
+
+    from inferscale.kv.background import BackgroundEncoder
+    from inferscale.kv.jobs import KVJobQueue
+
+    queue = KVJobQueue(tmp_path / "kv_jobs.sqlite")
+    started, ran = threading.Event(), []
+
+    def run_batch(jobs):
+        started.set()
+        time.sleep(1.0)
+        ran.append(len(jobs))
+
+    encoder = BackgroundEncoder(queue, run_batch, batch_jobs=2, gather_s=0)
+    queue.add([(f"f{i}", "user:u", 0) for i in range(6)])
+    encoder.notify()
+    assert started.wait(30)
+    encoder.pause()
+    assert encoder.wait_idle(30)
+    assert ran == [2] and queue.pending() == 4  # the batch under way ended; no other began
+    time.sleep(0.5)
+    assert ran == [2]
+    encoder.resume()
+    assert encoder.wait(60) and ran == [2, 2, 2]
+    encoder.close()
+
+
 def _pending_after(mem, seconds: float) -> int:
     """The queue's pending encodes after ``seconds`` (polled, so the encoder is not asked to
     hurry: :meth:`Memory.wait_for_kv` would override its waiting for requests)."""

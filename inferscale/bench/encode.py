@@ -6,11 +6,13 @@ Both arms in one run, on one machine, each an embedded :class:`~inferscale.Memor
 vLLM's priority scheduling, :mod:`inferscale.kv.engine_encoder`), the ``transformers`` arm with
 the model loaded in the process (the encoder before issue 51). Per arm:
 
-- **encode throughput**: ``facts`` facts queued, then the seconds until ``wait_for_kv`` returns
-  (facts per second; the engine already started, the transformers model already loaded);
 - **TTFT under encoding**: ``questions`` LoCoMo questions of a scope whose KV is ready, asked
   one after another with nothing queued, then again right after ``facts`` more facts were
-  queued (the encoder busy): p50 and p99 of each, and their ratio;
+  queued (the encoder busy): p50 and p99 of each, and their ratio; what is still queued when
+  the questions end is dropped (the queue stays busy through every question: checked);
+- **encode throughput**: ``throughput_facts`` other facts queued, then the seconds until
+  ``wait_for_kv`` returns (facts per second; the engine already started, the transformers
+  model already loaded);
 - **a question right after ``add``** against the same question once its KV is ready (TTFT);
 - **weights in the adding process**: bytes of causal-LM parameters alive in this process
   after the encodes (the transformers copy; 0 when the engine encodes).
@@ -52,7 +54,8 @@ def _ttfts(m: Memory, questions: list[str], user: str) -> list[float]:
     return [m.generate(q, user_id=user, max_tokens=1, k=10).ttft_s for q in questions]
 
 
-def run_arm(arm: str, data: Path, store: Path, *, facts: int, questions: int, dtype: str) -> dict:
+def run_arm(arm: str, data: Path, store: Path, *, facts: int, questions: int, dtype: str,
+            throughput_facts: int = 200) -> dict:
     """One arm (module docstring); returns its figures."""
     samples = load_locomo(data)
     ready, busy = samples[0], samples[1:]
@@ -70,9 +73,9 @@ def run_arm(arm: str, data: Path, store: Path, *, facts: int, questions: int, dt
         _ttfts(m, qs[:3], asker)  # warm
         calm = _ttfts(m, qs, asker)
         pool = [(f"locomo-{s.sample_id}", FactInput(f.dated_text(), f.dia_ids)) for s in busy for f in s.facts]
-        if len(pool) < 2 * facts:
-            raise ValueError(f"--facts {facts}: LoCoMo's other conversations hold {len(pool)} facts, fewer than "
-                             f"{2 * facts}")
+        if len(pool) < facts + throughput_facts:
+            raise ValueError(f"--facts {facts} and --throughput-facts {throughput_facts}: LoCoMo's other "
+                             f"conversations hold {len(pool)} facts, fewer than {facts + throughput_facts}")
 
         def queue(batch):
             by_user: dict[str, list[FactInput]] = {}
@@ -84,19 +87,21 @@ def run_arm(arm: str, data: Path, store: Path, *, facts: int, questions: int, dt
         kv.background.pause()
         queue(pool[:facts])
         kv.background.resume()
-        t0 = time.perf_counter()
         loaded = _ttfts(m, qs, asker)  # while the encoder works through the queue
         pending_after = m.pending_kv()
-        m.wait_for_kv()
-        out.update(ttft_calm_s=calm, ttft_encoding_s=loaded, pending_after_questions=pending_after,
-                   queued=facts, encode_with_questions_s=time.perf_counter() - t0)
+        if pending_after == 0:
+            raise ValueError(f"--facts {facts}: the queue ran dry before the {questions} questions ended; queue more")
         kv.background.pause()
-        queue(pool[facts:2 * facts])
+        kv.jobs.clear()  # the rest of the queue is not timed: dropped, not waited for
+        kv.background.wait_idle()
+        out.update(ttft_calm_s=calm, ttft_encoding_s=loaded, pending_after_questions=pending_after, queued=facts)
+        queue(pool[facts:facts + throughput_facts])
         t0 = time.perf_counter()
         kv.background.resume()
         m.wait_for_kv()
         out["encode_s"] = time.perf_counter() - t0
-        out["facts_per_s"] = facts / out["encode_s"]
+        out["throughput_facts"] = throughput_facts
+        out["facts_per_s"] = throughput_facts / out["encode_s"]
         fresh = m.add("My locker at the gym is number 4417.", user_id="fresh")["results"][0]["id"]
         right_after = m.generate("What is my locker number?", user_id="fresh", max_tokens=1)
         m.wait_for_kv()
@@ -109,7 +114,7 @@ def run_arm(arm: str, data: Path, store: Path, *, facts: int, questions: int, dt
 
 
 def run(data: Path, out: Path, *, facts: int = 1000, questions: int = 40, dtype: str = "auto",
-        served: bool = True, served_facts: int = 50) -> dict:
+        served: bool = True, served_facts: int = 50, throughput_facts: int = 200) -> dict:
     """Both arms (module docstring), embedded and (``served``) through ``inferscale serve``
     (:mod:`inferscale.bench.encode_served`, ``served_facts`` LoCoMo observations added over
     HTTP); writes ``encode.json`` and ``encode.md`` to ``out``.
@@ -119,7 +124,8 @@ def run(data: Path, out: Path, *, facts: int = 1000, questions: int = 40, dtype:
         RuntimeError: a served arm's server did not start.
     """
     out.mkdir(parents=True, exist_ok=True)
-    arms = {arm: run_arm(arm, data, out / f"encode-store-{arm}", facts=facts, questions=questions, dtype=dtype)
+    arms = {arm: run_arm(arm, data, out / f"encode-store-{arm}", facts=facts, questions=questions, dtype=dtype,
+                         throughput_facts=throughput_facts)
             for arm in ARMS}
     fronts = {}
     if served:
@@ -150,12 +156,13 @@ def run(data: Path, out: Path, *, facts: int = 1000, questions: int = 40, dtype:
     where = machine()
     page = "\n\n".join([
         "# Who computes the KV: the serving engine against a transformers copy",
-        f"`inferscale bench encode --facts {facts} --questions {questions}`: both arms in one run, embedded "
+        f"`inferscale bench encode --facts {facts} --questions {questions} --throughput-facts {throughput_facts}`: "
+        "both arms in one run, embedded "
         "(module docstring of `inferscale/bench/encode.py`). TTFT in ms, vLLM's. "
         f"Run {time.strftime('%Y-%m-%d', time.gmtime())} on {where['cpu']}, {where['cores']} cores, "
         f"{where['gpu'] or 'no GPU'}, torch {where['torch']}, vLLM {where['vllm']}, commit {where['commit']}, "
         f"dtype {dtype}.",
-        markdown_table(["encoder", "encodes / s", "TTFT p50 / p99, nothing queued",
+        markdown_table(["encoder", f"encodes / s ({throughput_facts} queued)", "TTFT p50 / p99, nothing queued",
                         f"TTFT p50 / p99, {facts} encodes queued", "ratio p50 / p99",
                         "question right after add vs on ready KV", "LLM weights in the adding process"], rows),
         *([f"## Served: one `inferscale serve` per encoder ({served_facts} facts added over HTTP)\n\n"
@@ -165,6 +172,7 @@ def run(data: Path, out: Path, *, facts: int = 1000, questions: int = 40, dtype:
            markdown_table(["encoder", "front RSS ready", "front RSS after KV", "question right after add vs ready",
                            "source right after add"], served_rows)] if fronts else []),
     ])
-    write_outputs(out, "encode", {"facts": facts, "questions": questions, "dtype": dtype, "arms": arms,
+    write_outputs(out, "encode", {"facts": facts, "questions": questions, "throughput_facts": throughput_facts,
+                                  "dtype": dtype, "arms": arms,
                                   "served": fronts}, page)
     return arms

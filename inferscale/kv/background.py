@@ -75,6 +75,7 @@ class BackgroundEncoder:
         self._wake = threading.Event()
         self._idle = threading.Condition()
         self._busy = False
+        self._in_batch = False  # a batch taken from the queue is under way (wait_idle)
         self._closed = False
         self._running = threading.Event()
         self._running.set()
@@ -131,18 +132,36 @@ class BackgroundEncoder:
                         return
                 continue
             with self._idle:
-                self._busy = True
-            # a request may have started between the wait above and the take (the gather's
-            # sleep is in between): checked again now the jobs are claimed, so a job queued
-            # during a request never runs before it ends
-            self._yield_to_requests()
-            if self._run(jobs):
-                continue
-            time.sleep(self.retry_s)
-            if self._outage:  # a dependency is down, not a job bad: retry them all later
-                continue
-            for job in jobs if len(jobs) > 1 else ():  # find the job that fails
-                self._run([job])
+                self._busy = self._in_batch = True
+            try:
+                self._batch(jobs)
+            finally:
+                with self._idle:
+                    self._in_batch = False
+                    self._idle.notify_all()
+
+    def _batch(self, jobs: Sequence[KVJob]) -> None:
+        """Run one batch taken from the queue; on failure, wait ``retry_s`` and find the bad job."""
+        # a request may have started between the loop's wait and the take (the gather's sleep
+        # is in between): checked again now the jobs are claimed, so a job queued during a
+        # request never runs before it ends
+        self._yield_to_requests()
+        if self._run(jobs):
+            return
+        time.sleep(self.retry_s)
+        if self._outage:  # a dependency is down, not a job bad: retry them all later
+            return
+        for job in jobs if len(jobs) > 1 else ():  # find the job that fails
+            self._run([job])
+
+    def wait_idle(self, timeout: float = 600.0) -> bool:
+        """Wait until no batch is under way (after :meth:`pause`, none starts); ``False`` if
+        ``timeout`` seconds passed first."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._in_batch and time.monotonic() < deadline:
+                self._idle.wait(timeout=0.2)
+            return not self._in_batch
 
     def yield_now(self) -> None:
         """Wait, as before a batch, while this process has a request in flight (unless someone
