@@ -48,38 +48,41 @@ def run_demo(
     user_id = f"locomo-{conv.sample_id}"
     console.print(f"[bold]LoCoMo {conv.sample_id}[/]: {len(conv.turns)} turns, {len(conv.facts)} facts, from {path}")
     memory = Memory(data_dir=data_dir or default_data_dir() / "demo", dtype=dtype, context_window=context_window)
-    added = store_conversation(memory, conv, user_id, progress="ingest (embed + Chroma)")
-    console.print(f"stored {added} new facts")
-    memory.wait_for_kv(progress=True)  # the demo compares steady-state serving: every fact's KV encoded
-    console.print(f"KV pool on disk: {memory.kv_footprint()['disk'] / 2**20:.1f} MiB")
+    try:
+        added = store_conversation(memory, conv, user_id, progress="ingest (embed + Chroma)")
+        console.print(f"stored {added} new facts")
+        memory.wait_for_kv(progress=True)  # the demo compares steady-state serving: every fact's KV encoded
+        console.print(f"KV pool on disk: {memory.kv_footprint()['disk'] / 2**20:.1f} MiB")
 
-    console.print("warming up both modes (the first requests pay one-off costs)...")
-    for mode in ("inject", "text"):  # first requests pay one-off start-up costs
-        memory.generate("What do you remember?", user_id=user_id, k=k, mode=mode, max_tokens=2)
+        console.print("warming up both modes (the first requests pay one-off costs)...")
+        for mode in ("inject", "text"):  # first requests pay one-off start-up costs
+            memory.generate("What do you remember?", user_id=user_id, k=k, mode=mode, max_tokens=2)
 
-    rows = []
-    for i, qa in enumerate(picked, 1):
-        inj = memory.generate(qa.question, user_id=user_id, k=k, mode="inject", max_tokens=32)
-        txt = memory.generate(qa.question, user_id=user_id, k=k, mode="text", max_tokens=32)
-        row = {
-            "question": qa.question, "gold": qa.answer, "category": qa.category,
-            "inject_answer": inj.text, "text_answer": txt.text,
-            "inject_f1": token_f1(inj.text, qa.answer), "text_f1": token_f1(txt.text, qa.answer),
-            "inject_ttft": inj.ttft_s, "text_ttft": txt.ttft_s,
-            "inject_prefilled": inj.num_prefilled_tokens, "text_prefilled": txt.num_prefilled_tokens,
-            "prompt_tokens": inj.num_prompt_tokens, "injected_tokens": inj.num_injected_tokens,
-        }
-        rows.append(row)
-        console.print(
-            f"[bold]Q{i}[/] (cat {qa.category}) {qa.question}\n"
-            f"  answer: {inj.text!r}\n  gold:   {qa.answer!r}   F1 {row['inject_f1']:.2f}"
-            f" (text mode F1 {row['text_f1']:.2f})\n"
-            f"  TTFT inject {inj.ttft_s * 1000:.1f} ms ({inj.num_injected_tokens} of {inj.num_prompt_tokens}"
-            f" prompt tokens injected) vs text {txt.ttft_s * 1000:.1f} ms"
-        )
-    console.print(summary_table(rows, k))
-    ratio = statistics.median(r["text_ttft"] for r in rows) / statistics.median(r["inject_ttft"] for r in rows)
-    console.print(f"median TTFT text / inject = {ratio:.2f}x at k={k}, w={context_window}, dtype={memory.config.resolved_dtype}")
+        rows = []
+        for i, qa in enumerate(picked, 1):
+            inj = memory.generate(qa.question, user_id=user_id, k=k, mode="inject", max_tokens=32)
+            txt = memory.generate(qa.question, user_id=user_id, k=k, mode="text", max_tokens=32)
+            row = {
+                "question": qa.question, "gold": qa.answer, "category": qa.category,
+                "inject_answer": inj.text, "text_answer": txt.text,
+                "inject_f1": token_f1(inj.text, qa.answer), "text_f1": token_f1(txt.text, qa.answer),
+                "inject_ttft": inj.ttft_s, "text_ttft": txt.ttft_s,
+                "inject_prefilled": inj.num_prefilled_tokens, "text_prefilled": txt.num_prefilled_tokens,
+                "prompt_tokens": inj.num_prompt_tokens, "injected_tokens": inj.num_injected_tokens,
+            }
+            rows.append(row)
+            console.print(
+                f"[bold]Q{i}[/] (cat {qa.category}) {qa.question}\n"
+                f"  answer: {inj.text!r}\n  gold:   {qa.answer!r}   F1 {row['inject_f1']:.2f}"
+                f" (text mode F1 {row['text_f1']:.2f})\n"
+                f"  TTFT inject {inj.ttft_s * 1000:.1f} ms ({inj.num_injected_tokens} of {inj.num_prompt_tokens}"
+                f" prompt tokens injected) vs text {txt.ttft_s * 1000:.1f} ms"
+            )
+        console.print(summary_table(rows, k))
+        ratio = statistics.median(r["text_ttft"] for r in rows) / statistics.median(r["inject_ttft"] for r in rows)
+        console.print(f"median TTFT text / inject = {ratio:.2f}x at k={k}, w={context_window}, dtype={memory.config.resolved_dtype}")
+    finally:  # now, not at exit: the engine's stop (about 10 s on a CPU) is said before the last line
+        memory.close()
     return rows
 
 
