@@ -158,7 +158,7 @@ def test_the_connector_loads_a_small_part_of_the_package():
     loaded = set(eval(done.stdout.strip().splitlines()[-1]))  # noqa: S307 - our own printed list
     assert loaded <= {"inferscale", "inferscale.runtime", "inferscale.runtime.devices", "inferscale.runtime.sizes",
                       "inferscale.runtime.logs", "inferscale.runtime.processes", "inferscale.kv",
-                      "inferscale.kv.capture", "inferscale.kv.capture_writer", "inferscale.kv.injection", "inferscale.kv.pool", "inferscale.kv.quant", "inferscale.kv.rope",
+                      "inferscale.kv.capture", "inferscale.kv.capture_writer", "inferscale.kv.injection", "inferscale.kv.pool", "inferscale.kv.disk_room", "inferscale.kv.quant", "inferscale.kv.rope",
                       "inferscale.kv.entry", "inferscale.kv.tiers", "inferscale.kv.disk",
                       "inferscale.kv.remote", "inferscale.serving",
                       "inferscale.serving.connector", "inferscale.serving.connector_stats", "inferscale.serving.orphans",
