@@ -22,10 +22,10 @@ from inferscale.runtime.lifecycle import close_at_exit
 logger = logging.getLogger(__name__)
 
 
-
 class EncoderClosing(Exception):
     """Raised inside a batch (by :meth:`BackgroundEncoder.yield_now`) when the encoder is
     closing: the batch stops there and its jobs stay queued, unclaimed."""
+
 
 class BackgroundEncoder:
     """Drains a :class:`KVJobQueue` on a daemon thread.
