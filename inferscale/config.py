@@ -174,10 +174,9 @@ class MemoryConfig(BaseSettings):
             this process with transformers (the tests' reference). ``"auto"`` (default):
             ``"engine"`` (docs/decisions.md, "The engine computes every KV")
         encode_when_idle: the background encoder (first encodes and re-encodes of evicted
-            KV) starts a batch, and each engine wave, only when no request of this process is
-            in flight or ended in the last 0.1 s (``BackgroundEncoder.QUIET_S``), so it never
-            competes with one for the cores or the GPU (default ``True``; a batch under way
-            is not interrupted). ``wait_for_kv`` overrides it while it waits.
+            KV) starts a batch only when no request of this process is in flight, so it
+            never competes with one for the cores or the GPU (default ``True``; a batch
+            under way is not interrupted). ``wait_for_kv`` overrides it while it waits.
             ``False``: encode as soon as jobs are queued.
         capture_kv: capture on a miss (default ``True``): a memory served as text in an
             inject-mode request (not encoded yet, evicted, Redis down) keeps the KV that

@@ -217,39 +217,6 @@ def test_wait_idle_waits_for_the_batch_under_way_and_none_starts_after_a_pause(t
     encoder.close()
 
 
-def test_the_encoder_waits_for_a_quiet_moment_after_the_last_request(tmp_path):
-    """A wave is not sent into the gap between one request and the next: the encoder waits
-    until no request has been in flight for ``QUIET_S``; requests back to back keep it waiting
-    (a benchmark's questions, an agent's next call), a pause lets it run."""
-    import threading
-    import time
-
-    from inferscale.kv.background import BackgroundEncoder
-    from inferscale.kv.jobs import KVJobQueue
-
-    queue = KVJobQueue(tmp_path / "kv_jobs.sqlite")
-    ran = threading.Event()
-    state = {"in_flight": 0, "ended": time.monotonic()}
-
-    def idle_for() -> float:
-        return 0.0 if state["in_flight"] else time.monotonic() - state["ended"]
-
-    encoder = BackgroundEncoder(queue, lambda jobs: ran.set(), gather_s=0,
-                                requests_in_flight=lambda: state["in_flight"], idle_for=idle_for)
-    queue.add([("f0", "user:u", 0)])
-    deadline = time.monotonic() + 2.0
-    encoder.notify()
-    while time.monotonic() < deadline:  # requests of 20 ms, 20 ms apart
-        state["in_flight"] = 1
-        time.sleep(0.02)
-        state["in_flight"], state["ended"] = 0, time.monotonic()
-        time.sleep(0.02)
-        assert not ran.is_set(), "an encode ran in a 20 ms gap between requests"
-    assert ran.wait(5)  # the requests stopped: it runs once QUIET_S has passed
-    assert encoder.yielded_s > 1.5
-    encoder.close()
-
-
 def _pending_after(mem, seconds: float) -> int:
     """The queue's pending encodes after ``seconds`` (polled, so the encoder is not asked to
     hurry: :meth:`Memory.wait_for_kv` would override its waiting for requests)."""

@@ -46,10 +46,6 @@ class BackgroundEncoder:
             (issue 39), unless :meth:`wait` is waiting for the KV (someone asked for it).
         yield_to_requests: wait for requests in flight (default ``True`` when
             ``requests_in_flight`` is given; ``MemoryConfig.encode_when_idle``).
-        idle_for: seconds since this process last had a request in flight
-            (:meth:`inferscale.kv.pool.KVPool.idle_for`); when given, the thread also waits
-            until that is :attr:`QUIET_S`, so a wave is not sent into the gap between one
-            request and the next.
 
     Attributes:
         yield_to_requests: as the argument; may be changed while the thread runs.
@@ -61,21 +57,12 @@ class BackgroundEncoder:
 
     #: how often the thread looks again while requests are in flight (seconds)
     YIELD_POLL_S = 0.01
-    #: seconds with no request in flight before a batch or wave is sent: a process's next request
-    #: tends to follow its last within tens of milliseconds (a benchmark's or a chat's next
-    #: question, an agent's call after its tool returned), and an encode wave sent into that gap
-    #: runs its engine step under the next request, which vLLM cannot preempt mid-step (on 2 CPU
-    #: cores a 256-token wave is a few hundred ms: bench encode). Memories served as text
-    #: meanwhile are captured from the requests' own prefill (capture on a miss).
-    QUIET_S = 0.1
 
     def __init__(self, queue: KVJobQueue, run_batch: Callable[[Sequence[KVJob]], None], *, batch_jobs: int = 64,
                  retry_s: float = 1.0, max_attempts: int = 3, gather_s: float = 0.02,
-                 requests_in_flight: Callable[[], int] | None = None, yield_to_requests: bool = True,
-                 idle_for: Callable[[], float] | None = None) -> None:
+                 requests_in_flight: Callable[[], int] | None = None, yield_to_requests: bool = True) -> None:
         self.queue = queue
         self._requests_in_flight = requests_in_flight
-        self._idle_for = idle_for
         self.yield_to_requests = yield_to_requests and requests_in_flight is not None
         self._waiters = 0  # wait() calls under way: they want the KV now
         self.encode_s = 0.0
@@ -188,17 +175,11 @@ class BackgroundEncoder:
         if self._closed:
             raise EncoderClosing("the KV encoder is closing: this batch's jobs stay queued")
 
-    def _requests_near(self) -> bool:
-        """Whether this process has a request in flight, or had one less than :attr:`QUIET_S` ago."""
-        if self._requests_in_flight() > 0:  # type: ignore[misc]
-            return True
-        return self._idle_for is not None and self._idle_for() < self.QUIET_S
-
     def _yield_to_requests(self) -> None:
-        """Wait while this process has a request in flight or just had one (not while
-        :meth:`wait` waits, nor once closing)."""
-        while (self.yield_to_requests and self._waiters == 0 and not self._closed
-               and self._requests_near()):
+        """Wait while this process has a request in flight (not while :meth:`wait` waits, nor
+        once closing)."""
+        while (self.yield_to_requests and self._requests_in_flight() > 0 and self._waiters == 0
+               and not self._closed):
             t0 = time.monotonic()
             time.sleep(self.YIELD_POLL_S)
             self.yielded_s += time.monotonic() - t0  # counted as it goes: a scrape sees a long wait

@@ -177,8 +177,7 @@ class KVManager:
         self.jobs = jobs
         self.store = store
         self.background = BackgroundEncoder(jobs, self.run_jobs, requests_in_flight=lambda: pool.requests_in_flight,
-                                            yield_to_requests=encode_when_idle,
-                                            idle_for=pool.idle_for) if jobs is not None else None
+                                            yield_to_requests=encode_when_idle) if jobs is not None else None
 
     def use_engine(self, engine: Callable[[], Any]) -> None:
         """Encode on the serving engine from now on (``kv_encoder="engine"``): ``engine()``

@@ -40,9 +40,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import math
 import threading
-import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
@@ -129,7 +127,6 @@ class KVPool(DiskRoom):
         self.remote = RedisTier(self.redis_url, self.root / (".redis-pending-" + hashlib.sha256(
             redacted(self.redis_url).encode()).hexdigest()[:16])) if self.redis_url else None
         self._requests = 0  # pinned() blocks open: requests in flight in this process
-        self._last_request_end = -math.inf  # time.monotonic() when the last of them ended
         self._lock = threading.RLock()
         # one disk write and its eviction at a time in this process: a write burst (the
         # encoder and the request path both writing) holds the folder to its budget plus one entry
@@ -449,7 +446,6 @@ class KVPool(DiskRoom):
             self.disk.unpin(pin_file)
             with self._lock:
                 self._requests -= 1
-                self._last_request_end = time.monotonic()
                 for key in keys:
                     left = self._pins[key] - 1
                     if left:
@@ -462,12 +458,6 @@ class KVPool(DiskRoom):
         """Requests of this process now between planning and their last token (:meth:`pinned`
         blocks open): the background encoder waits for none before each batch."""
         return self._requests
-
-    def idle_for(self) -> float:
-        """Seconds since this process last had a request in flight (0.0 while one is;
-        ``inf`` before the first)."""
-        with self._lock:
-            return 0.0 if self._requests else time.monotonic() - self._last_request_end
 
     def remove(self, key: str, *, shared: bool = True) -> None:
         """Drop one entry from every tier (absent is fine); from this machine's tiers only
