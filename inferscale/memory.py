@@ -67,11 +67,6 @@ class Memory(Answering, BatchWrites, Inspection, Reopenable):
     def __init__(self, config: MemoryConfig | dict | None = None, *, engine=None,
                  extractor: FactExtractor | None = None, reconciler: Reconciler | None = None,
                  **overrides: Any) -> None:
-        with when_slow("opening the memory (the tokenizer, Chroma, the embedder: a few seconds)"):
-            self._open(config, engine, extractor, reconciler, overrides)
-
-    def _open(self, config: MemoryConfig | dict | None, engine: Any, extractor: FactExtractor | None,
-              reconciler: Reconciler | None, overrides: dict[str, Any]) -> None:
         if isinstance(config, dict):  # Mem0's Memory.from_config(dict) style
             config = MemoryConfig(**config)
         if config is not None and not isinstance(config, MemoryConfig):
