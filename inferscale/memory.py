@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import weakref
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,7 +26,7 @@ from inferscale.components import Components, open_components, resolve_models
 from inferscale.config import MemoryConfig
 from inferscale.facts.extraction import (FactExtractor, LLMFactExtractor, Reconciler, SimilarityReconciler,
                                          extract_and_reconcile)
-from inferscale.runtime.lifecycle import close_at_exit, exiting
+from inferscale.runtime.lifecycle import close_at_exit
 from inferscale.runtime.progress import when_slow
 from inferscale.reopening import Reopenable
 from inferscale.store.records import Scope
@@ -374,8 +373,7 @@ class Memory(Answering, BatchWrites, Inspection, Reopenable):
         with self._engine_lock:
             self._closed = True
             if self._owns_engine and self._engine is not None:
-                with nullcontext() if exiting() else when_slow("stopping vLLM's engine (its worker ends: "
-                                                               "about 10 s on a CPU)"):
+                with when_slow("stopping vLLM's engine (its worker ends: about 10 s on a CPU)"):
                     self._engine.close()
                 self._engine = None
 

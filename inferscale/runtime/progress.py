@@ -59,8 +59,15 @@ def notice(message: str, *args: object) -> None:
 @contextmanager
 def when_slow(message: str, *args: object, after_s: float = SLOW_S) -> Iterator[None]:
     """Say ``message`` once if the block is still running ``after_s`` seconds after it began
-    (a daemon timer; nothing is said when it ends sooner)."""
-    timer = threading.Timer(after_s, notice, args=(message, *args))
+    (a daemon timer; nothing is said when it ends sooner, nor once the interpreter's exit has
+    begun closing what is open: nothing is printed at exit, :func:`inferscale.runtime.lifecycle.exiting`)."""
+    from inferscale.runtime.lifecycle import exiting
+
+    def say() -> None:
+        if not exiting():
+            notice(message, *args)
+
+    timer = threading.Timer(after_s, say)
     timer.daemon = True
     timer.start()
     try:
